@@ -1,0 +1,1 @@
+"""kvgate: admission gate for LLM inference traffic."""

@@ -1,0 +1,225 @@
+"""The kvgate YAML file: parsed and defaulted first, running objects built from it afterwards.
+
+Every section is a frozen dataclass; the loader walks the YAML node tree against those dataclasses so
+that an unknown key, a wrong type or an out-of-range value is reported with the file, the line and
+the dotted key (`kvgate.yaml:12: models[0].max_total_tokens: must be >= 1, got -5`).
+Model entries inherit every key they leave out from `default_model`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from kvgate.errors import ConfigError
+
+MiB = 1024 * 1024
+
+
+def _at_least(minimum: float) -> dict[str, float]:
+    return {"min": minimum}
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    listen: str = "127.0.0.1:9002"
+    workers: int = field(default=1, metadata=_at_least(1))
+    # Envoy can buffer this much body; gRPC's 4 MiB default would refuse big prompts.
+    max_message_bytes: int = field(default=64 * MiB, metadata=_at_least(1 * MiB))
+    drain_seconds: float = field(default=30.0, metadata=_at_least(0))
+
+
+@dataclass(frozen=True, slots=True)
+class PoolNames:
+    """The values of `x-kvgate-pool` that Envoy's routes match on."""
+
+    interactive: str = "interactive"
+    long: str = "long"
+    async_: str = "async"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    match: str = "*"
+    tokenizer: str | None = None
+    # A request fits the interactive pool when prompt + output budget fits its max-model-len.
+    interactive_max_tokens: int = field(default=4096, metadata=_at_least(1))
+    max_total_tokens: int = field(default=16384, metadata=_at_least(1))
+    # Budget charged when the client names none: charging the whole context would starve concurrency.
+    default_output_tokens: int = field(default=1024, metadata=_at_least(0))
+    image_tokens: int = field(default=1024, metadata=_at_least(0))
+    message_overhead_tokens: int = field(default=4, metadata=_at_least(0))
+    pools: PoolNames = PoolNames()
+
+
+@dataclass(frozen=True, slots=True)
+class RequestConfig:
+    max_body_bytes: int = field(default=32 * MiB, metadata=_at_least(1))
+    # Cap on a gzip body once inflated: a zip bomb gets a 413 instead of exhausting memory.
+    max_decompressed_bytes: int = field(default=64 * MiB, metadata=_at_least(1))
+    max_json_depth: int = field(default=64, metadata=_at_least(2))
+    # What to do with bodies the gate does not understand (unknown paths, non-JSON content types).
+    unparsed: Literal["passthrough", "reject"] = "passthrough"
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    server: ServerConfig = ServerConfig()
+    request: RequestConfig = RequestConfig()
+    default_model: ModelConfig = ModelConfig()
+    models: tuple[ModelConfig, ...] = ()
+    source: str = "<defaults>"
+
+
+# YAML keys that are Python keywords map onto a trailing-underscore field.
+_KEY_ALIASES = {"async": "async_"}
+
+
+def _yaml_key(name: str) -> str:
+    return name[:-1] if name.endswith("_") else name
+
+
+class _Loader:
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, node: yaml.Node, where: str, message: str) -> ConfigError:
+        line = node.start_mark.line + 1
+        prefix = f"{where}: " if where else ""
+        return ConfigError(f"{self.source}:{line}: {prefix}{message}")
+
+    def build(self, cls: type[Any], node: yaml.Node, where: str, base: Any = None) -> Any:
+        if not isinstance(node, yaml.MappingNode):
+            raise self.fail(node, where, f"expected a mapping, got {_describe(node)}")
+        hints = typing.get_type_hints(cls)
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
+        values: dict[str, Any] = {}
+        for key_node, value_node in node.value:
+            key = key_node.value
+            name = _KEY_ALIASES.get(key, key)
+            path = f"{where}.{key}" if where else key
+            if name not in fields or name.endswith("_") and key == name:
+                known = ", ".join(sorted(_yaml_key(n) for n in fields))
+                raise self.fail(key_node, path, f"unknown key (known keys: {known})")
+            if name in values:
+                raise self.fail(key_node, path, "key given twice")
+            values[name] = self.convert(hints[name], value_node, path, fields[name].metadata)
+        if base is not None:
+            for name in fields:
+                values.setdefault(name, getattr(base, name))
+        return cls(**values)
+
+    def convert(self, hint: Any, node: yaml.Node, where: str, metadata: Any) -> Any:
+        origin = typing.get_origin(hint)
+        args = typing.get_args(hint)
+        if origin in (typing.Union, types.UnionType):
+            if isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:null":
+                return None
+            (inner,) = [a for a in args if a is not type(None)]
+            return self.convert(inner, node, where, metadata)
+        if dataclasses.is_dataclass(hint):
+            return self.build(hint, node, where)  # type: ignore[arg-type]
+        if origin is tuple:
+            if not isinstance(node, yaml.SequenceNode):
+                raise self.fail(node, where, f"expected a list, got {_describe(node)}")
+            return tuple(
+                self.convert(args[0], item, f"{where}[{i}]", metadata) for i, item in enumerate(node.value)
+            )
+        if not isinstance(node, yaml.ScalarNode):
+            raise self.fail(node, where, f"expected a single value, got {_describe(node)}")
+        value = yaml.safe_load(yaml.serialize(node))
+        if origin is Literal:
+            if value not in args:
+                raise self.fail(node, where, f"must be one of {', '.join(map(str, args))}, got {value!r}")
+            return value
+        return self.scalar(hint, value, node, where, metadata)
+
+    def scalar(self, hint: Any, value: Any, node: yaml.Node, where: str, metadata: Any) -> Any:
+        if hint is bool:
+            if not isinstance(value, bool):
+                raise self.fail(node, where, f"expected true or false, got {value!r}")
+            return value
+        if hint is int or hint is float:
+            if isinstance(value, bool) or not isinstance(value, int | float) or (hint is int and not isinstance(value, int)):
+                raise self.fail(node, where, f"expected {'an integer' if hint is int else 'a number'}, got {value!r}")
+            minimum = metadata.get("min")
+            if minimum is not None and value < minimum:
+                raise self.fail(node, where, f"must be >= {minimum:g}, got {value!r}")
+            return hint(value)
+        if hint is str:
+            if not isinstance(value, str) or not value:
+                raise self.fail(node, where, f"expected a non-empty string, got {value!r}")
+            return value
+        raise AssertionError(f"config field type {hint!r} has no converter")
+
+
+def _describe(node: yaml.Node) -> str:
+    if isinstance(node, yaml.MappingNode):
+        return "a mapping"
+    if isinstance(node, yaml.SequenceNode):
+        return "a list"
+    return repr(node.value)
+
+
+def parse_config(text: str, source: str = "<string>") -> Config:
+    """Parse and default a kvgate YAML document. Raises ConfigError naming the line and key."""
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from exc
+    if root is None:
+        return Config(source=source)
+    loader = _Loader(source)
+    if not isinstance(root, yaml.MappingNode):
+        raise loader.fail(root, "", f"the file must be a mapping of sections, got {_describe(root)}")
+    sections = {key.value: (key, value) for key, value in root.value}
+    default_node = sections.pop("default_model", None)
+    models_node = sections.pop("models", None)
+    base = yaml.MappingNode("tag:yaml.org,2002:map", [item for item in root.value if item[0].value in sections])
+    base.start_mark = root.start_mark
+    config: Config = loader.build(Config, base, "")
+    default_model = ModelConfig()
+    if default_node is not None:
+        default_model = loader.build(ModelConfig, default_node[1], "default_model")
+    models: list[ModelConfig] = []
+    if models_node is not None:
+        seq = models_node[1]
+        if not isinstance(seq, yaml.SequenceNode):
+            raise loader.fail(seq, "models", f"expected a list, got {_describe(seq)}")
+        for i, item in enumerate(seq.value):
+            entry = loader.build(ModelConfig, item, f"models[{i}]", base=default_model)
+            if not any(key.value == "match" for key, _ in item.value):
+                raise loader.fail(item, f"models[{i}]", "every model entry needs a 'match' (a name or glob)")
+            models.append(entry)
+    config = dataclasses.replace(config, default_model=default_model, models=tuple(models), source=source)
+    _check(config, loader)
+    return config
+
+
+def _check(config: Config, loader: _Loader) -> None:
+    for name, model in [("default_model", config.default_model)] + [
+        (f"models[{i}]", m) for i, m in enumerate(config.models)
+    ]:
+        if model.interactive_max_tokens > model.max_total_tokens:
+            raise ConfigError(
+                f"{config.source}: {name}.interactive_max_tokens ({model.interactive_max_tokens}) "
+                f"must not exceed {name}.max_total_tokens ({model.max_total_tokens})"
+            )
+    if config.request.max_decompressed_bytes < config.request.max_body_bytes:
+        raise ConfigError(
+            f"{config.source}: request.max_decompressed_bytes must be >= request.max_body_bytes"
+        )
+
+
+def load_config(path: Path) -> Config:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+    return parse_config(text, str(path))
