@@ -63,7 +63,6 @@ class RequestConfig:
     max_body_bytes: int = field(default=32 * MiB, metadata=_at_least(1))
     # Cap on a gzip body once inflated: a zip bomb gets a 413 instead of exhausting memory.
     max_decompressed_bytes: int = field(default=64 * MiB, metadata=_at_least(1))
-    max_json_depth: int = field(default=64, metadata=_at_least(2))
     # What to do with bodies the gate does not understand (unknown paths, non-JSON content types).
     unparsed: Literal["passthrough", "reject"] = "passthrough"
 

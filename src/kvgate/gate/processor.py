@@ -1,0 +1,117 @@
+"""The ext_proc adapter: Envoy's ProcessingRequest stream in, ProcessingResponses out.
+
+Envoy is configured with request headers SEND and request body BUFFERED, so each stream sees the
+headers, then (for requests that have one) the whole body in one message. Everything between those
+two messages and the answer is the Pipeline's business; this module only translates.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
+from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    BodyResponse,
+    HeadersResponse,
+    HttpBody,
+    HttpHeaders,
+    ProcessingRequest,
+    ProcessingResponse,
+    TrailersResponse,
+)
+
+from kvgate.gate import responses
+from kvgate.gate.pipeline import Pipeline, RequestHead
+from kvgate.policy import Decision, Refusal
+
+log = logging.getLogger(__name__)
+
+_PASS_THROUGH = {
+    "response_headers": ProcessingResponse(response_headers=HeadersResponse()),
+    "response_body": ProcessingResponse(response_body=BodyResponse()),
+    "request_trailers": ProcessingResponse(request_trailers=TrailersResponse()),
+    "response_trailers": ProcessingResponse(response_trailers=TrailersResponse()),
+}
+
+
+class _Stream:
+    """Per-request state between the headers and the body message."""
+
+    __slots__ = ("body", "forged", "head")
+
+    def __init__(self) -> None:
+        self.head: RequestHead | None = None
+        self.forged: list[str] = []
+        self.body = bytearray()
+
+
+def read_head(message: HttpHeaders, stream: _Stream) -> RequestHead:
+    path = method = ""
+    content_type = content_encoding = None
+    for header in message.headers.headers:
+        key = header.key
+        value = header.raw_value.decode("latin-1") if header.raw_value else header.value
+        if key == ":path":
+            path = value
+        elif key == ":method":
+            method = value
+        elif key == "content-type":
+            content_type = value
+        elif key == "content-encoding":
+            content_encoding = value
+        elif key.startswith(responses.HEADER_PREFIX):
+            stream.forged.append(key)
+    return RequestHead(path, method, content_type, content_encoding, has_body=not message.end_of_stream)
+
+
+class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    def __init__(self, pipeline: Pipeline) -> None:
+        self._pipeline = pipeline
+
+    async def Process(  # noqa: N802 - the gRPC method name
+        self, requests: AsyncIterator[ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ProcessingResponse]:
+        stream = _Stream()
+        async for message in requests:
+            kind = message.WhichOneof("request")
+            if kind == "request_headers":
+                yield self._on_headers(message.request_headers, stream)
+            elif kind == "request_body":
+                yield await self._on_body(message.request_body, stream)
+            elif kind in _PASS_THROUGH:
+                yield _PASS_THROUGH[kind]
+
+    def _on_headers(self, message: HttpHeaders, stream: _Stream) -> ProcessingResponse:
+        stream.head = head = read_head(message, stream)
+        decision = self._pipeline.on_headers(head)
+        if decision is None:
+            return responses.CONTINUE_HEADERS
+        return self._answer_headers(decision, stream, skip_body=head.has_body)
+
+    def _answer_headers(self, decision: Decision, stream: _Stream, skip_body: bool) -> ProcessingResponse:
+        if isinstance(decision, Refusal):
+            return responses.refuse(decision)
+        return responses.route_after_headers(decision, stream.forged, skip_body)
+
+    async def _on_body(self, message: HttpBody, stream: _Stream) -> ProcessingResponse:
+        if stream.head is None:
+            log.warning("body without headers: is the ext_proc filter's request_header_mode SEND?")
+            return responses.CONTINUE_BODY
+        if not message.end_of_stream:
+            # Only BUFFERED mode is supported; a chunked body is collected until its last piece.
+            stream.body += message.body
+            return responses.CONTINUE_BODY
+        body = bytes(stream.body) + message.body if stream.body else message.body
+        outcome = await self._pipeline.on_body(stream.head, body)
+        decision = outcome.decision
+        if isinstance(decision, Refusal):
+            return responses.refuse(decision)
+        extra: dict[str, str | float] = {}
+        if outcome.estimate is not None:
+            extra["method"] = outcome.estimate.method
+            extra["prompt_tokens"] = outcome.estimate.prompt_tokens
+        if outcome.shape is not None and outcome.shape.model:
+            extra["model"] = outcome.shape.model
+        return responses.route_after_body(decision, stream.forged, extra)

@@ -1,0 +1,113 @@
+"""Serving the gate: the grpc.aio server, its health service, worker processes and graceful drain."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import signal
+import time
+from collections.abc import Callable
+
+import grpc
+import uvloop
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from kvgate.config import Config
+from kvgate.gate.pipeline import Pipeline, estimator_factory
+from kvgate.gate.processor import ExternalProcessor
+
+log = logging.getLogger(__name__)
+
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+_RESTART_BACKOFF_S = 1.0
+
+
+def _grpc_options(config: Config) -> list[tuple[str, int]]:
+    limit = config.server.max_message_bytes
+    return [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+        # Several worker processes share one port; a lone worker must not silently share it.
+        ("grpc.so_reuseport", 1 if config.server.workers > 1 else 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+    ]
+
+
+async def serve(config: Config, stop: asyncio.Event | None = None) -> None:
+    """Serve until SIGTERM/SIGINT (or `stop`), then drain in-flight streams for drain_seconds."""
+    pipeline = Pipeline(config, estimator_factory())
+    server = grpc.aio.server(options=_grpc_options(config))
+    external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(pipeline), server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    server.add_insecure_port(config.server.listen)
+    await server.start()
+    for service in ("", EXT_PROC_SERVICE):
+        await health.set(service, health_pb2.HealthCheckResponse.SERVING)
+    log.info("gate listening on %s (config %s)", config.server.listen, config.source)
+
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    log.info("draining for up to %.0f s", config.server.drain_seconds)
+    await health.enter_graceful_shutdown()
+    await server.stop(grace=config.server.drain_seconds)
+    pipeline.close()
+    log.info("gate stopped")
+
+
+def run_worker(config: Config) -> None:
+    uvloop.run(serve(config))
+
+
+def run_gate(config: Config) -> int:
+    """Run one worker in this process, or supervise `workers` processes sharing the port."""
+    if config.server.workers == 1:
+        run_worker(config)
+        return 0
+    return _supervise(lambda: _spawn(config), config.server.workers, config.server.drain_seconds)
+
+
+def _spawn(config: Config) -> multiprocessing.process.BaseProcess:
+    process = multiprocessing.get_context("spawn").Process(
+        target=run_worker, args=(config,), name="kvgate-gate-worker"
+    )
+    process.start()
+    return process
+
+
+def _supervise(
+    spawn: Callable[[], multiprocessing.process.BaseProcess], count: int, drain_seconds: float
+) -> int:
+    """Keep `count` workers alive; on SIGTERM pass it on and wait for their drain."""
+    stopping = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    workers = [spawn() for _ in range(count)]
+    while not stopping:
+        time.sleep(0.2)
+        for i, worker in enumerate(workers):
+            if not worker.is_alive() and not stopping:
+                log.error("gate worker %s exited with %s; restarting", worker.pid, worker.exitcode)
+                time.sleep(_RESTART_BACKOFF_S)
+                workers[i] = spawn()
+    for worker in workers:
+        if worker.is_alive() and worker.pid is not None:
+            worker.terminate()
+    deadline = time.monotonic() + drain_seconds + 5
+    for worker in workers:
+        worker.join(max(0.0, deadline - time.monotonic()))
+        if worker.is_alive():
+            worker.kill()
+    return 0

@@ -1,0 +1,209 @@
+"""Real processes on 127.0.0.1 for end-to-end tests: Envoy, the gate, and tiny recording upstreams."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.client
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from aiohttp import web
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+ENVOY_YAML = ROOT / "envoy" / "envoy.yaml"
+LOCAL_PORTS = {"listener": 10000, "gate": 9002, "interactive": 8001, "long": 8002, "async": 8003, "admin": 9901}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for_port(port: int, timeout: float = 15.0, process: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"process exited with {process.returncode} before listening on {port}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout} s")
+
+
+@dataclass
+class Received:
+    pool: str
+    path: str
+    headers: dict[str, str]
+    body_bytes: int
+
+
+@dataclass
+class Upstreams:
+    """One aiohttp server per pool, on a background thread, recording every request it receives."""
+
+    ports: dict[str, int]
+    received: list[Received] = field(default_factory=list)
+    _loop: asyncio.AbstractEventLoop | None = None
+    _thread: threading.Thread | None = None
+    _runners: list[web.AppRunner] = field(default_factory=list)
+
+    def start(self) -> None:
+        ready = threading.Event()
+        self._loop = asyncio.new_event_loop()
+
+        async def launch() -> None:
+            for pool, port in self.ports.items():
+                app = web.Application(client_max_size=64 * 1024 * 1024)
+                app.router.add_route("*", "/{tail:.*}", self._handler(pool))
+                runner = web.AppRunner(app, access_log=None)
+                await runner.setup()
+                await web.TCPSite(runner, "127.0.0.1", port).start()
+                self._runners.append(runner)
+            ready.set()
+
+        def run() -> None:
+            assert self._loop is not None
+            asyncio.set_event_loop(self._loop)
+            self._loop.run_until_complete(launch())
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+        ready.wait(10)
+
+    def _handler(self, pool: str) -> Any:
+        async def handle(request: web.Request) -> web.Response:
+            body = await request.read()
+            headers = {k.lower(): v for k, v in request.headers.items()}
+            self.received.append(Received(pool, request.path, headers, len(body)))
+            delay = float(headers.get("x-test-delay", "0"))
+            if delay:
+                await asyncio.sleep(delay)
+            return web.json_response({"pool": pool, "body_bytes": len(body)})
+
+        return handle
+
+    def stop(self) -> None:
+        if self._loop is None:
+            return
+
+        async def shutdown() -> None:
+            for runner in self._runners:
+                await runner.cleanup()
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._thread is not None:
+            self._thread.join(10)
+        self._loop.close()
+
+
+def render_envoy(ports: dict[str, int], path: Path, source: Path = ENVOY_YAML) -> Path:
+    """The shipped Envoy config with its local ports remapped to free ones."""
+    remap = {LOCAL_PORTS[name]: port for name, port in ports.items()}
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "port_value" in node and node["port_value"] in remap:
+                node["port_value"] = remap[node["port_value"]]
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+        return node
+
+    path.write_text(yaml.safe_dump(walk(yaml.safe_load(source.read_text()))))
+    return path
+
+
+class Service:
+    """A child process with its output in a log file, stopped for sure at the end."""
+
+    def __init__(self, name: str, argv: list[str], log_dir: Path) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = self.log_path.open("wb")
+        self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT)
+
+    def signal(self, signum: int) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signum)
+
+    def stop(self, timeout: float = 10.0) -> int:
+        self.signal(signal.SIGTERM)
+        try:
+            code = self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait(5)
+        self._log.close()
+        return code
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def post(port: int, path: str, body: bytes, headers: dict[str, str] | None = None, timeout: float = 30) -> Reply:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        all_headers = {"content-type": "application/json", **(headers or {})}
+        conn.request("POST" if body is not None else "GET", path, body=body, headers=all_headers)
+        response = conn.getresponse()
+        return Reply(response.status, {k.lower(): v for k, v in response.getheaders()}, response.read())
+    finally:
+        conn.close()
+
+
+def chat(text: str, **extra: Any) -> bytes:
+    return json.dumps({"model": "test-model", "messages": [{"role": "user", "content": text}], **extra}).encode()
+
+
+@contextlib.contextmanager
+def gate_process(config_text: str, tmp: Path, port: int, extra: list[str] | None = None) -> Iterator[Service]:
+    config = tmp / "kvgate.yaml"
+    config.write_text(config_text)
+    gate = Service(
+        "gate", [str(BIN / "kvgate"), "gate", "--config", str(config), "--listen", f"127.0.0.1:{port}", *(extra or [])],
+        tmp,
+    )
+    try:
+        wait_for_port(port, process=gate.process)
+        yield gate
+    finally:
+        gate.stop()
+
+
+def envoy_process(config: Path, tmp: Path, admin_port: int, listener_port: int) -> Service:
+    envoy = Service(
+        "envoy",
+        [str(BIN / "envoy"), "-c", str(config), "--disable-hot-restart", "--log-level", "warning"],
+        tmp,
+    )
+    wait_for_port(admin_port, process=envoy.process)
+    wait_for_port(listener_port, process=envoy.process)
+    return envoy

@@ -1,0 +1,216 @@
+"""End to end through the real Envoy binary: the shipped envoy/envoy.yaml, the gate, three upstreams."""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from stack import (
+    Service,
+    Upstreams,
+    chat,
+    envoy_process,
+    free_port,
+    gate_process,
+    post,
+    render_envoy,
+)
+from texts import text_with_tokens
+
+pytestmark = pytest.mark.slow
+
+CHAT = "/v1/chat/completions"
+
+
+@dataclass
+class Stack:
+    ports: dict[str, int]
+    upstreams: Upstreams
+    envoy: Service
+    tmp: Path
+    config_text: str
+
+    def send(self, body: bytes, path: str = CHAT, headers: dict[str, str] | None = None, timeout: float = 30):  # type: ignore[no-untyped-def]
+        return post(self.ports["listener"], path, body, headers, timeout)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, sp_model_path: Path) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("e2e")
+    ports = {name: free_port() for name in ("listener", "gate", "interactive", "long", "async", "admin")}
+    upstreams = Upstreams({pool: ports[pool] for pool in ("interactive", "long", "async")})
+    upstreams.start()
+    config_text = f"server: {{drain_seconds: 10}}\ndefault_model: {{tokenizer: {sp_model_path}}}\n"
+    envoy = envoy_process(render_envoy(ports, tmp / "envoy.yaml"), tmp, ports["admin"], ports["listener"])
+    try:
+        with gate_process(config_text, tmp, ports["gate"]):
+            yield Stack(ports, upstreams, envoy, tmp, config_text)
+    finally:
+        envoy.stop()
+        upstreams.stop()
+
+
+@pytest.fixture(scope="module")
+def texts(sp_model_path: Path) -> dict[str, str]:
+    return {
+        "short": text_with_tokens(sp_model_path, 700),
+        "8k": text_with_tokens(sp_model_path, 8000),
+        "20k": text_with_tokens(sp_model_path, 20000),
+    }
+
+
+def test_short_chat_goes_interactive(stack: Stack, texts: dict[str, str]) -> None:
+    reply = stack.send(chat(texts["short"]))
+    assert reply.status == 200, reply.body
+    assert reply.json()["pool"] == "interactive"
+    received = stack.upstreams.received[-1]
+    assert received.headers["x-kvgate-pool"] == "interactive"
+    assert received.headers["x-kvgate-reason"] == "short"
+    exact_total = 700 + 1024 + 4  # prompt + default output budget + one message's template overhead
+    assert abs(int(received.headers["x-kvgate-tokens"]) - exact_total) <= 0.1 * exact_total
+
+
+def test_8k_chat_goes_long(stack: Stack, texts: dict[str, str]) -> None:
+    reply = stack.send(chat(texts["8k"]))
+    assert reply.status == 200, reply.body
+    assert reply.json()["pool"] == "long"
+    assert stack.upstreams.received[-1].headers["x-kvgate-reason"] == "long"
+
+
+def test_20k_chat_gets_413_json(stack: Stack, texts: dict[str, str]) -> None:
+    before = len(stack.upstreams.received)
+    reply = stack.send(chat(texts["20k"]))
+    assert reply.status == 413
+    error = reply.json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert "16384" in error["message"]
+    assert reply.headers["x-kvgate-reason"] == "too_long"
+    assert len(stack.upstreams.received) == before, "a refused request must not reach any pool"
+
+
+def test_output_budget_counts(stack: Stack, texts: dict[str, str]) -> None:
+    reply = stack.send(chat("Write a long story about a lighthouse.", max_tokens=6000))
+    assert reply.json()["pool"] == "long"
+
+
+def test_forged_pool_header_is_ignored(stack: Stack, texts: dict[str, str]) -> None:
+    reply = stack.send(
+        chat(texts["short"]), headers={"x-kvgate-pool": "long", "x-kvgate-endpoint": "127.0.0.1:1"}
+    )
+    assert reply.status == 200
+    assert reply.json()["pool"] == "interactive"
+    received = stack.upstreams.received[-1]
+    assert received.headers["x-kvgate-pool"] == "interactive"
+    assert "x-kvgate-endpoint" not in received.headers
+
+
+def test_malformed_json_gets_400(stack: Stack) -> None:
+    reply = stack.send(b'{"model": "m", "messages": [')
+    assert reply.status == 400
+    assert reply.json()["error"]["type"] == "invalid_request_error"
+    assert "not valid JSON" in reply.json()["error"]["message"]
+
+
+def test_missing_messages_gets_400_naming_the_field(stack: Stack) -> None:
+    reply = stack.send(json.dumps({"model": "m"}).encode())
+    assert reply.status == 400
+    assert "'messages'" in reply.json()["error"]["message"]
+
+
+def test_gzip_body_is_understood(stack: Stack, texts: dict[str, str]) -> None:
+    reply = stack.send(gzip.compress(chat(texts["8k"])), headers={"content-encoding": "gzip"})
+    assert reply.status == 200, reply.body
+    assert reply.json()["pool"] == "long"
+
+
+def test_gzip_bomb_gets_413(stack: Stack) -> None:
+    bomb = gzip.compress(b'{"messages": "' + b"a" * (80 * 1024 * 1024) + b'"}')
+    reply = stack.send(bomb, headers={"content-encoding": "gzip"})
+    assert reply.status == 413
+    assert reply.json()["error"]["code"] == "request_too_large"
+
+
+def test_10mb_body_reaches_the_gate_not_an_envoy_413(stack: Stack) -> None:
+    image = "data:image/png;base64," + base64.b64encode(bytes(7_500_000)).decode()
+    body = json.dumps(
+        {
+            "model": "vision",
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": image}}]}
+            ],
+        }
+    ).encode()
+    assert len(body) > 10_000_000
+    reply = stack.send(body)
+    assert reply.status == 200, reply.body[:300]
+    assert reply.json() == {"pool": "interactive", "body_bytes": len(body)}
+
+
+def test_10mb_of_text_gets_the_gates_413(stack: Stack) -> None:
+    reply = stack.send(chat("word " * 2_000_000))
+    assert reply.status == 413
+    assert reply.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_bodiless_and_unknown_paths_pass_through(stack: Stack) -> None:
+    assert stack.send(None, path="/v1/models").json()["pool"] == "interactive"  # type: ignore[arg-type]
+    reply = stack.send(b"plain text", path="/v1/audio/transcriptions", headers={"content-type": "text/plain"})
+    assert reply.json() == {"pool": "interactive", "body_bytes": len(b"plain text")}
+    assert stack.upstreams.received[-1].headers["x-kvgate-reason"] == "unparsed"
+
+
+def test_gate_killed_fails_open_to_interactive(stack: Stack, texts: dict[str, str], tmp_path: Path) -> None:
+    """Kill the gate mid-test: requests still flow, to interactive, and a forged header cannot pick long."""
+    ports = dict(stack.ports, gate=free_port(), listener=free_port(), admin=free_port())
+    envoy = _envoy_for(ports, tmp_path)
+    try:
+        with gate_process(stack.config_text, tmp_path, ports["gate"]) as gate:
+            assert post(ports["listener"], CHAT, chat(texts["8k"])).json()["pool"] == "long"
+            gate.signal(signal.SIGKILL)
+            gate.process.wait(10)
+            for headers in ({}, {"x-kvgate-pool": "long", "x-kvgate-endpoint": f"127.0.0.1:{ports['long']}"}):
+                reply = post(ports["listener"], CHAT, chat(texts["8k"]), headers)
+                assert reply.status == 200, reply.body
+                assert reply.json()["pool"] == "interactive"
+                assert "x-kvgate-pool" not in stack.upstreams.received[-1].headers
+    finally:
+        envoy.stop()
+
+
+def _envoy_for(ports: dict[str, int], tmp: Path) -> Service:
+    return envoy_process(render_envoy(ports, tmp / "envoy.yaml"), tmp, ports["admin"], ports["listener"])
+
+
+def test_sigterm_drains_in_flight_requests(stack: Stack, texts: dict[str, str], tmp_path: Path) -> None:
+    ports = dict(stack.ports, gate=free_port(), listener=free_port(), admin=free_port())
+    envoy = _envoy_for(ports, tmp_path)
+    results: list[int | str] = []
+    try:
+        with gate_process(stack.config_text, tmp_path, ports["gate"]) as gate:
+
+            def slow_request() -> None:
+                reply = post(ports["listener"], CHAT, chat(texts["8k"]), {"x-test-delay": "2"})
+                results.append(reply.json()["pool"] if reply.status == 200 else reply.status)
+
+            worker = threading.Thread(target=slow_request)
+            worker.start()
+            time.sleep(0.8)
+            started = time.monotonic()
+            gate.signal(signal.SIGTERM)
+            worker.join(15)
+            code = gate.process.wait(15)
+            waited = time.monotonic() - started
+            assert results == ["long"], gate.log()
+            assert code == 0
+            assert waited < 10, "the drain should end when the last stream ends, not at drain_seconds"
+            assert "draining" in gate.log()
+    finally:
+        envoy.stop()
