@@ -71,6 +71,8 @@ def run_gate(config: Config) -> int:
     if config.server.workers == 1:
         run_worker(config)
         return 0
+    # Load every tokenizer once here so a bad path fails the command, not each worker in a restart loop.
+    Pipeline(config, estimator_factory()).close()
     return _supervise(lambda: _spawn(config), config.server.workers, config.server.drain_seconds)
 
 

@@ -103,7 +103,10 @@ class _Collector:
                 raise _invalid(f"'{where}[{i}]' must be an object.")
             self.messages += 1
             self.content(message.get("content"), f"{where}[{i}].content")
-            for call in message.get("tool_calls") or ():
+            calls = message.get("tool_calls") or ()
+            if not isinstance(calls, list | tuple):
+                raise _invalid(f"'{where}[{i}].tool_calls' must be an array.")
+            for call in calls:
                 function = call.get("function") if isinstance(call, dict) else None
                 if isinstance(function, dict):
                     self.structured(function.get("name"))

@@ -1,0 +1,81 @@
+"""The kvgate YAML file: defaults, inheritance, and errors that name the file, line and key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvgate.cli import main
+from kvgate.config import Config, load_config, parse_config
+from kvgate.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_empty_file_is_all_defaults() -> None:
+    assert parse_config("") == Config(source="<string>")
+
+
+def test_shipped_example_loads_and_matches_the_defaults() -> None:
+    config = load_config(ROOT / "envoy" / "kvgate.yaml")
+    assert config.default_model == Config().default_model
+    assert config.server.listen == "127.0.0.1:9002"
+
+
+def test_model_entries_inherit_from_default_model() -> None:
+    config = parse_config(
+        """
+default_model:
+  max_total_tokens: 32768
+  pools: {long: long-a}
+models:
+  - match: "llama-*"
+    interactive_max_tokens: 8192
+"""
+    )
+    (entry,) = config.models
+    assert entry.interactive_max_tokens == 8192
+    assert entry.max_total_tokens == 32768
+    assert entry.pools.long == "long-a"
+    assert entry.pools.async_ == "async"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("server:\n  listen: x\n  wrokers: 2\n", "<string>:3: server.wrokers: unknown key"),
+        ("default_model:\n  max_total_tokens: -5\n", "<string>:2: default_model.max_total_tokens: must be >= 1"),
+        ("default_model:\n  max_total_tokens: lots\n", "default_model.max_total_tokens: expected an integer"),
+        ("request:\n  unparsed: drop\n", "request.unparsed: must be one of passthrough, reject"),
+        ("models:\n  - interactive_max_tokens: 5\n", "<string>:2: models[0]: every model entry needs a 'match'"),
+        ("models:\n  - match: a\n    pools: {fast: x}\n", "<string>:3: models[0].pools.fast: unknown key"),
+        ("default_model:\n  interactive_max_tokens: 20000\n", "must not exceed default_model.max_total_tokens"),
+        ("server: [1]\n", "<string>:1: server: expected a mapping"),
+        ("- a\n", "the file must be a mapping"),
+        ("server: {listen: 'a'\n", "not valid YAML"),
+        ("server:\n  workers: 2\n  workers: 3\n", "server.workers: key given twice"),
+    ],
+)
+def test_errors_name_the_line_and_key(text: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse_config(text)
+    assert expected in str(raised.value)
+
+
+def test_cli_reports_config_errors_and_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "kvgate.yaml"
+    bad.write_text("server:\n  listne: 1\n")
+    assert main(["gate", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:2: server.listne: unknown key" in err
+
+
+def test_cli_reports_a_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["gate", "--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "cannot read config file" in capsys.readouterr().err
+
+
+def test_cli_reports_a_missing_tokenizer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["gate", "--tokenizer", str(tmp_path / "missing.model"), "--listen", "127.0.0.1:0"]) == 2
+    assert "tokenizer file not found" in capsys.readouterr().err
