@@ -57,6 +57,8 @@ class Upstreams:
 
     ports: dict[str, int]
     received: list[Received] = field(default_factory=list)
+    in_flight: dict[str, int] = field(default_factory=dict)
+    max_in_flight: dict[str, int] = field(default_factory=dict)
     _loop: asyncio.AbstractEventLoop | None = None
     _thread: threading.Thread | None = None
     _runners: list[web.AppRunner] = field(default_factory=list)
@@ -90,9 +92,14 @@ class Upstreams:
             body = await request.read()
             headers = {k.lower(): v for k, v in request.headers.items()}
             self.received.append(Received(pool, request.path, headers, len(body)))
-            delay = float(headers.get("x-test-delay", "0"))
-            if delay:
-                await asyncio.sleep(delay)
+            self.in_flight[pool] = self.in_flight.get(pool, 0) + 1
+            self.max_in_flight[pool] = max(self.max_in_flight.get(pool, 0), self.in_flight[pool])
+            try:
+                delay = float(headers.get("x-test-delay", "0"))
+                if delay:
+                    await asyncio.sleep(delay)
+            finally:
+                self.in_flight[pool] -= 1
             return web.json_response({"pool": pool, "body_bytes": len(body)})
 
         return handle
@@ -196,6 +203,17 @@ def gate_process(config_text: str, tmp: Path, port: int, extra: list[str] | None
         yield gate
     finally:
         gate.stop()
+
+
+def agent_process(tmp: Path, name: str, port: int, endpoint: str, extra: list[str]) -> Service:
+    agent = Service(
+        name,
+        [str(BIN / "kvgate"), "agent", "--listen", f"127.0.0.1:{port}", "--endpoint", endpoint,
+         "--nvml", "off", "--node-name", name, *extra],
+        tmp,
+    )
+    wait_for_port(port, process=agent.process)
+    return agent
 
 
 def envoy_process(config: Path, tmp: Path, admin_port: int, listener_port: int) -> Service:

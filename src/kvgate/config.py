@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from kvgate.errors import ConfigError
+from kvgate.headroom.settings import HeadroomSettings
 
 MiB = 1024 * 1024
 
@@ -68,9 +69,47 @@ class RequestConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class WaterThresholds:
+    """Rising thresholds of a pool's water level; a level falls only `hysteresis` below them."""
+
+    yellow_kv: float = field(default=0.80, metadata=_at_least(0))
+    red_kv: float = field(default=0.95, metadata=_at_least(0))
+    yellow_queue: float = field(default=0.25, metadata=_at_least(0))
+    red_queue: float = field(default=0.75, metadata=_at_least(0))
+    yellow_stale: float = field(default=0.25, metadata=_at_least(0))
+    red_stale: float = field(default=0.75, metadata=_at_least(0))
+    hysteresis: float = field(default=0.10, metadata=_at_least(0))
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    # Client-chosen priority; names listed most important first. Unknown values get the default.
+    priority_header: str = "x-kvgate-priority"
+    priorities: tuple[str, ...] = ("high", "normal", "low")
+    default_priority: str = "normal"
+    # A long request that fits nowhere waits this long, in priority order, for a node to free up.
+    max_wait_s: float = field(default=2.0, metadata=_at_least(0))
+    queue_size: int = field(default=64, metadata=_at_least(1))
+    # Nodes whose headroom stream is stale: `probe` still asks their agent (it grants atomically from its
+    # own data) after every fresh node; `exclude` never does.
+    stale_nodes: Literal["probe", "exclude"] = "probe"
+    # After the wait: hand the request to the async pool instead of answering 429.
+    async_fallback: bool = False
+    retry_after_s: int = field(default=2, metadata=_at_least(1))
+    breaker_open_s: float = field(default=2.0, metadata=_at_least(0))
+    breaker_probes: int = field(default=2, metadata=_at_least(1))
+    water: WaterThresholds = WaterThresholds()
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     server: ServerConfig = ServerConfig()
     request: RequestConfig = RequestConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    # Agents of the long-context pool: reservations and its water level.
+    headroom: HeadroomSettings = HeadroomSettings()
+    # Agents of the interactive pool, if any: only its water level (no per-request reservations).
+    interactive_headroom: HeadroomSettings = HeadroomSettings()
     default_model: ModelConfig = ModelConfig()
     models: tuple[ModelConfig, ...] = ()
     source: str = "<defaults>"
@@ -112,7 +151,10 @@ class _Loader:
         if base is not None:
             for name in fields:
                 values.setdefault(name, getattr(base, name))
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ConfigError as exc:
+            raise self.fail(node, where, str(exc)) from exc
 
     def convert(self, hint: Any, node: yaml.Node, where: str, metadata: Any) -> Any:
         origin = typing.get_origin(hint)
@@ -210,6 +252,12 @@ def _check(config: Config, loader: _Loader) -> None:
                 f"{config.source}: {name}.interactive_max_tokens ({model.interactive_max_tokens}) "
                 f"must not exceed {name}.max_total_tokens ({model.max_total_tokens})"
             )
+    admission = config.admission
+    if admission.default_priority not in admission.priorities:
+        raise ConfigError(
+            f"{config.source}: admission.default_priority {admission.default_priority!r} is not one of "
+            f"admission.priorities {list(admission.priorities)}"
+        )
     if config.request.max_decompressed_bytes < config.request.max_body_bytes:
         raise ConfigError(
             f"{config.source}: request.max_decompressed_bytes must be >= request.max_body_bytes"

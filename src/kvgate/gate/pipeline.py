@@ -15,6 +15,7 @@ from pathlib import Path
 
 from kvgate.config import Config, ModelConfig
 from kvgate.errors import RequestError
+from kvgate.gate.admission import Admission, Ticket
 from kvgate.estimate import Estimator, PromptCosts, TokenEstimate, build_estimator
 from kvgate.policy import Decision, Reason, Refusal, Route, decide, thresholds
 from kvgate.policy.models import ModelMatcher
@@ -33,6 +34,8 @@ class RequestHead:
     content_type: str | None
     content_encoding: str | None
     has_body: bool
+    priority: str | None = None
+    request_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +43,7 @@ class Outcome:
     decision: Decision
     shape: RequestShape | None = None
     estimate: TokenEstimate | None = None
+    ticket: Ticket | None = None
 
 
 EstimatorFactory = Callable[[ModelConfig], Estimator]
@@ -65,8 +69,15 @@ def estimator_factory() -> EstimatorFactory:
 
 
 class Pipeline:
-    def __init__(self, config: Config, estimators: EstimatorFactory, offload_slots: int = 32) -> None:
+    def __init__(
+        self,
+        config: Config,
+        estimators: EstimatorFactory,
+        admission: Admission | None = None,
+        offload_slots: int = 32,
+    ) -> None:
         self._config = config
+        self._admission = admission
         self._models = ModelMatcher(config)
         # Build every estimator at start-up: a missing tokenizer file fails here, not on a request.
         self._estimators = {
@@ -110,7 +121,15 @@ class Pipeline:
             return Outcome(self.passthrough(Reason.UNPARSED))
         model = self._models.lookup(shape.model)
         estimate = await self._estimators[id(model)].estimate(shape, thresholds(model))
-        return Outcome(decide(estimate.prompt_tokens, estimate.output_tokens, model), shape, estimate)
+        decision = decide(estimate.prompt_tokens, estimate.output_tokens, model)
+        if self._admission is None or not isinstance(decision, Route):
+            return Outcome(decision, shape, estimate)
+        admitted = await self._admission.admit(decision, model, head.priority, head.request_id)
+        return Outcome(admitted.decision, shape, estimate, admitted.ticket)
+
+    async def release(self, ticket: Ticket) -> None:
+        assert self._admission is not None
+        await self._admission.release(ticket)
 
     async def _understand(self, api: Api, head: RequestHead, body: bytes) -> RequestShape | None:
         limits = self._config.request

@@ -7,7 +7,9 @@ two messages and the answer is the Pipeline's business; this module only transla
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import uuid
 from collections.abc import AsyncIterator
 
 import grpc
@@ -23,6 +25,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 )
 
 from kvgate.gate import responses
+from kvgate.gate.admission import Ticket
 from kvgate.gate.pipeline import Pipeline, RequestHead
 from kvgate.policy import Decision, Refusal
 
@@ -39,17 +42,18 @@ _PASS_THROUGH = {
 class _Stream:
     """Per-request state between the headers and the body message."""
 
-    __slots__ = ("body", "forged", "head")
+    __slots__ = ("body", "forged", "head", "ticket")
 
     def __init__(self) -> None:
         self.head: RequestHead | None = None
         self.forged: list[str] = []
         self.body = bytearray()
+        self.ticket: Ticket | None = None
 
 
-def read_head(message: HttpHeaders, stream: _Stream) -> RequestHead:
-    path = method = ""
-    content_type = content_encoding = None
+def read_head(message: HttpHeaders, stream: _Stream, priority_header: str) -> RequestHead:
+    path = method = request_id = ""
+    content_type = content_encoding = priority = None
     for header in message.headers.headers:
         key = header.key
         value = header.raw_value.decode("latin-1") if header.raw_value else header.value
@@ -61,30 +65,58 @@ def read_head(message: HttpHeaders, stream: _Stream) -> RequestHead:
             content_type = value
         elif key == "content-encoding":
             content_encoding = value
-        elif key.startswith(responses.HEADER_PREFIX):
+        elif key == "x-request-id":
+            request_id = value
+        if key == priority_header:
+            priority = value.strip().lower()
+        if key.startswith(responses.HEADER_PREFIX):
             stream.forged.append(key)
-    return RequestHead(path, method, content_type, content_encoding, has_body=not message.end_of_stream)
+    return RequestHead(
+        path,
+        method,
+        content_type,
+        content_encoding,
+        has_body=not message.end_of_stream,
+        priority=priority,
+        request_id=request_id or uuid.uuid4().hex,
+    )
 
 
 class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self, pipeline: Pipeline) -> None:
+    def __init__(self, pipeline: Pipeline, priority_header: str) -> None:
         self._pipeline = pipeline
+        self._priority_header = priority_header.lower()
+        self._releases: set[asyncio.Task[None]] = set()
 
     async def Process(  # noqa: N802 - the gRPC method name
         self, requests: AsyncIterator[ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ProcessingResponse]:
         stream = _Stream()
-        async for message in requests:
-            kind = message.WhichOneof("request")
-            if kind == "request_headers":
-                yield self._on_headers(message.request_headers, stream)
-            elif kind == "request_body":
-                yield await self._on_body(message.request_body, stream)
-            elif kind in _PASS_THROUGH:
-                yield _PASS_THROUGH[kind]
+        try:
+            async for message in requests:
+                kind = message.WhichOneof("request")
+                if kind == "request_headers":
+                    yield self._on_headers(message.request_headers, stream)
+                elif kind == "request_body":
+                    yield await self._on_body(message.request_body, stream)
+                elif kind in _PASS_THROUGH:
+                    yield _PASS_THROUGH[kind]
+        finally:
+            # Envoy ends the stream when the HTTP request ends (completed, reset or aborted by the
+            # client): that is when the reserved KV capacity is free again. A task, because this may
+            # run while the stream is being cancelled.
+            if stream.ticket is not None:
+                task = asyncio.create_task(self._pipeline.release(stream.ticket))
+                self._releases.add(task)
+                task.add_done_callback(self._releases.discard)
+
+    async def drain_releases(self) -> None:
+        """Wait for releases still in flight, so a stopping gate gives back what it reserved."""
+        if self._releases:
+            await asyncio.gather(*self._releases, return_exceptions=True)
 
     def _on_headers(self, message: HttpHeaders, stream: _Stream) -> ProcessingResponse:
-        stream.head = head = read_head(message, stream)
+        stream.head = head = read_head(message, stream, self._priority_header)
         decision = self._pipeline.on_headers(head)
         if decision is None:
             return responses.CONTINUE_HEADERS
@@ -105,6 +137,7 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
             return responses.CONTINUE_BODY
         body = bytes(stream.body) + message.body if stream.body else message.body
         outcome = await self._pipeline.on_body(stream.head, body)
+        stream.ticket = outcome.ticket
         decision = outcome.decision
         if isinstance(decision, Refusal):
             return responses.refuse(decision)

@@ -16,6 +16,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from kvgate.config import Config
+from kvgate.gate.admission import Admission
+from kvgate.headroom.settings import HeadroomSettings
+from kvgate.headroom.view import HeadroomView
 from kvgate.gate.pipeline import Pipeline, estimator_factory
 from kvgate.gate.processor import ExternalProcessor
 
@@ -39,9 +42,13 @@ def _grpc_options(config: Config) -> list[tuple[str, int]]:
 
 async def serve(config: Config, stop: asyncio.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT (or `stop`), then drain in-flight streams for drain_seconds."""
-    pipeline = Pipeline(config, estimator_factory())
+    admission = build_admission(config)
+    if admission is not None:
+        await admission.start()
+    pipeline = Pipeline(config, estimator_factory(), admission)
     server = grpc.aio.server(options=_grpc_options(config))
-    external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(pipeline), server)
+    processor = ExternalProcessor(pipeline, config.admission.priority_header)
+    external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(processor, server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     server.add_insecure_port(config.server.listen)
@@ -58,8 +65,24 @@ async def serve(config: Config, stop: asyncio.Event | None = None) -> None:
     log.info("draining for up to %.0f s", config.server.drain_seconds)
     await health.enter_graceful_shutdown()
     await server.stop(grace=config.server.drain_seconds)
+    await processor.drain_releases()
+    if admission is not None:
+        await admission.stop()
     pipeline.close()
     log.info("gate stopped")
+
+
+def build_admission(config: Config) -> Admission | None:
+    """Headroom admission when agents are configured; without them long requests go unchecked."""
+
+    def view(settings: HeadroomSettings) -> HeadroomView | None:
+        return HeadroomView(settings) if settings.agents or settings.dns else None
+
+    long_view = view(config.headroom)
+    interactive_view = view(config.interactive_headroom)
+    if long_view is None and interactive_view is None:
+        return None
+    return Admission(config.admission, long_view, interactive_view)
 
 
 def run_worker(config: Config) -> None:

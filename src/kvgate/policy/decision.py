@@ -21,6 +21,11 @@ class Reason(enum.StrEnum):
     INVALID = "invalid_request"
     UNSUPPORTED = "unsupported"
     OVERLOADED = "overloaded"
+    ASYNC = "async"
+    SHED = "shed"
+    QUEUE_FULL = "queue_full"
+    NO_CAPACITY = "no_capacity"
+    NO_HEALTHY_NODE = "no_healthy_node"
 
 
 @dataclass(frozen=True, slots=True)

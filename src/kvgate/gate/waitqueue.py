@@ -1,0 +1,53 @@
+"""The bounded, priority-ordered wait for capacity. Only the head of the queue tries to reserve.
+
+Letting only the head try keeps the order honest: a low-priority request that happens to fit cannot
+overtake a high-priority one that is waiting for room. Everyone is woken on every change (a headroom
+update, a release, the head leaving), and whoever is head then tries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+
+
+class WaitQueue:
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._heap: list[tuple[int, int]] = []
+        self._order = itertools.count()
+        self._changed = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def join(self, rank: int) -> tuple[int, int] | None:
+        """A place in the queue, or None when the queue is full."""
+        if len(self._heap) >= self._size:
+            return None
+        place = (rank, next(self._order))
+        heapq.heappush(self._heap, place)
+        return place
+
+    def is_head(self, place: tuple[int, int]) -> bool:
+        return bool(self._heap) and self._heap[0] == place
+
+    def leave(self, place: tuple[int, int]) -> None:
+        was_head = self.is_head(place)
+        self._heap.remove(place)
+        heapq.heapify(self._heap)
+        if was_head:
+            self.pulse()
+
+    def pulse(self) -> None:
+        """Something changed: wake every waiter."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_change(self, timeout_s: float) -> None:
+        event = self._changed
+        try:
+            await asyncio.wait_for(event.wait(), timeout_s)
+        except TimeoutError:
+            return

@@ -1,0 +1,111 @@
+"""Water levels per pool (green / yellow / red) with hysteresis, and the breaker that red trips.
+
+A level rises as soon as any signal crosses its rising threshold and falls only once every signal is
+back below the falling threshold (rising minus `hysteresis`), so a pool hovering at a threshold does
+not flap. Red opens the breaker; after `open_s` it half-opens and lets `probes` requests through; the
+level seen after them decides whether it closes or opens again.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvgate.config import WaterThresholds
+from kvgate.headroom.snapshot import NodeView
+
+
+class Level(enum.IntEnum):
+    GREEN = 0
+    YELLOW = 1
+    RED = 2
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSignals:
+    """kv: committed fraction of the pool's capacity; queue: waiters / queue size; stale: share of nodes."""
+
+    kv: float
+    queue: float
+    stale: float
+
+
+def pool_signals(nodes: Sequence[NodeView], waiting: int, queue_size: int) -> PoolSignals:
+    capacity = committed = 0
+    stale = 0
+    for node in nodes:
+        if not node.fresh or node.headroom is None:
+            stale += 1
+            continue
+        limit = int(node.headroom.capacity_tokens * node.headroom.safety_ratio)
+        capacity += limit
+        committed += limit - node.headroom.headroom_tokens
+    kv = committed / capacity if capacity else 0.0
+    return PoolSignals(kv=kv, queue=waiting / queue_size if queue_size else 0.0, stale=stale / len(nodes) if nodes else 0.0)
+
+
+def _raw_level(signals: PoolSignals, t: WaterThresholds, slack: float) -> Level:
+    if signals.kv >= t.red_kv - slack or signals.queue >= t.red_queue - slack or signals.stale >= t.red_stale - slack:
+        return Level.RED
+    if (
+        signals.kv >= t.yellow_kv - slack
+        or signals.queue >= t.yellow_queue - slack
+        or signals.stale >= t.yellow_stale - slack
+    ):
+        return Level.YELLOW
+    return Level.GREEN
+
+
+class WaterLevel:
+    def __init__(self, thresholds: WaterThresholds) -> None:
+        self._thresholds = thresholds
+        self.level = Level.GREEN
+
+    def update(self, signals: PoolSignals) -> Level:
+        rising = _raw_level(signals, self._thresholds, 0.0)
+        if rising > self.level:
+            self.level = rising
+        else:
+            # Falling: judged against thresholds lowered by the hysteresis band.
+            self.level = min(self.level, _raw_level(signals, self._thresholds, self._thresholds.hysteresis))
+        return self.level
+
+
+class BreakerState(enum.StrEnum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+class Breaker:
+    def __init__(self, open_s: float, probes: int) -> None:
+        self._open_s = open_s
+        self._probes = probes
+        self.state = BreakerState.CLOSED
+        self._opened_at = 0.0
+        self._probes_left = 0
+
+    def observe(self, level: Level, now: float) -> BreakerState:
+        if self.state is BreakerState.CLOSED and level is Level.RED:
+            self._open(now)
+        elif self.state is BreakerState.OPEN and now - self._opened_at >= self._open_s:
+            self.state = BreakerState.HALF_OPEN
+            self._probes_left = self._probes
+        elif self.state is BreakerState.HALF_OPEN and self._probes_left == 0:
+            if level is Level.RED:
+                self._open(now)
+            else:
+                self.state = BreakerState.CLOSED
+        return self.state
+
+    def allow_probe(self) -> bool:
+        """In half-open, admit up to `probes` requests; the level after them decides."""
+        if self._probes_left <= 0:
+            return False
+        self._probes_left -= 1
+        return True
+
+    def _open(self, now: float) -> None:
+        self.state = BreakerState.OPEN
+        self._opened_at = now

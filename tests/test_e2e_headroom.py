@@ -1,0 +1,248 @@
+"""Headroom admission end to end: real Envoy, real gates, real agents, recording upstreams."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+from stack import (
+    Reply,
+    Service,
+    Upstreams,
+    agent_process,
+    chat,
+    envoy_process,
+    free_port,
+    gate_process,
+    post,
+    render_envoy,
+)
+from texts import text_with_tokens
+
+from kvgate.headroom.settings import HeadroomSettings
+from kvgate.headroom.view import HeadroomView
+
+pytestmark = pytest.mark.slow
+
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def long_body(sp_model_path: Path) -> bytes:
+    # 11,000 prompt tokens + 1,000 output: a 12k-token request.
+    return chat(text_with_tokens(sp_model_path, 10_996), max_tokens=1000)
+
+
+def gate_config(tokenizer: Path, agents: list[int], **admission: object) -> str:
+    admission_yaml = ", ".join(
+        f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in admission.items()
+    )
+    agent_list = ", ".join(f"127.0.0.1:{p}" for p in agents)
+    return (
+        f"default_model: {{tokenizer: {tokenizer}}}\n"
+        f"headroom: {{agents: [{agent_list}]}}\n"
+        f"admission: {{{admission_yaml}}}\n"
+    )
+
+
+def burst(port: int, body: bytes, count: int, delay: str) -> list[Reply]:
+    replies: list[Reply] = []
+    lock = threading.Lock()
+
+    def one() -> None:
+        reply = post(port, CHAT, body, {"x-test-delay": delay}, timeout=30)
+        with lock:
+            replies.append(reply)
+
+    threads = [threading.Thread(target=one) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(40)
+    return replies
+
+
+def reserved_on(agent_port: int) -> int:
+    async def read() -> int:
+        view = HeadroomView(HeadroomSettings(agents=(f"127.0.0.1:{agent_port}",)))
+        await view.start()
+        try:
+            for _ in range(50):
+                await view.wait_update(0.2)
+                (node,) = view.snapshot()
+                if node.headroom is not None:
+                    return node.headroom.reserved_tokens
+            raise AssertionError("agent sent no headroom")
+        finally:
+            await view.stop()
+
+    return asyncio.run(read())
+
+
+@pytest.fixture
+def pools() -> Iterator[tuple[dict[str, int], Upstreams]]:
+    ports = {name: free_port() for name in ("interactive", "long", "async")}
+    upstreams = Upstreams(dict(ports))
+    upstreams.start()
+    try:
+        yield ports, upstreams
+    finally:
+        upstreams.stop()
+
+
+def front(stack: ExitStack, tmp: Path, pool_ports: dict[str, int], config: str, name: str) -> int:
+    """An Envoy + gate pair sharing the upstream pools; returns the Envoy listener port."""
+    ports = dict(pool_ports, listener=free_port(), gate=free_port(), admin=free_port())
+    sub = tmp / name
+    sub.mkdir()
+    envoy = envoy_process(render_envoy(ports, sub / "envoy.yaml"), sub, ports["admin"], ports["listener"])
+    stack.callback(envoy.stop)
+    stack.enter_context(gate_process(config, sub, ports["gate"]))
+    return ports["listener"]
+
+
+def test_burst_admits_only_what_fits_and_loses_nothing(
+    tmp_path: Path, sp_model_path: Path, long_body: bytes, pools: tuple[dict[str, int], Upstreams]
+) -> None:
+    pool_ports, upstreams = pools
+    agent_port = free_port()
+    with ExitStack() as stack:
+        agent = agent_process(
+            tmp_path,
+            "node-a",
+            agent_port,
+            f"127.0.0.1:{pool_ports['long']}",
+            ["--capacity-tokens", "40000", "--safety-ratio", "1.0"],
+        )
+        stack.callback(agent.stop)
+        listener = front(
+            stack, tmp_path, pool_ports, gate_config(sp_model_path, [agent_port], max_wait_s=0.3), "g1"
+        )
+        replies = burst(listener, long_body, 5, delay="1.5")
+    statuses = sorted(r.status for r in replies)
+    assert len(replies) == 5, "every request gets an answer"
+    assert statuses == [200, 200, 200, 429, 429], [r.body[:200] for r in replies]
+    assert upstreams.max_in_flight["long"] == 3
+    for refused in (r for r in replies if r.status == 429):
+        assert refused.headers["x-kvgate-reason"] == "no_capacity"
+        assert int(refused.headers["retry-after"]) >= 1
+        assert refused.json()["error"]["code"] == "no_capacity"
+    pinned = [r for r in upstreams.received if r.pool == "long"]
+    assert all(r.headers["x-kvgate-endpoint"] == f"127.0.0.1:{pool_ports['long']}" for r in pinned)
+
+
+def test_waiting_requests_are_admitted_as_capacity_frees(
+    tmp_path: Path, sp_model_path: Path, long_body: bytes, pools: tuple[dict[str, int], Upstreams]
+) -> None:
+    pool_ports, upstreams = pools
+    agent_port = free_port()
+    with ExitStack() as stack:
+        agent = agent_process(
+            tmp_path,
+            "node-a",
+            agent_port,
+            f"127.0.0.1:{pool_ports['long']}",
+            ["--capacity-tokens", "40000", "--safety-ratio", "1.0"],
+        )
+        stack.callback(agent.stop)
+        listener = front(
+            stack, tmp_path, pool_ports, gate_config(sp_model_path, [agent_port], max_wait_s=5), "g1"
+        )
+        started = time.monotonic()
+        replies = burst(listener, long_body, 5, delay="1.0")
+        elapsed = time.monotonic() - started
+        assert [r.status for r in replies] == [200] * 5
+        assert upstreams.max_in_flight["long"] == 3
+        assert 1.9 < elapsed < 6, "two of them waited for the first three to finish"
+        deadline = time.monotonic() + 5
+        while reserved_on(agent_port) != 0:
+            assert time.monotonic() < deadline, "reservations must drain to zero"
+
+
+def test_async_fallback(
+    tmp_path: Path, sp_model_path: Path, long_body: bytes, pools: tuple[dict[str, int], Upstreams]
+) -> None:
+    pool_ports, upstreams = pools
+    agent_port = free_port()
+    with ExitStack() as stack:
+        agent = agent_process(
+            tmp_path,
+            "node-a",
+            agent_port,
+            f"127.0.0.1:{pool_ports['long']}",
+            ["--capacity-tokens", "40000", "--safety-ratio", "1.0"],
+        )
+        stack.callback(agent.stop)
+        config = gate_config(sp_model_path, [agent_port], max_wait_s=0.2, async_fallback=True)
+        listener = front(stack, tmp_path, pool_ports, config, "g1")
+        replies = burst(listener, long_body, 5, delay="1.0")
+    pools_hit = sorted(r.json()["pool"] for r in replies)
+    assert pools_hit == ["async", "async", "long", "long", "long"]
+
+
+def test_two_gates_cannot_over_admit_together(
+    tmp_path: Path, sp_model_path: Path, long_body: bytes, pools: tuple[dict[str, int], Upstreams]
+) -> None:
+    pool_ports, upstreams = pools
+    agent_port = free_port()
+    with ExitStack() as stack:
+        agent = agent_process(
+            tmp_path,
+            "node-a",
+            agent_port,
+            f"127.0.0.1:{pool_ports['long']}",
+            ["--capacity-tokens", "40000", "--safety-ratio", "1.0"],
+        )
+        stack.callback(agent.stop)
+        config = gate_config(sp_model_path, [agent_port], max_wait_s=0.2)
+        listeners = [front(stack, tmp_path, pool_ports, config, f"g{i}") for i in range(2)]
+        results: list[list[Reply]] = [[], []]
+        threads = [
+            threading.Thread(
+                target=lambda i=i: results[i].extend(burst(listeners[i], long_body, 3, delay="1.5"))
+            )
+            for i in range(2)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(40)
+    statuses = sorted(r.status for r in results[0] + results[1])
+    assert statuses == [200, 200, 200, 429, 429, 429]
+    assert upstreams.max_in_flight["long"] == 3
+
+
+def test_no_healthy_node_is_503_and_agent_restart_recovers(
+    tmp_path: Path, sp_model_path: Path, long_body: bytes, pools: tuple[dict[str, int], Upstreams]
+) -> None:
+    pool_ports, upstreams = pools
+    agent_port = free_port()
+    endpoint = f"127.0.0.1:{pool_ports['long']}"
+    args = ["--capacity-tokens", "40000", "--safety-ratio", "1.0"]
+    with ExitStack() as stack:
+        agent: Service = agent_process(tmp_path, "node-a", agent_port, endpoint, args)
+        listener = front(
+            stack, tmp_path, pool_ports, gate_config(sp_model_path, [agent_port], max_wait_s=0.2), "g1"
+        )
+        assert post(listener, CHAT, long_body).status == 200
+        agent.signal(signal.SIGKILL)
+        agent.stop()
+        time.sleep(1.0)
+        down = post(listener, CHAT, long_body)
+        assert down.status == 503, down.body
+        assert down.headers["x-kvgate-reason"] == "no_healthy_node"
+        assert "retry-after" in down.headers
+        # Short requests do not depend on the agents at all.
+        assert post(listener, CHAT, chat("hello")).status == 200
+        agent = agent_process(tmp_path, "node-a2", agent_port, endpoint, args)
+        stack.callback(agent.stop)
+        deadline = time.monotonic() + 10
+        while post(listener, CHAT, long_body).status != 200:
+            assert time.monotonic() < deadline, "the gate must find the restarted agent again"
+            time.sleep(0.3)
