@@ -1,0 +1,110 @@
+"""Water levels, the breaker and shedding: pure rules with an injected clock."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvgate.config import WaterThresholds
+from kvgate.gate.waitqueue import WaitQueue
+from kvgate.headroom.snapshot import CapacitySource, NodeHeadroom, NodeView
+from kvgate.policy.nodes import choose_nodes
+from kvgate.policy.shedding import should_shed
+from kvgate.policy.water import Breaker, BreakerState, Level, PoolSignals, WaterLevel, pool_signals
+
+
+def node(name: str, headroom: int, *, fresh: bool = True, healthy: bool = True, connected: bool = True) -> NodeView:
+    data = NodeHeadroom(
+        node=name, endpoint=f"{name}:8000", seq=1, sample_time_unix_ns=0, capacity_tokens=40000,
+        safety_ratio=1.0, used_tokens=40000 - headroom, reserved_tokens=0, reservations=0,
+        headroom_tokens=headroom, healthy=healthy, reason="", capacity_source=CapacitySource.MANUAL,
+        kv_usage=None, running=None, waiting=None, preemptions_total=None, gpus=(), period_ms=100,
+    )
+    return NodeView(f"{name}:9100", data, 0.05 if fresh else 5.0, connected, fresh, healthy)
+
+
+def test_most_headroom_first_and_only_nodes_that_fit() -> None:
+    choice = choose_nodes([node("a", 5000), node("b", 30000), node("c", 12000)], 10000, "probe")
+    assert [n.agent for n in choice.candidates] == ["b:9100", "c:9100"]
+    assert choice.any_usable
+
+
+def test_stale_nodes_are_probed_last_or_excluded() -> None:
+    nodes = [node("a", 30000, fresh=False), node("b", 20000)]
+    assert [n.agent for n in choose_nodes(nodes, 1000, "probe").candidates] == ["b:9100", "a:9100"]
+    assert [n.agent for n in choose_nodes(nodes, 1000, "exclude").candidates] == ["b:9100"]
+    only_stale = [node("a", 30000, fresh=False)]
+    assert not choose_nodes(only_stale, 1000, "exclude").any_usable
+    assert choose_nodes(only_stale, 1000, "probe").any_usable
+
+
+def test_unhealthy_and_disconnected_nodes_are_never_asked() -> None:
+    choice = choose_nodes([node("a", 30000, healthy=False), node("b", 30000, connected=False)], 1, "probe")
+    assert choice.candidates == ()
+    assert not choice.any_usable
+
+
+def test_pool_signals() -> None:
+    signals = pool_signals([node("a", 10000), node("b", 30000), node("c", 0, fresh=False)], waiting=16, queue_size=64)
+    assert signals.kv == 0.5
+    assert signals.queue == 0.25
+    assert abs(signals.stale - 1 / 3) < 1e-9
+
+
+def test_level_rises_at_once_and_falls_with_hysteresis() -> None:
+    water = WaterLevel(WaterThresholds())
+    assert water.update(PoolSignals(0.5, 0, 0)) is Level.GREEN
+    assert water.update(PoolSignals(0.96, 0, 0)) is Level.RED
+    assert water.update(PoolSignals(0.90, 0, 0)) is Level.RED, "inside the hysteresis band: stays red"
+    assert water.update(PoolSignals(0.84, 0, 0)) is Level.YELLOW
+    assert water.update(PoolSignals(0.75, 0, 0)) is Level.YELLOW
+    assert water.update(PoolSignals(0.69, 0, 0)) is Level.GREEN
+    assert water.update(PoolSignals(0.1, 0.8, 0)) is Level.RED, "a long queue alone makes it red"
+
+
+def test_breaker_opens_on_red_half_opens_and_closes_after_good_probes() -> None:
+    breaker = Breaker(open_s=2.0, probes=1)
+    assert breaker.observe(Level.RED, 0.0) is BreakerState.OPEN
+    assert breaker.observe(Level.GREEN, 1.0) is BreakerState.OPEN
+    assert breaker.observe(Level.GREEN, 2.0) is BreakerState.HALF_OPEN
+    assert breaker.allow_probe()
+    assert not breaker.allow_probe()
+    assert breaker.observe(Level.YELLOW, 2.1) is BreakerState.CLOSED
+
+
+def test_breaker_reopens_when_the_probe_finds_red() -> None:
+    breaker = Breaker(open_s=1.0, probes=1)
+    breaker.observe(Level.RED, 0.0)
+    breaker.observe(Level.RED, 1.0)
+    assert breaker.allow_probe()
+    assert breaker.observe(Level.RED, 1.1) is BreakerState.OPEN
+    assert breaker.observe(Level.GREEN, 1.5) is BreakerState.OPEN
+
+
+def test_lower_priorities_are_shed_first() -> None:
+    closed = Breaker(1.0, 1)
+    assert not any(should_shed(Level.GREEN, closed, rank, 3) for rank in range(3))
+    assert [should_shed(Level.YELLOW, closed, rank, 3) for rank in range(3)] == [False, False, True]
+    assert [should_shed(Level.RED, closed, rank, 3) for rank in range(3)] == [False, True, True]
+    opened = Breaker(1.0, 1)
+    opened.observe(Level.RED, 0.0)
+    assert [should_shed(Level.GREEN, opened, rank, 3) for rank in range(3)] == [False, True, True]
+
+
+def test_wait_queue_orders_by_priority_then_arrival() -> None:
+    async def scenario() -> None:
+        queue = WaitQueue(size=3)
+        low = queue.join(2)
+        normal = queue.join(1)
+        high = queue.join(0)
+        assert queue.join(0) is None, "bounded"
+        assert low is not None and normal is not None and high is not None
+        assert queue.is_head(high)
+        queue.leave(high)
+        assert queue.is_head(normal)
+        woke = asyncio.create_task(queue.wait_change(5))
+        await asyncio.sleep(0)
+        queue.leave(normal)
+        await asyncio.wait_for(woke, 1)
+        assert queue.is_head(low)
+
+    asyncio.run(scenario())
