@@ -143,6 +143,7 @@ class Service:
 
     def __init__(self, name: str, argv: list[str], log_dir: Path) -> None:
         self.name = name
+        self.metrics_port = 0
         self.log_path = log_dir / f"{name}.log"
         self._log = self.log_path.open("wb")
         self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -194,10 +195,11 @@ def chat(text: str, **extra: Any) -> bytes:
 def gate_process(config_text: str, tmp: Path, port: int, extra: list[str] | None = None) -> Iterator[Service]:
     config = tmp / "kvgate.yaml"
     config.write_text(config_text)
-    gate = Service(
-        "gate", [str(BIN / "kvgate"), "gate", "--config", str(config), "--listen", f"127.0.0.1:{port}", *(extra or [])],
-        tmp,
-    )
+    metrics_port = free_port()
+    argv = [str(BIN / "kvgate"), "gate", "--config", str(config), "--listen", f"127.0.0.1:{port}",
+            "--metrics-listen", f"127.0.0.1:{metrics_port}", *(extra or [])]
+    gate = Service("gate", argv, tmp)
+    gate.metrics_port = metrics_port
     try:
         wait_for_port(port, process=gate.process)
         yield gate

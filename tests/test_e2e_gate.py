@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import re
 import gzip
 import json
 import signal
@@ -37,6 +38,7 @@ class Stack:
     envoy: Service
     tmp: Path
     config_text: str
+    gate: Service
 
     def send(self, body: bytes, path: str = CHAT, headers: dict[str, str] | None = None, timeout: float = 30):  # type: ignore[no-untyped-def]
         return post(self.ports["listener"], path, body, headers, timeout)
@@ -51,8 +53,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, sp_model_path: Path) -> Iter
     config_text = f"server: {{drain_seconds: 10}}\ndefault_model: {{tokenizer: {sp_model_path}}}\n"
     envoy = envoy_process(render_envoy(ports, tmp / "envoy.yaml"), tmp, ports["admin"], ports["listener"])
     try:
-        with gate_process(config_text, tmp, ports["gate"]):
-            yield Stack(ports, upstreams, envoy, tmp, config_text)
+        with gate_process(config_text, tmp, ports["gate"]) as gate:
+            yield Stack(ports, upstreams, envoy, tmp, config_text, gate)
     finally:
         envoy.stop()
         upstreams.stop()
@@ -214,3 +216,15 @@ def test_sigterm_drains_in_flight_requests(stack: Stack, texts: dict[str, str], 
             assert "draining" in gate.log()
     finally:
         envoy.stop()
+
+
+def test_metrics_show_decisions(stack: Stack, texts: dict[str, str]) -> None:
+    stack.send(chat(texts["short"]))
+    stack.send(chat(texts["20k"]))
+    reply = post(stack.gate.metrics_port, "/metrics", None)  # type: ignore[arg-type]
+    text = reply.body.decode()
+    assert reply.status == 200
+    assert re.search(r'kvgate_gate_decisions_total\{method="fast",[^}]*reason="short",target="interactive"\} [1-9]', text)
+    assert re.search(r'kvgate_gate_decisions_total\{method="exact",[^}]*reason="too_long",target="413"\} [1-9]', text)
+    assert "kvgate_gate_decision_duration_seconds_bucket" in text
+    assert re.search(r'kvgate_gate_envoy_messages_total\{kind="request_body"', text)

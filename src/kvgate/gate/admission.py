@@ -17,11 +17,22 @@ from dataclasses import dataclass
 from kvgate.config import AdmissionConfig, ModelConfig
 from kvgate.errors import HeadroomError
 from kvgate.gate.waitqueue import WaitQueue
+from kvgate.headroom.snapshot import NodeView
 from kvgate.headroom.view import HeadroomView
 from kvgate.policy import Decision, Reason, Refusal, Route
 from kvgate.policy.nodes import choose_nodes
 from kvgate.policy.shedding import should_shed
 from kvgate.policy.water import Breaker, BreakerState, Level, WaterLevel, pool_signals
+from kvgate.telemetry import (
+    ADMISSION_WAITING,
+    NODE_AGE,
+    NODE_FRESH,
+    NODE_HEADROOM,
+    POOL_BREAKER_OPEN,
+    POOL_WATER_LEVEL,
+    GateMetrics,
+    observe,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +77,7 @@ class Admission:
         config: AdmissionConfig,
         long_view: HeadroomView | None,
         interactive_view: HeadroomView | None = None,
+        telemetry: GateMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._config = config
@@ -77,6 +89,40 @@ class Admission:
         self._interactive = _PoolState(config)
         self._ranks = {name: rank for rank, name in enumerate(config.priorities)}
         self._pump: asyncio.Task[None] | None = None
+        self._metrics = telemetry or GateMetrics()
+        self._observe_gauges()
+
+    def _observe_gauges(self) -> None:
+        pools = {"long": (self._long_view, self._long), "interactive": (self._interactive_view, self._interactive)}
+
+        def water() -> list[tuple[float, dict[str, str]]]:
+            return [(float(state.water.level), {"pool": pool}) for pool, (view, state) in pools.items() if view]
+
+        def breaker() -> list[tuple[float, dict[str, str]]]:
+            states = {BreakerState.CLOSED: 0.0, BreakerState.HALF_OPEN: 1.0, BreakerState.OPEN: 2.0}
+            return [(states[state.breaker.state], {"pool": pool}) for pool, (view, state) in pools.items() if view]
+
+        def nodes(read: Callable[[NodeView], float | None]) -> Callable[[], list[tuple[float, dict[str, str]]]]:
+            def gauge() -> list[tuple[float, dict[str, str]]]:
+                found = []
+                for pool, (view, _state) in pools.items():
+                    for node in view.snapshot() if view else ():
+                        value = read(node)
+                        if value is not None:
+                            found.append((value, {"pool": pool, "agent": node.agent}))
+                return found
+
+            return gauge
+
+        m = self._metrics.meter
+        observe(m, ADMISSION_WAITING, "{request}", "Long requests waiting for capacity", lambda: [(len(self._queue), {})])
+        observe(m, POOL_WATER_LEVEL, "1", "0 green, 1 yellow, 2 red", water)
+        observe(m, POOL_BREAKER_OPEN, "1", "0 closed, 1 half-open, 2 open", breaker)
+        observe(m, NODE_HEADROOM, "{token}", "Headroom the node's agent last reported",
+                nodes(lambda n: float(n.headroom.headroom_tokens) if n.headroom else None))
+        observe(m, NODE_AGE, "s", "Age of the node's latest headroom message",
+                nodes(lambda n: n.age_s if n.headroom else None))
+        observe(m, NODE_FRESH, "1", "1 when the node's headroom is fresh", nodes(lambda n: float(n.fresh)))
 
     @property
     def waiting(self) -> int:
@@ -151,7 +197,9 @@ class Admission:
             outcome = await self._long_view.reserve(agent, request_id, tokens)
         except HeadroomError as error:
             log.warning("reserve on %s failed: %s", agent, error)
+            self._metrics.reservation("error")
             return None
+        self._metrics.reservation("granted" if outcome.granted else "refused")
         return Ticket(agent, request_id, tokens) if outcome.granted else None
 
     async def release(self, ticket: Ticket) -> None:

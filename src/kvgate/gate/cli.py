@@ -28,6 +28,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument("--listen", help="HOST:PORT to serve on (overrides server.listen)")
     parser.add_argument("--workers", type=int, help="worker processes sharing the port (overrides server.workers)")
+    parser.add_argument(
+        "--metrics-listen",
+        default="127.0.0.1:9464",
+        help="HOST:PORT of the Prometheus /metrics endpoint; 'off' disables it (default 127.0.0.1:9464)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -59,4 +64,5 @@ def with_default_tokenizer(config: Config, tokenizer: str) -> Config:
 def run(args: argparse.Namespace) -> int:
     from kvgate.gate.server import run_gate
 
-    return run_gate(resolve_config(args))
+    metrics_listen = None if args.metrics_listen == "off" else args.metrics_listen
+    return run_gate(resolve_config(args), metrics_listen)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -28,6 +29,7 @@ from kvgate.gate import responses
 from kvgate.gate.admission import Ticket
 from kvgate.gate.pipeline import Pipeline, RequestHead
 from kvgate.policy import Decision, Refusal
+from kvgate.telemetry import GateMetrics
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +85,9 @@ def read_head(message: HttpHeaders, stream: _Stream, priority_header: str) -> Re
 
 
 class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self, pipeline: Pipeline, priority_header: str) -> None:
+    def __init__(self, pipeline: Pipeline, priority_header: str, telemetry: GateMetrics) -> None:
         self._pipeline = pipeline
+        self._metrics = telemetry
         self._priority_header = priority_header.lower()
         self._releases: set[asyncio.Task[None]] = set()
 
@@ -95,6 +98,7 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
         try:
             async for message in requests:
                 kind = message.WhichOneof("request")
+                self._metrics.message(kind)
                 if kind == "request_headers":
                     yield self._on_headers(message.request_headers, stream)
                 elif kind == "request_body":
@@ -120,12 +124,16 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
         decision = self._pipeline.on_headers(head)
         if decision is None:
             return responses.CONTINUE_HEADERS
-        return self._answer_headers(decision, stream, skip_body=head.has_body)
-
-    def _answer_headers(self, decision: Decision, stream: _Stream, skip_body: bool) -> ProcessingResponse:
+        self._record(decision, "none", 0.0)
         if isinstance(decision, Refusal):
             return responses.refuse(decision)
-        return responses.route_after_headers(decision, stream.forged, skip_body)
+        return responses.route_after_headers(decision, stream.forged, skip_body=head.has_body)
+
+    def _record(self, decision: Decision, method: str, seconds: float) -> None:
+        if isinstance(decision, Refusal):
+            self._metrics.decision(str(decision.status), decision.reason.value, method, decision.tokens, seconds)
+        else:
+            self._metrics.decision(decision.pool, decision.reason.value, method, decision.tokens, seconds)
 
     async def _on_body(self, message: HttpBody, stream: _Stream) -> ProcessingResponse:
         if stream.head is None:
@@ -136,9 +144,12 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
             stream.body += message.body
             return responses.CONTINUE_BODY
         body = bytes(stream.body) + message.body if stream.body else message.body
+        started = time.perf_counter()
         outcome = await self._pipeline.on_body(stream.head, body)
         stream.ticket = outcome.ticket
         decision = outcome.decision
+        method = outcome.estimate.method if outcome.estimate is not None else "none"
+        self._record(decision, method, time.perf_counter() - started)
         if isinstance(decision, Refusal):
             return responses.refuse(decision)
         extra: dict[str, str | float] = {}

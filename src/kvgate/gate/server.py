@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import multiprocessing
 import signal
@@ -19,6 +20,7 @@ from kvgate.config import Config
 from kvgate.gate.admission import Admission
 from kvgate.headroom.settings import HeadroomSettings
 from kvgate.headroom.view import HeadroomView
+from kvgate.telemetry import GateMetrics, start_prometheus
 from kvgate.gate.pipeline import Pipeline, estimator_factory
 from kvgate.gate.processor import ExternalProcessor
 
@@ -40,14 +42,16 @@ def _grpc_options(config: Config) -> list[tuple[str, int]]:
     ]
 
 
-async def serve(config: Config, stop: asyncio.Event | None = None) -> None:
+async def serve(config: Config, metrics_listen: str | None = None, stop: asyncio.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT (or `stop`), then drain in-flight streams for drain_seconds."""
-    admission = build_admission(config)
+    start_prometheus(metrics_listen)
+    telemetry = GateMetrics()
+    admission = build_admission(config, telemetry)
     if admission is not None:
         await admission.start()
     pipeline = Pipeline(config, estimator_factory(), admission)
     server = grpc.aio.server(options=_grpc_options(config))
-    processor = ExternalProcessor(pipeline, config.admission.priority_header)
+    processor = ExternalProcessor(pipeline, config.admission.priority_header, telemetry)
     external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(processor, server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -72,7 +76,7 @@ async def serve(config: Config, stop: asyncio.Event | None = None) -> None:
     log.info("gate stopped")
 
 
-def build_admission(config: Config) -> Admission | None:
+def build_admission(config: Config, telemetry: GateMetrics) -> Admission | None:
     """Headroom admission when agents are configured; without them long requests go unchecked."""
 
     def view(settings: HeadroomSettings) -> HeadroomView | None:
@@ -82,26 +86,37 @@ def build_admission(config: Config) -> Admission | None:
     interactive_view = view(config.interactive_headroom)
     if long_view is None and interactive_view is None:
         return None
-    return Admission(config.admission, long_view, interactive_view)
+    return Admission(config.admission, long_view, interactive_view, telemetry)
 
 
-def run_worker(config: Config) -> None:
-    uvloop.run(serve(config))
+def run_worker(config: Config, metrics_listen: str | None) -> None:
+    uvloop.run(serve(config, metrics_listen))
 
 
-def run_gate(config: Config) -> int:
-    """Run one worker in this process, or supervise `workers` processes sharing the port."""
+def run_gate(config: Config, metrics_listen: str | None) -> int:
+    """Run one worker in this process, or supervise `workers` processes sharing the port.
+
+    Worker i serves its metrics on the metrics port + i (Prometheus scrapes each worker).
+    """
     if config.server.workers == 1:
-        run_worker(config)
+        run_worker(config, metrics_listen)
         return 0
     # Load every tokenizer once here so a bad path fails the command, not each worker in a restart loop.
     Pipeline(config, estimator_factory()).close()
-    return _supervise(lambda: _spawn(config), config.server.workers, config.server.drain_seconds)
+    spawn_index = itertools.count()
+    return _supervise(lambda: _spawn(config, _worker_metrics(metrics_listen, next(spawn_index) % config.server.workers)), config.server.workers, config.server.drain_seconds)
 
 
-def _spawn(config: Config) -> multiprocessing.process.BaseProcess:
+def _worker_metrics(listen: str | None, index: int) -> str | None:
+    if not listen:
+        return None
+    host, _, port = listen.rpartition(":")
+    return f"{host}:{int(port) + index}"
+
+
+def _spawn(config: Config, metrics_listen: str | None) -> multiprocessing.process.BaseProcess:
     process = multiprocessing.get_context("spawn").Process(
-        target=run_worker, args=(config,), name="kvgate-gate-worker"
+        target=run_worker, args=(config, metrics_listen), name="kvgate-gate-worker"
     )
     process.start()
     return process

@@ -1,0 +1,110 @@
+"""Metrics: every name in one place, OpenTelemetry instruments, a Prometheus endpoint.
+
+Names follow OpenTelemetry conventions (dotted, with units); the Prometheus exporter renders them as
+`kvgate_gate_decisions_total`, `kvgate_gate_decision_duration_seconds`, … Label values are bounded:
+pools and reasons come from fixed sets, nodes from the configured agents.
+
+Telemetry never breaks the host: with metrics disabled every instrument is OpenTelemetry's no-op, and
+an exporter that fails to start is logged, not raised into the serving path.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+from opentelemetry import metrics
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
+
+log = logging.getLogger(__name__)
+
+DECISIONS = "kvgate.gate.decisions"
+DECISION_DURATION = "kvgate.gate.decision.duration"
+ESTIMATED_TOKENS = "kvgate.gate.estimated_tokens"
+ENVOY_MESSAGES = "kvgate.gate.envoy.messages"
+RESERVATIONS = "kvgate.gate.reservations"
+ADMISSION_WAITING = "kvgate.gate.admission.waiting"
+POOL_WATER_LEVEL = "kvgate.pool.water_level"
+POOL_BREAKER_OPEN = "kvgate.pool.breaker.state"
+NODE_HEADROOM = "kvgate.node.headroom"
+NODE_AGE = "kvgate.node.age"
+NODE_FRESH = "kvgate.node.fresh"
+
+# Token counts from a few hundred to far past any context window.
+_TOKEN_BUCKETS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
+_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1, 2.5, 5)
+
+
+def start_prometheus(listen: str | None) -> None:
+    """Export every meter of this process on http://listen/metrics; None leaves telemetry off."""
+    if not listen:
+        return
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
+    from prometheus_client import start_http_server
+
+    host, _, port = listen.rpartition(":")
+    try:
+        start_http_server(int(port), addr=host.strip("[]") or "127.0.0.1")
+    except (OSError, ValueError) as exc:
+        log.error("metrics endpoint %s could not start (%s); serving without metrics", listen, exc)
+        return
+    views = [
+        View(instrument_name=ESTIMATED_TOKENS, aggregation=ExplicitBucketHistogramAggregation(_TOKEN_BUCKETS)),
+        View(instrument_name=DECISION_DURATION, aggregation=ExplicitBucketHistogramAggregation(_SECONDS_BUCKETS)),
+    ]
+    metrics.set_meter_provider(MeterProvider(metric_readers=[PrometheusMetricReader()], views=views))
+    log.info("metrics on http://%s/metrics", listen)
+
+
+def meter(name: str) -> Meter:
+    return metrics.get_meter(name)
+
+
+Gauge = Callable[[], Iterable[tuple[float, dict[str, str]]]]
+
+
+def observe(meter_: Meter, name: str, unit: str, description: str, read: Gauge) -> None:
+    """An observable gauge whose callback never raises into the SDK's collection."""
+
+    def callback(_options: CallbackOptions) -> Iterable[Observation]:
+        try:
+            return [Observation(value, attributes) for value, attributes in read()]
+        except Exception:  # a broken gauge must not break the metrics endpoint
+            log.exception("metric %s could not be read", name)
+            return []
+
+    meter_.create_observable_gauge(name, callbacks=[callback], unit=unit, description=description)
+
+
+class GateMetrics:
+    """The gate's instruments. Construct once per process after `start_prometheus`."""
+
+    def __init__(self) -> None:
+        m = meter("kvgate.gate")
+        self._decisions = m.create_counter(DECISIONS, unit="{request}", description="Decisions by pool, status and reason")
+        self._duration = m.create_histogram(
+            DECISION_DURATION, unit="s", description="Time from the body's arrival to the gate's answer"
+        )
+        self._tokens = m.create_histogram(
+            ESTIMATED_TOKENS, unit="{token}", description="Estimated total tokens (prompt + output budget)"
+        )
+        self._messages = m.create_counter(ENVOY_MESSAGES, unit="{message}", description="ext_proc messages by kind")
+        self._reservations = m.create_counter(
+            RESERVATIONS, unit="{reservation}", description="Reserve attempts by result (granted, refused, error)"
+        )
+        self.meter = m
+
+    def decision(self, target: str, reason: str, method: str, tokens: int, seconds: float) -> None:
+        attributes = {"target": target, "reason": reason, "method": method}
+        self._decisions.add(1, attributes)
+        self._duration.record(seconds, {"method": method})
+        if tokens:
+            self._tokens.record(tokens, {"method": method})
+
+    def message(self, kind: str) -> None:
+        self._messages.add(1, {"kind": kind})
+
+    def reservation(self, result: str) -> None:
+        self._reservations.add(1, {"result": result})
