@@ -1,0 +1,200 @@
+"""Headroom agent: stream jitter, agent CPU, engine-to-view lag and Reserve round trip on loopback.
+
+The agent runs as its own process (`kvgate agent --nvml fake --fake-gpus 8`) scraping a fake vLLM
+/metrics served from this process; the gate side is a HeadroomView here. Baselines measured in the
+same run: a bare asyncio timer's jitter, the CPU of an agent that samples nothing, the sampling
+period itself (for lag), and a gRPC health Check on the same agent (for Reserve).
+Targets (issue 4): jitter p99 <= 10 ms, agent CPU <= 2% of a core, lag p99 <= 150 ms, Reserve p99 <= 2 ms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvgate.headroom.client import AgentClient
+from kvgate.headroom.fake_engine import FakeEngineMetrics
+from kvgate.headroom.settings import HeadroomSettings
+from kvgate.headroom.view import HeadroomView
+
+PERIOD_S = 0.1
+LAUNCH = (
+    "import argparse, sys; from kvgate.headroom.cli import register; p = argparse.ArgumentParser(); "
+    "register(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))"
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def _agent(*flags: str) -> Iterator[tuple[str, int]]:
+    port = _free_port()
+    argv = [
+        "agent",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--endpoint",
+        "127.0.0.1:8000",
+        "--period-ms",
+        "100",
+        *flags,
+    ]
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCH, *argv], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and "listening" in proc.stdout.readline()
+        yield f"127.0.0.1:{port}", proc.pid
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def _timer_jitter(count: int) -> list[float]:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time()
+    stamps = []
+    for _ in range(count):
+        deadline += PERIOD_S
+        await asyncio.sleep(max(0.0, deadline - loop.time()))
+        stamps.append(time.monotonic())
+    return [abs(b - a - PERIOD_S) for a, b in itertools.pairwise(stamps)]
+
+
+async def _stream_jitter(address: str, count: int) -> list[float]:
+    client = AgentClient(address, 0.05, 1.0)
+    stream = client.subscribe("bench")
+    stamps = []
+    try:
+        for _ in range(count):
+            assert await stream.next() is not None
+            stamps.append(time.monotonic())
+    finally:
+        stream.cancel()
+        await client.close()
+    return [abs(b - a - PERIOD_S) for a, b in itertools.pairwise(stamps[1:])]
+
+
+async def _cpu_share(pid: int, address: str, seconds: float) -> float:
+    client = AgentClient(address, 0.05, 1.0)
+    stream = client.subscribe("bench")
+    try:
+        await stream.next()
+        before, start = _cpu_s(pid), time.monotonic()
+        end = start + seconds
+        while time.monotonic() < end:
+            await stream.next()
+        return (_cpu_s(pid) - before) / (time.monotonic() - start)
+    finally:
+        stream.cancel()
+        await client.close()
+
+
+async def _view_lag(engine: FakeEngineMetrics, address: str, changes: int) -> list[float]:
+    view = HeadroomView(HeadroomSettings(agents=(address,)))
+    await view.start()
+    lags = []
+    try:
+        while not view.snapshot()[0].connected:
+            await view.wait_update(1.0)
+        for i in range(changes):
+            await asyncio.sleep(random.uniform(0.0, PERIOD_S))
+            engine.kv_usage = (i % 9 + 1) / 10
+            target = round(engine.kv_usage * engine.capacity_tokens)
+            changed = time.monotonic()
+            while (node := view.snapshot()[0].headroom) is None or node.used_tokens != target:
+                await view.wait_update(1.0)
+            lags.append(time.monotonic() - changed)
+    finally:
+        await view.stop()
+    return lags
+
+
+async def _round_trips(address: str, count: int) -> tuple[list[float], list[float]]:
+    client = AgentClient(address, 0.05, 1.0)
+    reserve, health = [], []
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            for i in range(count):
+                t0 = time.perf_counter()
+                await client.reserve(f"bench-{i}", 1, 60, "bench", 1.0)
+                t1 = time.perf_counter()
+                await client.release(f"bench-{i}", 1.0)
+                t2 = time.perf_counter()
+                await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                health.append(time.perf_counter() - t2)
+                reserve.append(t1 - t0)
+        finally:
+            await client.close()
+    return reserve, health
+
+
+async def _run() -> None:
+    engine = FakeEngineMetrics()
+    url = await engine.start()
+    try:
+        baseline_jitter = await _timer_jitter(31)
+        with _agent("--nvml", "off", "--capacity-tokens", "40000") as (address, pid):
+            idle_cpu = await _cpu_share(pid, address, 6.0)
+        with _agent("--nvml", "fake", "--fake-gpus", "8", "--engine-metrics", url) as (address, pid):
+            jitter = await _stream_jitter(address, 62)
+            cpu = await _cpu_share(pid, address, 6.0)
+            lags = await _view_lag(engine, address, 40)
+            reserve, health = await _round_trips(address, 1000)
+    finally:
+        await engine.stop()
+    ms = 1000.0
+    print("bench_agent (agent process: 8 fake GPUs + fake vLLM /metrics, period 100 ms)")
+    print(
+        f"  stream jitter p50/p99: {_pct(jitter, 0.5) * ms:.2f} / {_pct(jitter, 0.99) * ms:.2f} ms "
+        f"(bare asyncio timer p99 {_pct(baseline_jitter, 0.99) * ms:.2f} ms; target <= 10 ms)"
+    )
+    print(
+        f"  agent CPU: {cpu * 100:.2f}% of a core (agent sampling nothing: {idle_cpu * 100:.2f}%, "
+        f"x{cpu / max(idle_cpu, 1e-9):.1f}; target <= 2%)"
+    )
+    print(
+        f"  engine change -> view lag p50/p99: {_pct(lags, 0.5) * ms:.1f} / {_pct(lags, 0.99) * ms:.1f} ms "
+        f"(= {_pct(lags, 0.99) / PERIOD_S:.2f} periods; target <= 150 ms)"
+    )
+    print(
+        f"  Reserve round trip p50/p99: {_pct(reserve, 0.5) * ms:.3f} / {_pct(reserve, 0.99) * ms:.3f} ms "
+        f"(bare gRPC health Check p50/p99 {_pct(health, 0.5) * ms:.3f} / {_pct(health, 0.99) * ms:.3f} ms, "
+        f"p50 x{statistics.median(reserve) / statistics.median(health):.2f}; target p99 <= 2 ms)"
+    )
+
+
+def main() -> None:
+    asyncio.run(_run())
+
+
+if __name__ == "__main__":
+    main()

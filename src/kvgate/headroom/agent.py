@@ -1,0 +1,220 @@
+"""The agent's gRPC adapter: a sampling loop on a fixed cadence, the Agent service and gRPC health.
+
+Every period the loop scrapes the engine's metrics (bounded by the scraper's timeout, half the
+period), takes NVML's latest reading (sampled on its own thread, see nvml.NvmlPoller), folds both
+into the NodeState, and pushes one NodeHeadroom to every subscriber.
+Ticks are scheduled on absolute deadlines so a slow sample delays one push, not all that follow.
+Reserve and Release run on the same event loop as the ledger and never await between check and
+charge: that is what makes this agent the single authority for its node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from kvgate._proto.headroom.v1 import headroom_pb2 as pb
+from kvgate._proto.headroom.v1 import headroom_pb2_grpc as pb_grpc
+from kvgate.errors import HeadroomError
+from kvgate.headroom.broadcast import Broadcast
+from kvgate.headroom.engine_metrics import EngineStats
+from kvgate.headroom.node import NodeSettings, NodeState
+from kvgate.headroom.snapshot import NodeHeadroom, NvmlReading
+from kvgate.headroom.wire import headroom_to_proto
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "kvgate.headroom.v1.Agent"
+# NVML init can take seconds on a big node; the first push waits for it this long at most.
+NVML_FIRST_READING_S = 10.0
+
+
+class EngineSource(Protocol):
+    """Bounds its own call (the scraper's timeout); failures, a timeout included, raise HeadroomError."""
+
+    async def sample(self) -> EngineStats: ...
+    async def close(self) -> None: ...
+
+
+class NvmlSource(Protocol):
+    """Never blocks: the latest reading, sampled elsewhere (NvmlPoller's thread)."""
+
+    def latest(self) -> NvmlReading: ...
+    def wait_first(self, timeout_s: float) -> bool: ...
+    def close(self) -> None: ...
+
+
+class Agent:
+    def __init__(
+        self,
+        settings: NodeSettings,
+        engine: EngineSource | None = None,
+        nvml: NvmlSource | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock_ns: Callable[[], int] = time.time_ns,
+    ) -> None:
+        self.settings = settings
+        self.state = NodeState(settings, clock, uses_engine=engine is not None, uses_nvml=nvml is not None)
+        self.stream: Broadcast[pb.NodeHeadroom] = Broadcast()
+        self._engine = engine
+        self._nvml = nvml
+        self._wall_clock_ns = wall_clock_ns
+        self._health = health_aio.HealthServicer()
+        self._healthy: bool | None = None
+        self._server: grpc.aio.Server | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+
+    async def start(self, listen: str) -> int:
+        """Serve on `listen` (host:port, port 0 picks one) and start sampling; returns the bound port."""
+        server = grpc.aio.server()
+        pb_grpc.add_AgentServicer_to_server(_AgentServicer(self), server)  # type: ignore[no-untyped-call]
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        try:
+            port = int(server.add_insecure_port(listen))
+        except RuntimeError as exc:
+            raise HeadroomError(f"agent cannot listen on {listen}: {exc}") from exc
+        await server.start()
+        self._server = server
+        if self._nvml is not None and not await asyncio.to_thread(
+            self._nvml.wait_first, NVML_FIRST_READING_S
+        ):
+            log.warning(
+                "no NVML reading after %.0fs; the node reports unhealthy until one arrives",
+                NVML_FIRST_READING_S,
+            )
+        await self.tick()
+        self._loop_task = asyncio.create_task(self._run(), name="kvgate-agent-sampling")
+        log.info(
+            "agent %s serving on port %d, engine endpoint %s",
+            self.settings.node,
+            port,
+            self.settings.endpoint,
+        )
+        return port
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        await self._health.enter_graceful_shutdown()
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        self.stream.close()
+        if self._server is not None:
+            await self._server.stop(grace_s)
+        if self._engine is not None:
+            await self._engine.close()
+        if self._nvml is not None:
+            self._nvml.close()
+
+    async def wait_closed(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+    async def tick(self) -> NodeHeadroom:
+        """Sample every source once, publish the result to subscribers, and return it."""
+        if self._engine is not None:
+            await self._sample_engine()
+        if self._nvml is not None:
+            self.state.observe_nvml(self._nvml.latest())
+        for lapsed in self.state.ledger.expire():
+            # A lease that runs out means a gate never released: a lost end-of-request signal.
+            log.warning(
+                "reservation %s (%d tokens) of %r expired unreleased",
+                lapsed.request_id,
+                lapsed.tokens,
+                lapsed.holder,
+            )
+        headroom = self.state.snapshot(self._wall_clock_ns())
+        self.stream.publish(headroom_to_proto(headroom))
+        if headroom.healthy != self._healthy:
+            self._healthy = headroom.healthy
+            status = (
+                health_pb2.HealthCheckResponse.SERVING
+                if headroom.healthy
+                else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+            await self._health.set(SERVICE_NAME, status)
+            log.info(
+                "node %s is %s %s",
+                headroom.node,
+                "healthy" if headroom.healthy else "unhealthy",
+                headroom.reason,
+            )
+        return headroom
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        period = self.settings.period_s
+        deadline = loop.time() + period
+        while True:
+            await asyncio.sleep(max(0.0, deadline - loop.time()))
+            await self.tick()
+            deadline += period
+            behind = loop.time() - deadline
+            if behind > period:
+                # Skip the missed ticks instead of firing them back to back.
+                deadline += period * int(behind // period + 1)
+
+    async def _sample_engine(self) -> None:
+        """One scrape; the scraper's own timeout (half the period) bounds it."""
+        assert self._engine is not None
+        try:
+            stats = await self._engine.sample()
+        except HeadroomError as exc:
+            self.state.engine_failed(str(exc))
+        else:
+            self.state.observe_engine(stats)
+
+
+class _AgentServicer(pb_grpc.AgentServicer):
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+
+    async def Subscribe(
+        self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.NodeHeadroom]:
+        log.info("subscriber %r (%s) connected", request.subscriber, context.peer())
+        async for message in self._agent.stream.listen():
+            yield message
+
+    async def Reserve(
+        self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReserveResponse:
+        try:
+            result = self._agent.state.reserve(
+                request.request_id, request.tokens, request.lease_s, request.holder
+            )
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise AssertionError("abort returns by raising") from exc
+        log.debug(
+            "reserve %s %d tokens by %r: %s",
+            request.request_id,
+            request.tokens,
+            request.holder,
+            result.reason,
+        )
+        return pb.ReserveResponse(
+            granted=result.granted,
+            reason=result.reason.value,
+            headroom_tokens=result.headroom_tokens,
+            reserved_tokens=result.reserved_tokens,
+            lease_s=result.lease_s,
+        )
+
+    async def Release(
+        self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseResponse:
+        released = self._agent.state.release(request.request_id)
+        state = self._agent.state
+        return pb.ReleaseResponse(
+            released=released,
+            headroom_tokens=state.ledger.headroom(state.budget()),
+            reserved_tokens=state.ledger.reserved_tokens,
+        )

@@ -1,0 +1,182 @@
+"""`kvgate agent`: run the per-node headroom agent until SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+from typing import TYPE_CHECKING
+
+from kvgate.errors import ConfigError
+from kvgate.headroom.capacity import DTYPE_BYTES, ModelShape
+from kvgate.headroom.node import NodeSettings
+from kvgate.headroom.settings import join_host_port, split_host_port
+
+if TYPE_CHECKING:
+    from kvgate.headroom.agent import Agent
+
+log = logging.getLogger(__name__)
+
+DESCRIPTION = """\
+Per-node headroom agent. Samples the local engine's Prometheus metrics (vLLM or SGLang) and NVML
+every period, computes KV headroom in tokens (capacity x safety ratio - max(used, reserved)), streams
+it to every subscribed gate, and grants or refuses reservations atomically: the single authority for
+this node. Capacity comes from --capacity-tokens, else the engine's KV pool, else the model shape
+(--kv-layers ...) over NVML free memory.
+"""
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "agent",
+        help="run the per-node headroom agent",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--listen", required=True, help="host:port to serve gRPC on (port 0 picks one)")
+    parser.add_argument(
+        "--endpoint", required=True, help="host:port of this node's engine, where gates pin requests"
+    )
+    parser.add_argument(
+        "--engine-metrics",
+        metavar="URL",
+        help="the engine's Prometheus URL, e.g. http://127.0.0.1:8000/metrics",
+    )
+    parser.add_argument(
+        "--nvml", choices=["on", "off", "fake"], default="on", help="GPU sampling; fake simulates GPUs"
+    )
+    parser.add_argument(
+        "--fake-gpus", type=int, default=8, help="GPUs simulated with --nvml fake (default 8)"
+    )
+    parser.add_argument(
+        "--nvml-hung-after-s",
+        type=float,
+        default=5.0,
+        help="an NVML call running this long makes the node unhealthy (default 5)",
+    )
+    parser.add_argument("--period-ms", type=int, default=100, help="sampling and push period (default 100)")
+    parser.add_argument("--capacity-tokens", type=int, help="KV capacity in tokens, set by hand")
+    parser.add_argument(
+        "--safety-ratio", type=float, default=0.9, help="fraction of capacity to admit against (default 0.9)"
+    )
+    parser.add_argument(
+        "--node-name",
+        default=os.environ.get("NODE_NAME") or socket.gethostname(),
+        help="name in the stream (default $NODE_NAME or the host name)",
+    )
+    parser.add_argument("--default-lease-s", type=float, default=300.0, help="lease when a gate names none")
+    parser.add_argument("--max-lease-s", type=float, default=3600.0, help="longest lease granted")
+    parser.add_argument(
+        "--engine-stale-after-s",
+        type=float,
+        default=1.0,
+        help="engine figures older than this make the node unhealthy (default 1.0)",
+    )
+    shape = parser.add_argument_group("static capacity from the model's shape (needs --nvml on or fake)")
+    shape.add_argument("--kv-layers", type=int, help="attention layers")
+    shape.add_argument("--kv-heads", type=int, default=0, help="KV heads (standard attention)")
+    shape.add_argument("--head-dim", type=int, default=0, help="head dimension (standard attention)")
+    shape.add_argument("--kv-lora-rank", type=int, default=0, help="MLA latent rank (DeepSeek)")
+    shape.add_argument("--qk-rope-head-dim", type=int, default=0, help="MLA rotary key dimension")
+    shape.add_argument("--kv-dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="KV cache dtype")
+    shape.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="cap on GPU memory use")
+    parser.set_defaults(func=run)
+
+
+def settings_from_args(args: argparse.Namespace) -> NodeSettings:
+    split_host_port(args.listen, "--listen", allow_port_zero=True)
+    split_host_port(args.endpoint, "--endpoint")
+    if args.period_ms < 10:
+        raise ConfigError(f"--period-ms must be >= 10, got {args.period_ms}")
+    if not 0 < args.safety_ratio <= 1:
+        raise ConfigError(f"--safety-ratio must be in (0, 1], got {args.safety_ratio}")
+    if args.capacity_tokens is not None and args.capacity_tokens <= 0:
+        raise ConfigError(f"--capacity-tokens must be > 0, got {args.capacity_tokens}")
+    if not 0 < args.default_lease_s <= args.max_lease_s:
+        raise ConfigError("leases must satisfy 0 < --default-lease-s <= --max-lease-s")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    if args.engine_stale_after_s <= 0 or args.nvml_hung_after_s <= 0 or args.fake_gpus < 0:
+        raise ConfigError("--engine-stale-after-s and --nvml-hung-after-s must be > 0, --fake-gpus >= 0")
+    shape = None
+    if args.kv_layers is not None:
+        if args.nvml == "off":
+            raise ConfigError(
+                "static capacity (--kv-layers ...) reads free GPU memory: it needs --nvml on or fake"
+            )
+        shape = ModelShape(
+            args.kv_layers,
+            DTYPE_BYTES[args.kv_dtype],
+            args.kv_heads,
+            args.head_dim,
+            args.kv_lora_rank,
+            args.qk_rope_head_dim,
+        )
+    if args.capacity_tokens is None and args.engine_metrics is None and shape is None:
+        raise ConfigError(
+            "the agent needs a capacity: --capacity-tokens, --engine-metrics, or --kv-layers etc."
+        )
+    return NodeSettings(
+        node=args.node_name,
+        endpoint=args.endpoint,
+        period_s=args.period_ms / 1000,
+        safety_ratio=args.safety_ratio,
+        capacity_tokens=args.capacity_tokens,
+        model_shape=shape,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        default_lease_s=args.default_lease_s,
+        max_lease_s=args.max_lease_s,
+        engine_stale_after_s=args.engine_stale_after_s,
+    )
+
+
+def build_agent(args: argparse.Namespace) -> Agent:
+    # Imported here, not at the top: `kvgate --help` registers every subcommand and should stay light.
+    from kvgate.headroom.agent import Agent
+    from kvgate.headroom.nvml import NvmlModule, NvmlPoller, NvmlSampler
+    from kvgate.headroom.scrape import EngineScraper
+
+    settings = settings_from_args(args)
+    half_period = settings.period_s / 2
+    engine = EngineScraper(args.engine_metrics, half_period) if args.engine_metrics else None
+    nvml = None
+    if args.nvml != "off":
+        module: NvmlModule
+        if args.nvml == "fake":
+            from kvgate.headroom.fake_nvml import FakeNvml, make_gpus
+
+            module = FakeNvml(make_gpus(args.fake_gpus))
+        else:
+            import pynvml
+
+            module = pynvml
+        nvml = NvmlPoller(NvmlSampler(module, time.monotonic), settings.period_s, args.nvml_hung_after_s)
+    return Agent(settings, engine, nvml)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvloop
+
+    settings_from_args(args)  # flag errors surface before anything starts
+    uvloop.run(_serve(args))
+    return 0
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    agent = build_agent(args)
+    listen: str = args.listen
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    port = await agent.start(listen)
+    host, _ = split_host_port(listen, "--listen", allow_port_zero=True)
+    # On stdout, for whoever started the agent with port 0 (tests, the demo).
+    print(f"kvgate agent listening on {join_host_port(host, port)}", flush=True)
+    await stop.wait()
+    log.info("stopping: draining subscribers")
+    await agent.stop(grace_s=1.0)

@@ -1,0 +1,84 @@
+"""The gate's gRPC adapter to one agent: a Subscribe stream, Reserve and Release.
+
+gRPC failures become HeadroomError here; nothing above this module sees grpc's exceptions.
+The channel's own reconnect backoff is kept short so that the view's jittered backoff, not
+gRPC's default of up to two minutes, decides how soon a restarted agent is found again.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from kvgate._proto.headroom.v1 import headroom_pb2 as pb
+from kvgate._proto.headroom.v1 import headroom_pb2_grpc as pb_grpc
+from kvgate.errors import HeadroomError
+from kvgate.headroom.snapshot import NodeHeadroom, ReleaseOutcome, ReserveOutcome
+from kvgate.headroom.wire import headroom_from_proto
+
+
+class HeadroomStream:
+    def __init__(self, address: str, call: grpc.aio.UnaryStreamCall) -> None:
+        self._address = address
+        self._call = call
+
+    async def next(self) -> NodeHeadroom | None:
+        """The next message; None when the agent ended the stream (it is shutting down)."""
+        try:
+            message = await self._call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise _error(self._address, "Subscribe", exc) from exc
+        if message is grpc.aio.EOF:
+            return None
+        return headroom_from_proto(message)
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class AgentClient:
+    def __init__(self, address: str, reconnect_initial_s: float, reconnect_max_s: float) -> None:
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(
+            address,
+            options=[
+                ("grpc.initial_reconnect_backoff_ms", max(1, int(reconnect_initial_s * 1000))),
+                ("grpc.min_reconnect_backoff_ms", max(1, int(reconnect_initial_s * 1000))),
+                ("grpc.max_reconnect_backoff_ms", max(1, int(reconnect_max_s * 1000))),
+            ],
+        )
+        self._stub = pb_grpc.AgentStub(self._channel)  # type: ignore[no-untyped-call]
+
+    def subscribe(self, subscriber: str) -> HeadroomStream:
+        return HeadroomStream(self.address, self._stub.Subscribe(pb.SubscribeRequest(subscriber=subscriber)))
+
+    async def reserve(
+        self, request_id: str, tokens: int, lease_s: float, holder: str, timeout_s: float
+    ) -> ReserveOutcome:
+        request = pb.ReserveRequest(request_id=request_id, tokens=tokens, lease_s=lease_s, holder=holder)
+        try:
+            response: pb.ReserveResponse = await self._stub.Reserve(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise _error(self.address, "Reserve", exc) from exc
+        return ReserveOutcome(
+            response.granted,
+            response.reason,
+            response.headroom_tokens,
+            response.reserved_tokens,
+            response.lease_s,
+        )
+
+    async def release(self, request_id: str, timeout_s: float) -> ReleaseOutcome:
+        try:
+            response: pb.ReleaseResponse = await self._stub.Release(
+                pb.ReleaseRequest(request_id=request_id), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise _error(self.address, "Release", exc) from exc
+        return ReleaseOutcome(response.released, response.headroom_tokens, response.reserved_tokens)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+def _error(address: str, method: str, exc: grpc.aio.AioRpcError) -> HeadroomError:
+    return HeadroomError(f"agent {address}: {method} failed: {exc.code().name}: {exc.details()}")

@@ -1,0 +1,130 @@
+"""The agent's reservations: the synchronous charge that stops a burst inside one sampling period.
+
+Every admission decision on a node goes through one ledger in one process, and `reserve` checks and
+charges without yielding, so two gates asking at the same instant are served one after the other
+against the same numbers. A full node is a refusal (a return value); a negative token count is
+caller misuse (ValueError).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+from kvgate.headroom.snapshot import headroom_tokens
+
+
+class ReserveReason(StrEnum):
+    GRANTED = "granted"
+    ALREADY_RESERVED = (
+        "already_reserved"  # a retried Reserve for a live reservation: granted, not charged twice
+    )
+    INSUFFICIENT_HEADROOM = "insufficient_headroom"
+    UNHEALTHY = "unhealthy"
+    NO_CAPACITY = "no_capacity"
+    REQUEST_ID_CONFLICT = "request_id_conflict"  # the same request_id with a different token count
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    request_id: str
+    tokens: int
+    expires_at: float
+    holder: str
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """What the latest sample says the node can hold; the ledger adds its own reservations."""
+
+    capacity_tokens: int
+    safety_ratio: float
+    observed_tokens: int | None
+    healthy: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ReserveResult:
+    granted: bool
+    reason: ReserveReason
+    headroom_tokens: int
+    reserved_tokens: int
+    lease_s: float
+
+
+class ReservationLedger:
+    def __init__(self, clock: Callable[[], float], default_lease_s: float, max_lease_s: float) -> None:
+        if not 0 < default_lease_s <= max_lease_s:
+            raise ValueError("leases must satisfy 0 < default_lease_s <= max_lease_s")
+        self._clock = clock
+        self._default_lease_s = default_lease_s
+        self._max_lease_s = max_lease_s
+        self._live: dict[str, Reservation] = {}
+        self._reserved = 0
+
+    @property
+    def reserved_tokens(self) -> int:
+        self.expire()
+        return self._reserved
+
+    @property
+    def count(self) -> int:
+        self.expire()
+        return len(self._live)
+
+    def expire(self) -> list[Reservation]:
+        now = self._clock()
+        expired = [r for r in self._live.values() if r.expires_at <= now]
+        for reservation in expired:
+            self._drop(reservation.request_id)
+        return expired
+
+    def headroom(self, budget: Budget) -> int:
+        return headroom_tokens(
+            budget.capacity_tokens, budget.safety_ratio, budget.observed_tokens, self.reserved_tokens
+        )
+
+    def reserve(
+        self, request_id: str, tokens: int, lease_s: float, budget: Budget, holder: str = ""
+    ) -> ReserveResult:
+        """Charge `tokens` if they fit in the headroom, else refuse. `lease_s` <= 0 takes the default."""
+        if tokens <= 0 or not request_id:
+            raise ValueError(f"a reservation needs a request_id and tokens > 0, got {request_id!r}, {tokens}")
+        lease = self._lease(lease_s)
+        self.expire()
+        existing = self._live.get(request_id)
+        if existing is not None:
+            if existing.tokens != tokens:
+                return self._result(False, ReserveReason.REQUEST_ID_CONFLICT, budget, 0.0)
+            self._live[request_id] = Reservation(request_id, tokens, self._clock() + lease, holder)
+            return self._result(True, ReserveReason.ALREADY_RESERVED, budget, lease)
+        if not budget.healthy:
+            return self._result(False, ReserveReason.UNHEALTHY, budget, 0.0)
+        if budget.capacity_tokens <= 0:
+            return self._result(False, ReserveReason.NO_CAPACITY, budget, 0.0)
+        if tokens > self.headroom(budget):
+            return self._result(False, ReserveReason.INSUFFICIENT_HEADROOM, budget, 0.0)
+        self._live[request_id] = Reservation(request_id, tokens, self._clock() + lease, holder)
+        self._reserved += tokens
+        return self._result(True, ReserveReason.GRANTED, budget, lease)
+
+    def release(self, request_id: str) -> bool:
+        self.expire()
+        return self._drop(request_id)
+
+    def _drop(self, request_id: str) -> bool:
+        reservation = self._live.pop(request_id, None)
+        if reservation is None:
+            return False
+        self._reserved -= reservation.tokens
+        return True
+
+    def _lease(self, lease_s: float) -> float:
+        if lease_s <= 0:
+            return self._default_lease_s
+        return min(lease_s, self._max_lease_s)
+
+    def _result(self, granted: bool, reason: ReserveReason, budget: Budget, lease: float) -> ReserveResult:
+        return ReserveResult(granted, reason, self.headroom(budget), self._reserved, lease)

@@ -1,0 +1,107 @@
+"""What a node's agent knows at one instant, as plain data, and the one headroom formula.
+
+`NodeHeadroom` is the pure twin of the protobuf message the agent streams; `NodeView`,
+`ReserveOutcome` and `ReleaseOutcome` are what the gate's headroom view hands its policy. All of
+them live here, free of gRPC, so the policy can import them and stay pure. Values the agent does not
+know are None, never zero.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class CapacitySource(StrEnum):
+    MANUAL = "manual"  # --capacity-tokens
+    ENGINE = "engine"  # the engine's own KV pool size from its /metrics
+    STATIC = "static"  # model shape over NVML free memory
+    NONE = "none"
+
+
+@dataclass(frozen=True, slots=True)
+class GpuReading:
+    uuid: str
+    index: int
+    name: str
+    total_bytes: int | None
+    used_bytes: int | None
+    free_bytes: int | None
+    # The driver's reserved memory; None with the v1 memory call or when not supported.
+    reserved_bytes: int | None
+    healthy: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class NvmlReading:
+    """Every GPU of the node at one instant, and whether NVML itself is usable."""
+
+    gpus: tuple[GpuReading, ...]
+    healthy: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeHeadroom:
+    node: str
+    endpoint: str
+    seq: int
+    sample_time_unix_ns: int
+    capacity_tokens: int
+    safety_ratio: float
+    used_tokens: int | None
+    reserved_tokens: int
+    reservations: int
+    headroom_tokens: int
+    healthy: bool
+    reason: str
+    capacity_source: CapacitySource
+    kv_usage: float | None
+    running: int | None
+    waiting: int | None
+    preemptions_total: int | None
+    gpus: tuple[GpuReading, ...]
+    period_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    """One agent as the gate sees it (see kvgate.headroom.view)."""
+
+    agent: str  # host:port of the agent: the key for reserve() and release()
+    headroom: NodeHeadroom | None  # None until the first message
+    age_s: float  # since the latest message arrived, by the gate's monotonic clock; inf before the first
+    connected: bool  # a Subscribe stream is open and has delivered
+    fresh: bool  # age_s <= headroom.stale_after_s
+    healthy: bool  # the agent's own verdict in its latest message
+
+
+@dataclass(frozen=True, slots=True)
+class ReserveOutcome:
+    """The agent's answer. A refusal (`granted` False, with `reason`) is an answer, not an error."""
+
+    granted: bool
+    reason: str  # kvgate.headroom.ledger.ReserveReason values
+    headroom_tokens: int  # after this decision
+    reserved_tokens: int
+    lease_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseOutcome:
+    released: bool  # False when the reservation was already gone (released twice, or expired)
+    headroom_tokens: int
+    reserved_tokens: int
+
+
+def headroom_tokens(capacity: int, safety_ratio: float, observed: int | None, reserved: int) -> int:
+    """capacity * safety ratio - max(observed, Σ live reservations).
+
+    The max, not the sum: an admitted request shows up in the engine's usage as its prefill runs, so
+    its reservation and its observed tokens are the same tokens counted twice. Negative when the node
+    holds more than its limit.
+    """
+    committed = reserved if observed is None else max(observed, reserved)
+    return math.floor(capacity * safety_ratio) - committed

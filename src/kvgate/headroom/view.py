@@ -1,0 +1,205 @@
+"""The gate's view of every agent: one long-lived Subscribe stream each, Reserve and Release.
+
+The view holds data, not decisions: which node to choose, and what to do with a stale or unhealthy
+one, is the policy's business. For each agent it keeps the latest NodeHeadroom, when it arrived
+(by the injected monotonic clock), and whether the stream is up. A stream that ends, fails or stays
+silent for `idle_timeout_s` is reopened after a jittered exponential backoff, so a restarted agent is
+found again and a fleet of gates does not reconnect in lock step.
+
+Failure channels: `reserve` returns a ReserveOutcome for every answer the agent gives, refusals
+included; it raises HeadroomError when it gets no answer (agent unknown, unreachable, or slower than
+`reserve_timeout_s`). `release` raises HeadroomError the same way; the reservation's lease is the
+safety net behind a lost release.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import os
+import random
+import socket
+import time
+from collections.abc import Callable
+
+from kvgate.errors import HeadroomError
+from kvgate.headroom.client import AgentClient
+from kvgate.headroom.resolve import Resolver, resolve_agents
+from kvgate.headroom.settings import HeadroomSettings, split_host_port
+from kvgate.headroom.snapshot import NodeHeadroom, NodeView, ReleaseOutcome, ReserveOutcome
+
+log = logging.getLogger(__name__)
+
+
+class _Link:
+    """One agent: its client, its stream task and what it last said."""
+
+    def __init__(self, client: AgentClient) -> None:
+        self.client = client
+        self.latest: NodeHeadroom | None = None
+        self.received_at = -math.inf
+        self.connected = False
+        self.task: asyncio.Task[None] | None = None
+
+
+class HeadroomView:
+    def __init__(
+        self,
+        settings: HeadroomSettings,
+        clock: Callable[[], float] = time.monotonic,
+        resolver: Resolver = resolve_agents,
+        rng: Callable[[], float] = random.random,
+        subscriber: str | None = None,
+    ) -> None:
+        self.settings = settings
+        self._clock = clock
+        self._resolver = resolver
+        self._rng = rng
+        self._subscriber = subscriber or f"{socket.gethostname()}:{os.getpid()}"
+        self._links: dict[str, _Link] = {}
+        self._resolve_task: asyncio.Task[None] | None = None
+        self._update = asyncio.Event()
+
+    async def start(self) -> None:
+        for address in self.settings.agents:
+            self._add(address)
+        if self.settings.dns is not None:
+            await self._resolve_once()
+            self._resolve_task = asyncio.create_task(self._resolve_forever(), name="kvgate-headroom-dns")
+
+    async def stop(self) -> None:
+        if self._resolve_task is not None:
+            self._resolve_task.cancel()
+            await asyncio.gather(self._resolve_task, return_exceptions=True)
+        for address in list(self._links):
+            await self._remove(address)
+
+    def snapshot(self) -> tuple[NodeView, ...]:
+        now = self._clock()
+        views = []
+        for address, link in sorted(self._links.items()):
+            age = now - link.received_at
+            healthy = link.latest is not None and link.latest.healthy
+            views.append(
+                NodeView(
+                    address, link.latest, age, link.connected, age <= self.settings.stale_after_s, healthy
+                )
+            )
+        return tuple(views)
+
+    async def wait_update(self, timeout_s: float) -> bool:
+        """Wait until any agent sends a message; False when `timeout_s` passed first."""
+        event = self._update
+        try:
+            await asyncio.wait_for(event.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def reserve(
+        self, node: str, request_id: str, tokens: int, lease_s: float | None = None
+    ) -> ReserveOutcome:
+        """Ask the agent `node` (a NodeView.agent) to charge `tokens`. See the module doc for errors."""
+        link = self._link(node)
+        lease = self.settings.lease_s if lease_s is None else lease_s
+        outcome = await link.client.reserve(
+            request_id, tokens, lease, self._subscriber, self.settings.reserve_timeout_s
+        )
+        self._merge(link, outcome.headroom_tokens, outcome.reserved_tokens)
+        return outcome
+
+    async def release(self, node: str, request_id: str) -> ReleaseOutcome:
+        link = self._link(node)
+        outcome = await link.client.release(request_id, self.settings.reserve_timeout_s)
+        self._merge(link, outcome.headroom_tokens, outcome.reserved_tokens)
+        return outcome
+
+    def _link(self, node: str) -> _Link:
+        link = self._links.get(node)
+        if link is None:
+            raise HeadroomError(f"no agent {node} in the headroom view (removed by DNS, or never configured)")
+        return link
+
+    @staticmethod
+    def _merge(link: _Link, headroom_tokens: int, reserved_tokens: int) -> None:
+        # The agent's answer is newer than the last pushed sample; keep the sample's age, though.
+        if link.latest is not None:
+            link.latest = dataclasses.replace(
+                link.latest, headroom_tokens=headroom_tokens, reserved_tokens=reserved_tokens
+            )
+
+    def _add(self, address: str) -> None:
+        if address in self._links:
+            return
+        link = _Link(AgentClient(address, self.settings.reconnect_initial_s, self.settings.reconnect_max_s))
+        link.task = asyncio.create_task(self._follow(address, link), name=f"kvgate-headroom-{address}")
+        self._links[address] = link
+        log.info("following agent %s", address)
+
+    async def _remove(self, address: str) -> None:
+        link = self._links.pop(address)
+        if link.task is not None:
+            link.task.cancel()
+            await asyncio.gather(link.task, return_exceptions=True)
+        await link.client.close()
+        log.info("stopped following agent %s", address)
+
+    async def _follow(self, address: str, link: _Link) -> None:
+        failures = 0
+        while True:
+            stream = link.client.subscribe(self._subscriber)
+            try:
+                while (
+                    headroom := await asyncio.wait_for(stream.next(), self.settings.idle_timeout_s)
+                ) is not None:
+                    link.latest = headroom
+                    link.received_at = self._clock()
+                    link.connected = True
+                    failures = 0
+                    self._notify()
+                log.info("agent %s ended its stream", address)
+            except HeadroomError as exc:
+                log.warning("%s", exc)
+            except TimeoutError:
+                log.warning(
+                    "agent %s sent nothing for %.2fs; reconnecting", address, self.settings.idle_timeout_s
+                )
+            finally:
+                stream.cancel()
+                link.connected = False
+            await asyncio.sleep(self._backoff(failures))
+            failures += 1
+
+    def _backoff(self, failures: int) -> float:
+        ceiling = min(
+            self.settings.reconnect_max_s, self.settings.reconnect_initial_s * 2.0 ** min(failures, 32)
+        )
+        return ceiling * (0.5 + 0.5 * self._rng())
+
+    def _notify(self) -> None:
+        self._update.set()
+        self._update = asyncio.Event()
+
+    async def _resolve_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.resolve_interval_s)
+            await self._resolve_once()
+
+    async def _resolve_once(self) -> None:
+        assert self.settings.dns is not None
+        host, port = split_host_port(self.settings.dns, "headroom.dns")
+        try:
+            found = await self._resolver(host, port)
+        except HeadroomError as exc:
+            log.warning("%s; keeping the %d agents known", exc, len(self._links))
+            return
+        static = set(self.settings.agents)
+        for address in found - self._links.keys():
+            self._add(address)
+        for address in self._links.keys() - found - static:
+            await self._remove(address)
+
+
+__all__ = ["HeadroomView", "NodeView", "ReleaseOutcome", "ReserveOutcome"]

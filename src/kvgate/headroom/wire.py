@@ -1,0 +1,91 @@
+"""Conversions between the plain headroom dataclasses and the generated protobuf messages.
+
+The only module besides the gRPC adapters (`agent`, `client`) that imports generated code. Unknown
+values travel as unset optional fields, never as zero.
+"""
+
+from __future__ import annotations
+
+from kvgate._proto.headroom.v1 import headroom_pb2 as pb
+from kvgate.headroom.snapshot import CapacitySource, GpuReading, NodeHeadroom
+
+
+def headroom_to_proto(h: NodeHeadroom) -> pb.NodeHeadroom:
+    message = pb.NodeHeadroom(
+        node=h.node,
+        endpoint=h.endpoint,
+        seq=h.seq,
+        sample_time_unix_ns=h.sample_time_unix_ns,
+        capacity_tokens=h.capacity_tokens,
+        safety_ratio=h.safety_ratio,
+        used_tokens=h.used_tokens,
+        reserved_tokens=h.reserved_tokens,
+        reservations=h.reservations,
+        headroom_tokens=h.headroom_tokens,
+        healthy=h.healthy,
+        reason=h.reason,
+        capacity_source=h.capacity_source.value,
+        kv_usage=h.kv_usage,
+        running=h.running,
+        waiting=h.waiting,
+        preemptions_total=h.preemptions_total,
+        period_ms=h.period_ms,
+    )
+    message.gpus.extend(_gpu_to_proto(gpu) for gpu in h.gpus)
+    return message
+
+
+def headroom_from_proto(m: pb.NodeHeadroom) -> NodeHeadroom:
+    try:
+        source = CapacitySource(m.capacity_source)
+    except ValueError:
+        source = CapacitySource.NONE
+    return NodeHeadroom(
+        node=m.node,
+        endpoint=m.endpoint,
+        seq=m.seq,
+        sample_time_unix_ns=m.sample_time_unix_ns,
+        capacity_tokens=m.capacity_tokens,
+        safety_ratio=m.safety_ratio,
+        used_tokens=m.used_tokens if m.HasField("used_tokens") else None,
+        reserved_tokens=m.reserved_tokens,
+        reservations=m.reservations,
+        headroom_tokens=m.headroom_tokens,
+        healthy=m.healthy,
+        reason=m.reason,
+        capacity_source=source,
+        kv_usage=m.kv_usage if m.HasField("kv_usage") else None,
+        running=m.running if m.HasField("running") else None,
+        waiting=m.waiting if m.HasField("waiting") else None,
+        preemptions_total=m.preemptions_total if m.HasField("preemptions_total") else None,
+        gpus=tuple(_gpu_from_proto(g) for g in m.gpus),
+        period_ms=m.period_ms,
+    )
+
+
+def _gpu_to_proto(g: GpuReading) -> pb.GpuInfo:
+    return pb.GpuInfo(
+        uuid=g.uuid,
+        index=g.index,
+        name=g.name,
+        total_bytes=g.total_bytes,
+        used_bytes=g.used_bytes,
+        free_bytes=g.free_bytes,
+        reserved_bytes=g.reserved_bytes,
+        healthy=g.healthy,
+        reason=g.reason,
+    )
+
+
+def _gpu_from_proto(m: pb.GpuInfo) -> GpuReading:
+    return GpuReading(
+        uuid=m.uuid,
+        index=m.index,
+        name=m.name,
+        total_bytes=m.total_bytes if m.HasField("total_bytes") else None,
+        used_bytes=m.used_bytes if m.HasField("used_bytes") else None,
+        free_bytes=m.free_bytes if m.HasField("free_bytes") else None,
+        reserved_bytes=m.reserved_bytes if m.HasField("reserved_bytes") else None,
+        healthy=m.healthy,
+        reason=m.reason,
+    )

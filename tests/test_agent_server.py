@@ -1,0 +1,307 @@
+"""The agent's gRPC server on 127.0.0.1: atomic grants under concurrency, streaming, health, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvgate.errors import HeadroomError
+from kvgate.headroom.agent import SERVICE_NAME, Agent
+from kvgate.headroom.client import AgentClient
+from kvgate.headroom.fake_engine import FakeEngineMetrics
+from kvgate.headroom.fake_nvml import FakeNvml, make_gpus
+from kvgate.headroom.node import NodeSettings
+from kvgate.headroom.nvml import NvmlPoller, NvmlSampler
+from kvgate.headroom.scrape import EngineScraper
+from kvgate.headroom.snapshot import NodeHeadroom
+
+
+@asynccontextmanager
+async def running_agent(
+    settings: NodeSettings, engine: FakeEngineMetrics | None = None, nvml: FakeNvml | None = None
+) -> AsyncIterator[tuple[Agent, str]]:
+    scraper = EngineScraper(await engine.start(), settings.period_s / 2) if engine else None
+    boxed = NvmlPoller(NvmlSampler(nvml, time.monotonic), settings.period_s) if nvml else None
+    agent = Agent(settings, scraper, boxed)
+    port = await agent.start("127.0.0.1:0")
+    try:
+        yield agent, f"127.0.0.1:{port}"
+    finally:
+        await agent.stop(grace_s=0.1)
+        if engine:
+            await engine.stop()
+
+
+def client(address: str) -> AgentClient:
+    return AgentClient(address, reconnect_initial_s=0.05, reconnect_max_s=0.5)
+
+
+async def first_message(
+    address: str, accept: Callable[[NodeHeadroom], bool], timeout_s: float = 3.0
+) -> NodeHeadroom:
+    """The first streamed message that satisfies `accept`."""
+    c = client(address)
+    stream = c.subscribe("test")
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                message = await stream.next()
+                assert message is not None
+                if accept(message):
+                    return message
+    finally:
+        stream.cancel()
+        await c.close()
+
+
+def run(scenario: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(scenario())  # type: ignore[arg-type]
+
+
+def test_two_clients_reserving_at_once_cannot_over_admit() -> None:
+    async def scenario() -> None:
+        async with running_agent(NodeSettings("n1", "127.0.0.1:8000", capacity_tokens=40_000)) as (
+            agent,
+            address,
+        ):
+            a, b = client(address), client(address)
+            try:
+                calls = [
+                    c.reserve(f"{name}-{i}", 1_000, 60, name, timeout_s=5.0)
+                    for i in range(40)
+                    for name, c in (("a", a), ("b", b))
+                ]
+                outcomes = await asyncio.gather(*calls)
+            finally:
+                await a.close()
+                await b.close()
+            granted = [o for o in outcomes if o.granted]
+            assert len(granted) == 36  # 40,000 x 0.9
+            assert {o.reason for o in outcomes if not o.granted} == {"insufficient_headroom"}
+            assert min(o.headroom_tokens for o in outcomes) == 0
+            assert agent.state.ledger.reserved_tokens == 36_000
+
+    run(scenario)
+
+
+def test_five_12k_requests_on_a_40k_node_admit_three_and_drain_to_zero() -> None:
+    async def scenario() -> None:
+        async with running_agent(NodeSettings("n1", "127.0.0.1:8000", capacity_tokens=40_000)) as (
+            agent,
+            address,
+        ):
+            c = client(address)
+            try:
+                outcomes = await asyncio.gather(*(c.reserve(f"r{i}", 12_000, 60, "g", 5.0) for i in range(5)))
+                assert sum(o.granted for o in outcomes) == 3
+                for i, outcome in enumerate(outcomes):
+                    if outcome.granted:
+                        assert (await c.release(f"r{i}", 5.0)).released
+                again = await c.release("r0", 5.0)
+                assert not again.released and again.reserved_tokens == 0 and again.headroom_tokens == 36_000
+            finally:
+                await c.close()
+            assert agent.state.ledger.count == 0
+
+    run(scenario)
+
+
+@pytest.mark.slow
+def test_two_processes_reserving_at_once_cannot_over_admit() -> None:
+    worker = textwrap.dedent(
+        """
+        import asyncio, sys
+        from kvgate.headroom.client import AgentClient
+
+        async def main():
+            c = AgentClient(sys.argv[1], 0.05, 0.5)
+            calls = [c.reserve(f"{sys.argv[2]}-{i}", 2_000, 60, "p", 5.0) for i in range(30)]
+            outcomes = await asyncio.gather(*calls)
+            await c.close()
+            print(sum(o.granted for o in outcomes))
+
+        asyncio.run(main())
+        """
+    )
+
+    async def scenario() -> None:
+        async with running_agent(NodeSettings("n1", "127.0.0.1:8000", capacity_tokens=40_000)) as (
+            agent,
+            address,
+        ):
+            procs = [
+                await asyncio.create_subprocess_exec(
+                    sys.executable, "-c", worker, address, name, stdout=subprocess.PIPE
+                )
+                for name in ("p1", "p2")
+            ]
+            outputs = await asyncio.wait_for(asyncio.gather(*(p.communicate() for p in procs)), 30)
+            assert all(p.returncode == 0 for p in procs)
+            assert sum(int(out) for out, _ in outputs) == 18  # 36,000 / 2,000
+            assert agent.state.ledger.reserved_tokens == 36_000
+
+    run(scenario)
+
+
+def test_stream_pushes_every_period_with_increasing_seq() -> None:
+    async def scenario() -> None:
+        settings = NodeSettings("n1", "127.0.0.1:8000", period_s=0.02, capacity_tokens=1000)
+        async with running_agent(settings) as (_, address):
+            c = client(address)
+            stream = c.subscribe("test")
+            received: list[tuple[float, NodeHeadroom]] = []
+            try:
+                for _ in range(11):
+                    message = await asyncio.wait_for(stream.next(), 1.0)
+                    assert message is not None
+                    received.append((time.monotonic(), message))
+            finally:
+                stream.cancel()
+                await c.close()
+            seqs = [m.seq for _, m in received]
+            assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+            span = received[-1][0] - received[1][0]
+            assert 0.1 < span < 0.5  # about 9 periods of 20 ms
+            last = received[-1][1]
+            assert (last.node, last.endpoint, last.period_ms, last.headroom_tokens) == (
+                "n1",
+                "127.0.0.1:8000",
+                20,
+                900,
+            )
+
+    run(scenario)
+
+
+def test_engine_usage_flows_into_the_stream_and_reservations() -> None:
+    async def scenario() -> None:
+        engine = FakeEngineMetrics(num_gpu_blocks=2500, block_size=16)
+        nvml = FakeNvml(make_gpus(2))
+        async with running_agent(NodeSettings("n1", "e:1", period_s=0.05), engine, nvml) as (agent, address):
+            engine.kv_usage = 0.5
+            message = await first_message(address, lambda m: m.used_tokens == 20_000)
+            assert message.headroom_tokens == 16_000 and message.healthy and len(message.gpus) == 2
+            outcome = agent.state.reserve("r", 17_000, 0)
+            assert not outcome.granted and outcome.reason == "insufficient_headroom"
+
+    run(scenario)
+
+
+def test_garbage_metrics_make_the_node_unhealthy_within_the_staleness_window() -> None:
+    async def scenario() -> None:
+        engine = FakeEngineMetrics()
+        settings = NodeSettings("n1", "e:1", period_s=0.05, engine_stale_after_s=0.3)
+        async with running_agent(settings, engine) as (_, address):
+            assert (await first_message(address, lambda m: True)).healthy
+            engine.body = "<html>oops</html>"
+            start = time.monotonic()
+            sick = await first_message(address, lambda m: not m.healthy)
+            assert time.monotonic() - start < 1.0
+            assert sick.reason.startswith("engine_metrics_stale") and "neither" in sick.reason
+            assert sick.capacity_tokens == 0 and sick.used_tokens is None
+            engine.body = None
+            assert (await first_message(address, lambda m: m.healthy)).capacity_tokens == 40_000
+
+    run(scenario)
+
+
+def test_a_slow_engine_does_not_delay_the_stream() -> None:
+    async def scenario() -> None:
+        engine = FakeEngineMetrics(delay_s=0.3)
+        settings = NodeSettings("n1", "e:1", period_s=0.05, engine_stale_after_s=0.2)
+        async with running_agent(settings, engine) as (_, address):
+            c = client(address)
+            stream = c.subscribe("test")
+            try:
+                start = time.monotonic()
+                messages = [await asyncio.wait_for(stream.next(), 1.0) for _ in range(6)]
+                assert time.monotonic() - start < 0.6
+            finally:
+                stream.cancel()
+                await c.close()
+            last = messages[-1]
+            assert last is not None and not last.healthy and "no answer within" in last.reason
+
+    run(scenario)
+
+
+def test_lost_gpu_shows_in_the_stream_and_refuses_reservations() -> None:
+    async def scenario() -> None:
+        nvml = FakeNvml(make_gpus(2))
+        settings = NodeSettings("n1", "e:1", period_s=0.05, capacity_tokens=40_000)
+        async with running_agent(settings, nvml=nvml) as (agent, address):
+            assert (await first_message(address, lambda m: True)).healthy
+            nvml.gpus[0].lost = True
+            sick = await first_message(address, lambda m: not m.healthy)
+            assert sick.reason.startswith("gpu_lost")
+            assert not agent.state.reserve("r", 1, 0).granted
+
+    run(scenario)
+
+
+def test_health_service_follows_the_node() -> None:
+    async def scenario() -> None:
+        nvml = FakeNvml(make_gpus(1))
+        settings = NodeSettings("n1", "e:1", period_s=0.05, capacity_tokens=1000)
+        async with (
+            running_agent(settings, nvml=nvml) as (_, address),
+            grpc.aio.insecure_channel(address) as channel,
+        ):
+            health = health_pb2_grpc.HealthStub(channel)
+
+            async def status() -> int:
+                reply = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=1)
+                return int(reply.status)
+
+            assert await status() == health_pb2.HealthCheckResponse.SERVING
+            nvml.gpus[0].lost = True
+            async with asyncio.timeout(2):
+                while await status() != health_pb2.HealthCheckResponse.NOT_SERVING:
+                    await asyncio.sleep(0.02)
+            overall = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+            assert overall.status == health_pb2.HealthCheckResponse.SERVING
+
+    run(scenario)
+
+
+def test_bad_reserve_arguments_are_rejected_by_the_agent() -> None:
+    async def scenario() -> None:
+        async with running_agent(NodeSettings("n1", "e:1", capacity_tokens=1000)) as (_, address):
+            c = client(address)
+            try:
+                with pytest.raises(HeadroomError, match="INVALID_ARGUMENT"):
+                    await c.reserve("r", 0, 0, "g", 1.0)
+                with pytest.raises(HeadroomError, match="INVALID_ARGUMENT"):
+                    await c.reserve("", 5, 0, "g", 1.0)
+            finally:
+                await c.close()
+
+    run(scenario)
+
+
+def test_stop_ends_subscriber_streams_cleanly() -> None:
+    async def scenario() -> None:
+        agent = Agent(NodeSettings("n1", "e:1", period_s=0.05, capacity_tokens=1000))
+        port = await agent.start("127.0.0.1:0")
+        c = client(f"127.0.0.1:{port}")
+        stream = c.subscribe("test")
+        try:
+            assert await asyncio.wait_for(stream.next(), 1.0) is not None
+            await agent.stop(grace_s=0.5)
+            async with asyncio.timeout(2):
+                while (await stream.next()) is not None:
+                    pass
+        finally:
+            stream.cancel()
+            await c.close()
+
+    run(scenario)

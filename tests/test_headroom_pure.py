@@ -1,0 +1,200 @@
+"""The pure headroom pieces: formula, KV bytes per token, static capacity, ledger, node state."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvgate.errors import ConfigError
+from kvgate.headroom.capacity import ModelShape, kv_bytes_per_token, static_capacity_tokens
+from kvgate.headroom.engine_metrics import EngineStats
+from kvgate.headroom.ledger import Budget, ReservationLedger, ReserveReason
+from kvgate.headroom.node import NodeSettings, NodeState
+from kvgate.headroom.snapshot import CapacitySource, GpuReading, NvmlReading, headroom_tokens
+
+GiB = 1024**3
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def budget(capacity: int = 40_000, observed: int | None = 0, healthy: bool = True) -> Budget:
+    return Budget(capacity, 0.9, observed, healthy)
+
+
+def test_headroom_takes_the_larger_of_observed_and_reserved() -> None:
+    assert headroom_tokens(40_000, 0.9, observed=10_000, reserved=4_000) == 26_000
+    assert headroom_tokens(40_000, 0.9, observed=4_000, reserved=10_000) == 26_000
+    assert headroom_tokens(40_000, 0.9, observed=None, reserved=10_000) == 26_000
+    assert headroom_tokens(40_000, 0.9, observed=39_000, reserved=0) == -3_000
+
+
+def test_kv_bytes_per_token_for_llama_and_mla() -> None:
+    llama_8b = ModelShape(layers=32, kv_heads=8, head_dim=128, dtype_bytes=2)
+    assert kv_bytes_per_token(llama_8b) == 128 * 1024  # DESIGN: 128 KiB/token, 4 GiB per 32k sequence
+    assert kv_bytes_per_token(llama_8b) * 32_768 == 4 * GiB
+    deepseek_v3 = ModelShape(layers=61, kv_lora_rank=512, qk_rope_head_dim=64, dtype_bytes=2)
+    assert kv_bytes_per_token(deepseek_v3) == 61 * 576 * 2
+    fp8 = ModelShape(layers=32, kv_heads=8, head_dim=128, dtype_bytes=1)
+    assert kv_bytes_per_token(fp8) * 2 == kv_bytes_per_token(llama_8b)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"layers": 0, "kv_heads": 8, "head_dim": 128},
+        {"layers": 32},
+        {"layers": 32, "kv_heads": 8, "head_dim": 128, "kv_lora_rank": 512},
+    ],
+)
+def test_model_shape_rejects_incoherent_sizes(kwargs: dict[str, int]) -> None:
+    with pytest.raises(ConfigError):
+        ModelShape(**kwargs)
+
+
+def gpu(total: int | None, used: int | None, free: int | None, healthy: bool = True) -> GpuReading:
+    return GpuReading("GPU-x", 0, "H100", total, used, free, 0, healthy)
+
+
+def test_static_capacity_is_free_memory_under_the_cap() -> None:
+    per_token = 128 * 1024
+    # 80 GiB at 0.9 = 72 GiB allowed, 8 GiB used (weights): 64 GiB of KV = 524,288 tokens.
+    assert static_capacity_tokens([gpu(80 * GiB, 8 * GiB, 72 * GiB)], per_token, 0.9) == 524_288
+    # Free memory lower than the cap allows (another process): free wins.
+    assert static_capacity_tokens([gpu(80 * GiB, 8 * GiB, 10 * GiB)], per_token, 0.9) == 81_920
+    # Already over the cap: zero, never negative; two GPUs add up.
+    two = [gpu(80 * GiB, 78 * GiB, 2 * GiB), gpu(80 * GiB, 8 * GiB, 72 * GiB)]
+    assert static_capacity_tokens(two, per_token, 0.9) == 524_288
+
+
+def test_static_capacity_ignores_unknown_and_unhealthy_gpus() -> None:
+    per_token = 128 * 1024
+    assert static_capacity_tokens([gpu(None, None, None)], per_token, 0.9) is None
+    assert static_capacity_tokens([gpu(80 * GiB, 8 * GiB, 72 * GiB, healthy=False)], per_token, 0.9) is None
+    assert static_capacity_tokens([], per_token, 0.9) is None
+
+
+def test_ledger_grants_until_full_then_refuses() -> None:
+    ledger = ReservationLedger(Clock(), default_lease_s=60, max_lease_s=600)
+    granted = [ledger.reserve(f"r{i}", 12_000, 0, budget()) for i in range(5)]
+    assert [r.granted for r in granted] == [True, True, True, False, False]
+    assert granted[3].reason is ReserveReason.INSUFFICIENT_HEADROOM
+    assert granted[2].headroom_tokens == 0
+    assert ledger.reserved_tokens == 36_000
+
+
+def test_ledger_counts_observed_usage() -> None:
+    ledger = ReservationLedger(Clock(), 60, 600)
+    assert not ledger.reserve("a", 12_000, 0, budget(observed=30_000)).granted
+    assert ledger.reserve("b", 6_000, 0, budget(observed=30_000)).granted
+
+
+def test_ledger_release_frees_and_is_idempotent() -> None:
+    ledger = ReservationLedger(Clock(), 60, 600)
+    ledger.reserve("a", 20_000, 0, budget())
+    assert not ledger.reserve("b", 20_000, 0, budget()).granted
+    assert ledger.release("a")
+    assert not ledger.release("a")
+    assert ledger.reserve("b", 20_000, 0, budget()).granted
+
+
+def test_ledger_reserve_is_idempotent_per_request_id() -> None:
+    clock = Clock()
+    ledger = ReservationLedger(clock, 60, 600)
+    first = ledger.reserve("a", 20_000, 30, budget())
+    clock.now += 20
+    again = ledger.reserve("a", 20_000, 30, budget())
+    assert first.granted and again.granted
+    assert again.reason is ReserveReason.ALREADY_RESERVED
+    assert ledger.reserved_tokens == 20_000
+    clock.now += 25  # 45 s after the first grant, 25 after the retry: the retry renewed the lease
+    assert ledger.count == 1
+    conflict = ledger.reserve("a", 1_000, 30, budget())
+    assert not conflict.granted and conflict.reason is ReserveReason.REQUEST_ID_CONFLICT
+
+
+def test_ledger_leases_expire_on_the_injected_clock() -> None:
+    clock = Clock()
+    ledger = ReservationLedger(clock, default_lease_s=60, max_lease_s=120)
+    ledger.reserve("short", 10_000, 5, budget())
+    ledger.reserve("default", 10_000, 0, budget())
+    capped = ledger.reserve("capped", 10_000, 10_000, budget())
+    assert capped.lease_s == 120
+    clock.now += 5
+    assert ledger.reserved_tokens == 20_000
+    clock.now += 55
+    assert ledger.reserved_tokens == 10_000
+    clock.now += 60
+    assert ledger.reserved_tokens == 0
+    assert not ledger.release("capped")
+
+
+def test_ledger_refuses_on_unhealthy_or_unknown_capacity_and_rejects_misuse() -> None:
+    ledger = ReservationLedger(Clock(), 60, 600)
+    assert ledger.reserve("a", 1, 0, budget(healthy=False)).reason is ReserveReason.UNHEALTHY
+    assert ledger.reserve("a", 1, 0, budget(capacity=0)).reason is ReserveReason.NO_CAPACITY
+    with pytest.raises(ValueError):
+        ledger.reserve("a", 0, 0, budget())
+    with pytest.raises(ValueError):
+        ledger.reserve("", 5, 0, budget())
+    assert ledger.reserved_tokens == 0
+
+
+def engine(capacity: int | None = 40_000, used: int | None = 8_000) -> EngineStats:
+    return EngineStats("vllm", capacity, used, 0.2, 1, 0, 0)
+
+
+def test_node_capacity_precedence_manual_engine_static() -> None:
+    clock = Clock()
+    shape = ModelShape(layers=32, kv_heads=8, head_dim=128)
+    reading = NvmlReading((gpu(80 * GiB, 8 * GiB, 72 * GiB),), True)
+    manual = NodeState(
+        NodeSettings("n", "e:1", capacity_tokens=1000), clock, uses_engine=True, uses_nvml=False
+    )
+    manual.observe_engine(engine())
+    assert manual.snapshot(0).capacity_source is CapacitySource.MANUAL
+    node = NodeState(NodeSettings("n", "e:1", model_shape=shape), clock, uses_engine=True, uses_nvml=True)
+    node.observe_nvml(reading)
+    node.observe_engine(engine())
+    first = node.snapshot(0)
+    assert (first.capacity_source, first.capacity_tokens, first.used_tokens) == (
+        CapacitySource.ENGINE,
+        40_000,
+        8_000,
+    )
+    node.observe_engine(engine(capacity=None, used=None))
+    second = node.snapshot(1)
+    assert (second.capacity_source, second.capacity_tokens) == (CapacitySource.STATIC, 524_288)
+    assert second.seq == first.seq + 1
+
+
+def test_node_with_stale_engine_metrics_is_unhealthy_not_empty() -> None:
+    clock = Clock()
+    node = NodeState(
+        NodeSettings("n", "e:1", engine_stale_after_s=1.0), clock, uses_engine=True, uses_nvml=False
+    )
+    assert not node.snapshot(0).healthy
+    node.observe_engine(engine())
+    assert node.snapshot(0).healthy
+    clock.now += 0.5
+    node.engine_failed("engine metrics http://x: HTTP 500")
+    assert node.snapshot(0).healthy  # one failed scrape inside the staleness window keeps the last figures
+    clock.now += 1.0
+    stale = node.snapshot(0)
+    assert not stale.healthy and "HTTP 500" in stale.reason
+    assert stale.used_tokens is None and stale.capacity_tokens == 0
+    assert not node.reserve("a", 1, 0).granted
+
+
+def test_node_with_lost_gpu_is_unhealthy() -> None:
+    node = NodeState(
+        NodeSettings("n", "e:1", capacity_tokens=40_000), Clock(), uses_engine=False, uses_nvml=True
+    )
+    node.observe_nvml(NvmlReading((), False, "gpu_lost: GPU-x"))
+    snap = node.snapshot(0)
+    assert not snap.healthy and snap.reason == "gpu_lost: GPU-x"
+    assert node.reserve("a", 1, 0).reason is ReserveReason.UNHEALTHY
