@@ -2,7 +2,9 @@
 
 The gate only needs to know which side of each threshold a request falls on. The fast estimate gives
 a band [low, high] of prompt tokens; when no threshold falls inside the band the fast answer decides,
-otherwise the exact tokenizer counts (off the event loop) and decides.
+otherwise the exact tokenizer counts (off the event loop, in an executor the estimator owns) and
+stops as soon as the class is certain. At most `max_pending` counts wait or run at once; past that
+the request is refused with 503 rather than queued without bound.
 """
 
 from __future__ import annotations
@@ -10,29 +12,17 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from concurrent.futures import Executor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal
 
+from kvgate.errors import RequestError
+from kvgate.estimate import decide
+from kvgate.estimate.exact import TokenizerFile
+from kvgate.estimate.fast import FastEstimator, TextBand
 from kvgate.request.shape import RequestShape
 
 Method = Literal["fast", "exact"]
-
-
-@dataclass(frozen=True, slots=True)
-class TextBand:
-    """An estimate of one text's tokens with bounds the true count is expected to lie within."""
-
-    tokens: int
-    low: int
-    high: int
-
-
-class FastEstimator(Protocol):
-    def estimate(self, text: str) -> TextBand: ...
-
-
-class ExactCounter(Protocol):
-    def count(self, text: str) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +39,8 @@ class TokenEstimate:
     prompt_tokens: int
     output_tokens: int
     method: Method
+    # Exact counts that stopped early: the class is exact, prompt_tokens is partly estimated.
+    complete: bool = True
 
     @property
     def total(self) -> int:
@@ -61,14 +53,21 @@ class Estimator:
     def __init__(
         self,
         fast: FastEstimator,
-        exact: ExactCounter | None,
+        exact: TokenizerFile | None,
         costs: PromptCosts,
         executor: Executor | None = None,
+        max_pending: int = 16,
     ) -> None:
         self._fast = fast
         self._exact = exact
         self._costs = costs
         self._executor = executor
+        self._max_pending = max_pending
+        self._pending = 0
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
 
     def output_tokens(self, shape: RequestShape) -> int:
         if shape.output_budget is not None:
@@ -83,41 +82,68 @@ class Estimator:
         )
 
     def fast_band(self, shape: RequestShape) -> TextBand:
-        tokens = low = high = 0
-        for text in shape.texts:
-            band = self._fast.estimate(text)
-            tokens += band.tokens
-            low += band.low
-            high += band.high
-        return TextBand(tokens, low, high)
+        return self._fast.estimate_all(shape.texts)
+
+    def _extra(self, shape: RequestShape) -> int:
+        return self.fixed_prompt_tokens(shape) + self.output_tokens(shape)
 
     def needs_exact(self, shape: RequestShape, band: TextBand, thresholds: Sequence[int]) -> bool:
         if self._exact is None or not shape.texts:
             return False
-        extra = self.fixed_prompt_tokens(shape) + self.output_tokens(shape)
-        return any(band.low + extra <= limit < band.high + extra for limit in thresholds)
+        extra = self._extra(shape)
+        return not decide.settled(band.low + extra, band.high + extra, thresholds)
 
-    def _count_exact(self, texts: tuple[str, ...]) -> int:
+    def _job(self, shape: RequestShape, thresholds: Sequence[int]) -> decide.CountJob:
         assert self._exact is not None
-        return sum(self._exact.count(text) for text in texts)
+        return decide.CountJob(self._exact, self._fast, shape.texts, self._extra(shape), tuple(thresholds))
 
-    def _result(self, shape: RequestShape, text_tokens: int, method: Method) -> TokenEstimate:
+    def _result(self, shape: RequestShape, text_tokens: int, method: Method, complete: bool) -> TokenEstimate:
         return TokenEstimate(
             prompt_tokens=text_tokens + self.fixed_prompt_tokens(shape),
             output_tokens=self.output_tokens(shape),
             method=method,
+            complete=complete,
         )
 
+    def _counted(self, shape: RequestShape, counted: decide.Counted) -> TokenEstimate:
+        return self._result(shape, counted.tokens, "exact", counted.complete)
+
+    def fast_estimate(self, shape: RequestShape) -> TokenEstimate:
+        """The fast estimate alone, whatever the thresholds."""
+        return self._result(shape, self.fast_band(shape).tokens, "fast", True)
+
     def estimate_sync(self, shape: RequestShape, thresholds: Sequence[int]) -> TokenEstimate:
+        """The gate's answer, computed in the calling thread (command line, benchmarks)."""
         band = self.fast_band(shape)
         if self.needs_exact(shape, band, thresholds):
-            return self._result(shape, self._count_exact(shape.texts), "exact")
-        return self._result(shape, band.tokens, "fast")
+            return self._counted(shape, decide.run(self._job(shape, thresholds)))
+        return self._result(shape, band.tokens, "fast", True)
+
+    def count_sync(self, shape: RequestShape) -> TokenEstimate:
+        """The full exact count, whatever the thresholds; the fast estimate without a tokenizer."""
+        if self._exact is None:
+            return self.fast_estimate(shape)
+        return self._counted(shape, decide.run(self._job(shape, ())))
 
     async def estimate(self, shape: RequestShape, thresholds: Sequence[int]) -> TokenEstimate:
         band = self.fast_band(shape)
         if not self.needs_exact(shape, band, thresholds):
-            return self._result(shape, band.tokens, "fast")
-        loop = asyncio.get_running_loop()
-        counted = await loop.run_in_executor(self._executor, self._count_exact, shape.texts)
-        return self._result(shape, counted, "exact")
+            return self._result(shape, band.tokens, "fast", True)
+        if self._pending >= self._max_pending:
+            raise RequestError(
+                503,
+                "tokenizer_busy",
+                "The gateway is counting too many long prompts right now; retry shortly.",
+                "server_error",
+            )
+        self._pending += 1
+        try:
+            loop = asyncio.get_running_loop()
+            counted = await loop.run_in_executor(self._executor, decide.run, self._job(shape, thresholds))
+        except BrokenProcessPool as exc:
+            raise RequestError(
+                503, "tokenizer_unavailable", "The gateway's token counter failed.", "server_error"
+            ) from exc
+        finally:
+            self._pending -= 1
+        return self._counted(shape, counted)

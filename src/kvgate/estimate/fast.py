@@ -1,22 +1,85 @@
-"""A first fast estimator: UTF-8 bytes over a fitted bytes-per-token ratio, with a wide band.
+"""The fast estimate of one text: fitted byte-class weights, an error band, and hard bounds.
 
-Tokens never exceed UTF-8 bytes + 1 for byte-fallback sentencepiece and BPE tokenizers, which gives a
-hard upper bound; the lower bound assumes the densest text seen (long words, ~6 bytes a token).
+The band is [estimate * (1 - over) - absolute, estimate * (1 + under) + absolute], with the errors
+the tokenizer's calibration measured for texts of that size, then clipped to what holds whatever the
+text: a text never takes more tokens than `max_tokens_per_byte` * its UTF-8 bytes + 1 (so a text of
+fewer bytes than a threshold is certainly under it), nor fewer than its bytes over the longest piece
+of the vocabulary.
+
+Trap windows (see `features`) and emoji are uncertain by nature: the band spans everything they could
+cost (from a vocabulary's longest piece per byte up to a token per byte; from the fewest to the most
+tokens any emoji takes), so a trap can send a request to an exact count, never make a too-long
+request look short, nor a long one look too long.
 """
 
 from __future__ import annotations
 
-from kvgate.estimate.estimator import TextBand
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-BYTES_PER_TOKEN = 3.3
-MAX_BYTES_PER_TOKEN = 8.0
+from kvgate.estimate.calibration import Calibration
+from kvgate.estimate.features import FEATURES, FULL_SCAN_BYTES, Sample, sample
+
+_FOURBYTE = FEATURES.index("fourbyte")
 
 
-class ByteRatioEstimator:
+@dataclass(frozen=True, slots=True)
+class TextBand:
+    """An estimate of one text's tokens with bounds the true count is expected to lie within."""
+
+    tokens: int
+    low: int
+    high: int
+
+    def __add__(self, other: TextBand) -> TextBand:
+        return TextBand(self.tokens + other.tokens, self.low + other.low, self.high + other.high)
+
+
+EMPTY = TextBand(0, 0, 0)
+
+
+class FastEstimator:
+    __slots__ = ("calibration",)
+
+    def __init__(self, calibration: Calibration) -> None:
+        self.calibration = calibration
+
     def estimate(self, text: str) -> TextBand:
-        size = len(text.encode("utf-8", "surrogatepass"))
-        return TextBand(
-            tokens=round(size / BYTES_PER_TOKEN),
-            low=int(size / MAX_BYTES_PER_TOKEN),
-            high=size + 1,
+        return self.estimate_all((text,))
+
+    def estimate_all(self, texts: Sequence[str]) -> TextBand:
+        """One band for several texts. Short ones are read as one text, so a chat of 500 short
+        messages costs one read, not 500; long ones are read apart, so none is copied."""
+        short = [t for t in texts if 0 < len(t) <= FULL_SCAN_BYTES]
+        band = self.band(sample("".join(short)), len(short)) if short else EMPTY
+        for text in texts:
+            if len(text) > FULL_SCAN_BYTES:
+                band = band + self.band(sample(text))
+        return band
+
+    def band(self, features: Sample, texts: int = 1) -> TextBand:
+        """The band of `texts` texts whose features, read together, are `features`."""
+        c = self.calibration
+        linear = c.per_text * texts + sum(w * x for w, x in zip(c.weights, features.counts, strict=True))
+        emoji = features.counts[_FOURBYTE]
+        regular = linear - emoji * c.weights[_FOURBYTE]
+        tokens = linear + features.blob_bytes * c.trap_density + features.run_bytes * c.run_density
+        band = c.band_for(regular)
+        high = (
+            regular * (1 + band.under)
+            + c.absolute_error
+            + emoji * c.fourbyte_max
+            + features.trap_bytes * c.max_tokens_per_byte
         )
+        low = (
+            regular * (1 - band.over)
+            - c.absolute_error
+            + emoji * c.fourbyte_min
+            + features.trap_bytes / c.max_piece_bytes
+        )
+        ceiling = math.floor(c.max_tokens_per_byte * features.max_size) + texts
+        floor = math.ceil(features.min_size / c.max_piece_bytes)
+        high_tokens = max(floor, min(ceiling, math.ceil(high)))
+        low_tokens = min(high_tokens, max(floor, math.floor(low)))
+        return TextBand(min(max(round(tokens), low_tokens), high_tokens), low_tokens, high_tokens)

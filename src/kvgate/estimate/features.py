@@ -1,0 +1,209 @@
+"""Byte-class features of a text: what the fast estimator's weights multiply.
+
+One `bytes.translate` maps every UTF-8 byte to its class; one `numpy.bincount` then counts every
+class pair, and the classes with them. Runs and pairs carry what single classes cannot: a
+run of letters is a word (sentencepiece spends about one piece per word plus one per few letters), a
+run of digits is a number, case changes split identifiers. Continuation bytes of multi-byte characters
+are not a feature: the lead byte already says what the character is.
+
+Texts up to FULL_SCAN_BYTES are read whole; longer ones through a fixed number of evenly spaced
+windows, so the cost is the same for 100 KB and 100 MB (a long non-ASCII text is sampled as
+characters, so it is not even encoded whole). A window that looks like a trap (pure ASCII without
+whitespace: base64, data URLs, hex; or a run of one character) is left out of the counts and only its
+size is reported: no weight fitted on real text says what such a stretch costs, so the estimator gives
+it a wide band.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+
+CLASSES = (
+    "lower",
+    "upper",
+    "digit",
+    "space",
+    "newline",
+    "control",
+    "punct",  # other ASCII punctuation
+    "quote",  # " and ', JSON's and Python's string delimiters
+    "bracket",  # ( ) [ ] { }
+    "separator",  # , . : ;
+    "latin2",  # 2-byte lead C2-CF: Latin-1 supplement, Latin extended, IPA, Greek
+    "other2",  # 2-byte lead D0-DF: Cyrillic, Armenian, Hebrew, Arabic
+    "script3",  # 3-byte lead E0-E1: Indic, Thai, Georgian, …
+    "symbol3",  # 3-byte lead E2: typographic punctuation, arrows, box drawing
+    "cjk",  # 3-byte lead E3-E9: kana and CJK ideographs
+    "hangul",  # 3-byte lead EA-ED
+    "fullwidth",  # 3-byte lead EE-EF: private use, fullwidth forms
+    "fourbyte",  # 4-byte lead F0-F4: emoji, rare ideographs
+)
+_CONTINUATION = len(CLASSES)
+
+# Runs of a class (a word, a number, an indentation) cost about one piece each plus their length.
+RUNS = ("lower", "upper", "digit", "space", "punct", "quote", "bracket", "separator", "newline")
+PAIRS = (
+    ("space", "lower"),
+    ("space", "upper"),
+    ("upper", "lower"),
+    ("lower", "upper"),
+    ("lower", "digit"),
+    ("digit", "lower"),
+    ("quote", "separator"),
+    ("separator", "space"),
+    ("newline", "space"),
+    # Words in other scripts: a space before a Cyrillic or Hangul letter, accents inside Latin words.
+    ("space", "other2"),
+    ("space", "hangul"),
+    ("lower", "latin2"),
+    ("continuation", "lower"),
+    ("continuation", "space"),
+)
+
+FEATURES = CLASSES + tuple(f"{name}*" for name in RUNS) + tuple(f"{a}>{b}" for a, b in PAIRS)
+
+WINDOWS = 32
+WINDOW_BYTES = 256
+# Texts up to this size are read whole: past it, ordinary text is about 24k tokens or more, beyond
+# the thresholds, so what sampling could miss there can only add to a total that is already too long.
+FULL_SCAN_BYTES = 96 * 1024
+# Non-ASCII texts up to this many characters are encoded whole, so their byte size is exact; longer
+# ones are sampled as characters and only the windows are encoded.
+ENCODE_CHARS = 32768
+# An ASCII window with less than one whitespace per this many bytes is a trap candidate; prose has
+# one every ~6 bytes, code one every ~4, so only blob-like stretches get flagged.
+TRAP_BYTES_PER_SPACE = 40
+UTF8_MAX_BYTES = 4
+
+
+def _class_of(byte: int) -> int:
+    ranges = (
+        (0x61, 0x7A, "lower"),
+        (0x41, 0x5A, "upper"),
+        (0x30, 0x39, "digit"),
+        (0x20, 0x20, "space"),
+        (0x0A, 0x0A, "newline"),
+        (0x0D, 0x0D, "newline"),
+        (0x22, 0x22, "quote"),
+        (0x27, 0x27, "quote"),
+        (0x28, 0x29, "bracket"),
+        (0x5B, 0x5B, "bracket"),
+        (0x5D, 0x5D, "bracket"),
+        (0x7B, 0x7B, "bracket"),
+        (0x7D, 0x7D, "bracket"),
+        (0x2C, 0x2E, "separator"),
+        (0x3A, 0x3B, "separator"),
+        (0x21, 0x7E, "punct"),
+        (0x00, 0x7F, "control"),
+        (0xC2, 0xCF, "latin2"),
+        (0xD0, 0xDF, "other2"),
+        (0xE0, 0xE1, "script3"),
+        (0xE2, 0xE2, "symbol3"),
+        (0xE3, 0xE9, "cjk"),
+        (0xEA, 0xED, "hangul"),
+        (0xEE, 0xEF, "fullwidth"),
+        (0xF0, 0xF4, "fourbyte"),
+    )
+    for low, high, name in ranges:
+        if low <= byte <= high:
+            return CLASSES.index(name)
+    return _CONTINUATION
+
+
+_TABLE = bytes(_class_of(b) for b in range(256))
+_STRIDE = 32  # > number of class codes, so a pair (a, b) is the single number a * _STRIDE + b (a << 5)
+_Bytes = np.ndarray[tuple[int], np.dtype[np.uint8]]
+_Sliceable = TypeVar("_Sliceable", str, bytes)
+_Counts = np.ndarray[tuple[int, ...], np.dtype[np.intp]]
+_PROBE_STEP = 4
+_BLOB, _RUN = 1, 2
+_SPACE_BYTE = ord(" ")
+_END = _STRIDE - 1  # a class code no byte has: what follows the last byte
+_RUN_CLASS = np.array([CLASSES.index(name) for name in RUNS])
+_CODES = {name: code for code, name in enumerate((*CLASSES, "continuation"))}
+_PAIR_INDEX = np.array([_CODES[a] * _STRIDE + _CODES[b] for a, b in PAIRS])
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """Feature counts of a text (scaled up from its windows when it was sampled)."""
+
+    size: float  # UTF-8 bytes of the whole text (estimated when a long non-ASCII text was sampled)
+    min_size: int  # certainly at least this many UTF-8 bytes
+    max_size: int  # certainly no more than this many
+    counts: tuple[float, ...]  # one per FEATURES entry, for the whole text outside trap windows
+    blob_bytes: float  # bytes of the whole text in blob windows (base64, hex, URLs)
+    run_bytes: float  # bytes of the whole text in runs of one character
+
+    @property
+    def trap_bytes(self) -> float:
+        return self.blob_bytes + self.run_bytes
+
+
+EMPTY_SAMPLE = Sample(0.0, 0, 0, (0.0,) * len(FEATURES), 0.0, 0.0)
+
+
+def sample(text: str) -> Sample:
+    """Features of the whole of `text`: read whole up to FULL_SCAN_BYTES, through windows beyond."""
+    if not text:
+        return EMPTY_SAMPLE
+    if text.isascii():
+        # One byte per character: the size is known without encoding, and only windows are encoded.
+        read = text if len(text) <= FULL_SCAN_BYTES else "".join(_windows(text))
+        return _features(read.encode("ascii"), len(text), len(text), len(text))
+    if len(text) <= ENCODE_CHARS:
+        data = text.encode("utf-8", "surrogatepass")
+        size = len(data)
+        read_bytes = data if size <= FULL_SCAN_BYTES else b"".join(_windows(data))
+        return _features(read_bytes, size, size, size)
+    data = "".join(_windows(text)).encode("utf-8", "surrogatepass")
+    estimated = len(text) * len(data) / (WINDOWS * WINDOW_BYTES)
+    return _features(data, estimated, len(text), len(text) * UTF8_MAX_BYTES)
+
+
+def _windows(sequence: _Sliceable) -> list[_Sliceable]:
+    """WINDOWS slices of WINDOW_BYTES items, evenly spaced from the start to the end."""
+    step = (len(sequence) - WINDOW_BYTES) / (WINDOWS - 1)
+    return [sequence[round(i * step) : round(i * step) + WINDOW_BYTES] for i in range(WINDOWS)]
+
+
+def _features(data: bytes, size: float, min_size: int, max_size: int) -> Sample:
+    raw = np.frombuffer(data, dtype=np.uint8)
+    classes = np.frombuffer(data.translate(_TABLE), dtype=np.uint8)
+    # Pair codes: class of each byte * _STRIDE + class of the next (a trailing sentinel for the last).
+    codes = np.left_shift(classes, 5, dtype=np.uint16)
+    codes[:-1] += classes[1:]
+    codes[-1] += _END
+    trap_kind = _trap_windows(raw)
+    if trap_kind.any():
+        regular = np.repeat(trap_kind == 0, WINDOW_BYTES)
+        regular = np.concatenate((regular, np.ones(len(raw) - len(regular), dtype=bool)))
+        codes = codes[regular]
+    pairs = np.bincount(codes, minlength=_STRIDE * _STRIDE)
+    # Each byte is the first of exactly one pair (the last one's pair ends in the sentinel).
+    singles = pairs.reshape(_STRIDE, _STRIDE).sum(axis=1)[: len(CLASSES)]
+    # A run of class c starts wherever c follows anything but c.
+    runs = singles[_RUN_CLASS] - pairs[_RUN_CLASS * (_STRIDE + 1)]
+    scale = size / len(raw)
+    counts = np.concatenate((singles, runs, pairs[_PAIR_INDEX])) * scale
+    blob_bytes = float(np.count_nonzero(trap_kind == _BLOB) * WINDOW_BYTES * scale)
+    run_bytes = float(np.count_nonzero(trap_kind == _RUN) * WINDOW_BYTES * scale)
+    return Sample(size, min_size, max_size, tuple(counts.tolist()), blob_bytes, run_bytes)
+
+
+def _trap_windows(raw: _Bytes) -> _Counts:
+    """Per whole window: _BLOB when pure ASCII with almost no whitespace (base64, hex, URLs), _RUN when
+    one character repeats (every 4th byte probed: that lands on the same byte of each 1-, 2- or 4-byte
+    character), else 0. A last, partial window is never a trap."""
+    windows = raw[: len(raw) // WINDOW_BYTES * WINDOW_BYTES].reshape(-1, WINDOW_BYTES)
+    # Space, newline, tab and control characters: none of them occurs in a blob.
+    whitespace = (windows <= _SPACE_BYTE).view(np.uint8).sum(axis=1, dtype=np.uint16)
+    blob = (windows.max(axis=1, initial=0) < 0x80) & (whitespace * TRAP_BYTES_PER_SPACE < WINDOW_BYTES)
+    probes = windows[:, ::_PROBE_STEP]
+    middle = probes[:, probes.shape[1] // 2 : probes.shape[1] // 2 + 1]
+    same = (probes == middle).view(np.uint8).sum(axis=1, dtype=np.uint16)
+    run = same.astype(np.intp) * 4 >= probes.shape[1] * 3
+    return np.where(run, _RUN, np.where(blob, _BLOB, 0))

@@ -1,0 +1,114 @@
+"""`kvgate estimate` and `kvgate calibrate` from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+from pathlib import Path
+
+import pytest
+from corpus.cases import text
+
+from kvgate.errors import ConfigError
+from kvgate.estimate import calibration
+from kvgate.estimate.cli import register
+from kvgate.estimate.exact import TokenizerFile, load_counter
+
+
+def run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    code: int = args.func(args)
+    return code
+
+
+def body(content: str, **extra: object) -> str:
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": content}], **extra})
+
+
+def test_estimate_prints_one_json_object_per_body(
+    tmp_path: Path, sp_model_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    english = text("english")
+    bodies = tmp_path / "bodies.jsonl"
+    bodies.write_text(
+        "\n".join(
+            [
+                body("Hello there."),
+                body(english[:20000], max_tokens=50),
+                body(english[:150000]),
+                json.dumps({"model": "m", "prompt": "Say hi", "max_tokens": 5}),
+                "{not json",
+            ]
+        )
+        + "\n"
+    )
+    results = []
+    for method in ("auto", "fast", "exact"):
+        code = run(
+            ["estimate", "--tokenizer", str(sp_model_path), "--method", method, "--jsonl", str(bodies)]
+        )
+        assert code == 1  # the broken line
+        lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert lines[-1]["error"] == "invalid_request"
+        results.append(lines[:-1])
+    auto, fast, exact = results
+    assert [r["class"] for r in auto] == ["interactive", "long", "too_long", "interactive"]
+    assert [r["class"] for r in exact] == [r["class"] for r in auto]
+    assert {r["method"] for r in fast} == {"fast"}
+    assert {r["method"] for r in exact} == {"exact"}
+    assert auto[0]["method"] == "fast"
+    assert auto[1]["output_tokens"] == 50
+    assert auto[2]["output_tokens"] == 1024
+    counter = load_counter(TokenizerFile.open(sp_model_path))
+    # Exact: the text's tokens plus the per-message overhead (4 by default).
+    assert exact[3]["prompt_tokens"] == counter.count("Say hi")
+    assert exact[0]["prompt_tokens"] == counter.count("Hello there.") + 4
+    for result in auto:
+        assert result["total_tokens"] == result["prompt_tokens"] + result["output_tokens"]
+
+
+def test_estimate_reads_one_body_from_stdin_without_a_tokenizer(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "body.json"
+    path.write_text(body("Hello there, how are you?"))
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(path.read_bytes())))
+    assert run(["estimate"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["method"] == "fast"
+    assert result["class"] == "interactive"
+    with pytest.raises(ConfigError, match="needs --tokenizer"):
+        run(["estimate", "--method", "exact", str(path)])
+
+
+def test_calibrate_writes_a_calibration_the_gate_can_load(
+    tmp_path: Path, sp_model_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for kind in ("english", "code", "chinese"):
+        (corpus / f"{kind}.txt").write_text(text(kind)[:30000])
+    out = tmp_path / "fitted.json"
+    assert (
+        run(["calibrate", "--tokenizer", str(sp_model_path), "--corpus", str(corpus), "--out", str(out)]) == 0
+    )
+    assert "held-back error" in capsys.readouterr().err
+    fitted = calibration.load(out)
+    assert fitted.sha256 == TokenizerFile.open(sp_model_path).sha256
+    assert 0 < fitted.mean_error < 0.1
+    assert all(0 < band.under < 0.5 and 0 < band.over < 0.5 for band in fitted.bands)
+    with pytest.raises(ConfigError, match="not found"):
+        run(
+            [
+                "calibrate",
+                "--tokenizer",
+                str(sp_model_path),
+                "--corpus",
+                str(tmp_path / "nope"),
+                "--out",
+                str(out),
+            ]
+        )
