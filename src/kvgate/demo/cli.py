@@ -1,0 +1,85 @@
+"""`kvgate demo`: replay a scenario through a plain Envoy and through kvgate, and compare."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+import kvgate
+from kvgate.demo.scenario import builtin_scenario, load_scenario
+from kvgate.errors import ConfigError
+
+RUNS = ("baseline", "kvgate")
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="run the whole stack locally and compare it with a plain Envoy",
+        description=(
+            "Start simulated GPU nodes, the real Envoy, the gate and one agent per long-context node "
+            "on 127.0.0.1, and replay a scenario (steady chat traffic plus bursts of 32k-token "
+            "requests) twice: through a plain round-robin Envoy over one shared pool, then through "
+            "kvgate. Prints a side-by-side table and writes report.json and report.png. Everything it "
+            "starts is stopped when it ends."
+        ),
+    )
+    parser.add_argument(
+        "--scenario", type=Path, default=None, help="scenario YAML (default: the built-in burst scenario)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("out/demo"), help="output directory (default out/demo)"
+    )
+    parser.add_argument(
+        "--envoy-config",
+        type=Path,
+        default=None,
+        help="Envoy config of the kvgate run (default: envoy/envoy.yaml of this checkout)",
+    )
+    parser.add_argument("--only", choices=RUNS, default=None, help="run one of the two stacks only")
+    parser.set_defaults(func=run)
+
+
+def default_envoy_config() -> Path:
+    local = Path("envoy/envoy.yaml")
+    if local.is_file():
+        return local
+    checkout = Path(kvgate.__file__).resolve().parents[2] / "envoy" / "envoy.yaml"
+    if checkout.is_file():
+        return checkout
+    raise ConfigError("no envoy/envoy.yaml here or in the kvgate checkout: pass --envoy-config FILE")
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported here so that `kvgate --help` does not load the HTTP client and the process machinery.
+    from kvgate.demo.processes import DemoError
+    from kvgate.demo.runner import print_report, run_demo
+
+    scenario = load_scenario(args.scenario or builtin_scenario("burst"))
+    runs = (args.only,) if args.only else RUNS
+    envoy_config = Path()
+    if "kvgate" in runs:
+        envoy_config = args.envoy_config or default_envoy_config()
+    try:
+        report = asyncio.run(_until_terminated(run_demo(scenario, args.out, envoy_config, runs)))
+    except DemoError as exc:
+        print(f"kvgate demo: {exc}\n(logs of every process are in {args.out / 'logs'})", file=sys.stderr)
+        return 1
+    except asyncio.CancelledError:
+        print("kvgate demo: terminated; every process it started is stopped", file=sys.stderr)
+        return 143
+    print_report(report, args.out)
+    return 0
+
+
+async def _until_terminated(work: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
+    """Run `work`, cancelling it on SIGTERM so that it stops its child processes on the way out."""
+    task = asyncio.current_task()
+    assert task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    return await work

@@ -1,0 +1,212 @@
+"""The demo's open-loop load generator: sends each planned request at its time, whatever came before.
+
+Every request streams (as chat clients do) and ends in exactly one outcome:
+- `ok`: the stream ended with `data: [DONE]`; `async` when the node that served it is an async node.
+- `413` / `429` / `503`: an explicit refusal, i.e. a JSON error body (what the gate answers). Envoy's
+  own plain-text 503 for a dead upstream is not a refusal: the client got nothing it can act on.
+- `other`: any other HTTP error with a JSON error body (a node's 400, say).
+- `lost`: no response, a cut stream, a timeout, or a refusal nobody explained.
+Everything is bounded: per-request timeouts, a cap on requests in flight, a drain deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import aiohttp
+
+from kvgate.demo.scenario import Planned, Scenario
+from kvgate.sim.server import NODE_HEADER
+from kvgate.sim.tokens import make_prompt
+
+Outcome = Literal["ok", "async", "413", "429", "503", "other", "lost"]
+OUTCOMES: tuple[Outcome, ...] = ("ok", "async", "413", "429", "503", "other", "lost")
+_REFUSALS: dict[int, Outcome] = {413: "413", 429: "429", 503: "503"}
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    planned: Planned
+    sent_s: float
+    outcome: Outcome
+    status: int | None = None
+    ttft_s: float | None = None
+    finished_s: float | None = None
+    completion_tokens: int = 0
+    node: str | None = None
+    detail: str = ""
+
+
+def classify_response(status: int, body: bytes) -> Outcome:
+    """The outcome of a non-200 answer: explicit refusals carry an OpenAI-style JSON error."""
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return "lost"
+    if not isinstance(parsed, dict) or "error" not in parsed:
+        return "lost"
+    return _REFUSALS.get(status, "other")
+
+
+def request_body(scenario: Scenario, planned: Planned) -> bytes:
+    prompt = make_prompt(planned.prompt_tokens, random.Random(f"{scenario.seed}/prompt/{planned.index}"))
+    body = {
+        "model": scenario.model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": planned.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    return json.dumps(body).encode()
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:200]
+
+
+def _completion_tokens(data: bytes) -> int:
+    usage = json.loads(data).get("usage") or {}
+    count = usage.get("completion_tokens", 0)
+    return count if isinstance(count, int) else 0
+
+
+def _chunk_text(data: bytes) -> str:
+    choices = json.loads(data).get("choices") or []
+    if not choices:
+        return ""
+    choice = choices[0]
+    text = choice.get("delta", {}).get("content") if "delta" in choice else choice.get("text")
+    return text or ""
+
+
+class LoadGenerator:
+    def __init__(
+        self,
+        url: str,
+        scenario: Scenario,
+        async_nodes: frozenset[str] = frozenset(),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._url = url
+        self._scenario = scenario
+        self._async_nodes = async_nodes
+        self._clock = clock
+        self._counts: Counter[str] = Counter()
+        self._in_flight = 0
+        self._sent = 0
+
+    def progress(self) -> Mapping[str, int]:
+        return {"sent": self._sent, "in_flight": self._in_flight, **{o: self._counts[o] for o in OUTCOMES}}
+
+    def prepare(self, plan: list[Planned]) -> list[bytes]:
+        """The request bodies, built before the clock starts so that building them delays no send."""
+        return [request_body(self._scenario, p) for p in plan]
+
+    async def run(self, plan: list[Planned], bodies: list[bytes], start: float) -> list[Result]:
+        """Send `plan` open-loop, each request `at_s` after `start` (a value of the clock)."""
+        timing = self._scenario.timing
+        timeout = aiohttp.ClientTimeout(total=timing.request_timeout_s, sock_connect=timing.connect_timeout_s)
+        connector = aiohttp.TCPConnector(limit=timing.max_in_flight)
+        results: dict[int, Result] = {}
+        tasks: list[asyncio.Task[None]] = []
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+            for planned, body in zip(plan, bodies, strict=True):
+                delay = start + planned.at_s - self._clock()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                self._sent += 1
+                if self._in_flight >= timing.max_in_flight:
+                    self._record(
+                        results, Result(planned, planned.at_s, "lost", detail="client in-flight cap")
+                    )
+                    continue
+                tasks.append(asyncio.create_task(self._send(session, planned, body, start, results)))
+            if tasks:
+                _done, pending = await asyncio.wait(tasks, timeout=timing.drain_s)
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+        for planned in plan:
+            if planned.index not in results:
+                self._record(
+                    results, Result(planned, planned.at_s, "lost", detail="still running at drain deadline")
+                )
+        return [results[p.index] for p in plan]
+
+    def _record(self, results: dict[int, Result], result: Result) -> None:
+        results[result.planned.index] = result
+        self._counts[result.outcome] += 1
+
+    async def _send(
+        self,
+        session: aiohttp.ClientSession,
+        planned: Planned,
+        body: bytes,
+        start: float,
+        results: dict[int, Result],
+    ) -> None:
+        self._in_flight += 1
+        sent = self._clock()
+        try:
+            result = await self._exchange(session, planned, body, sent, start)
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            result = Result(planned, sent - start, "lost", detail=_describe(exc))
+        finally:
+            self._in_flight -= 1
+        self._record(results, result)
+
+    async def _exchange(
+        self, session: aiohttp.ClientSession, planned: Planned, body: bytes, sent: float, start: float
+    ) -> Result:
+        headers = {"Content-Type": "application/json"}
+        async with session.post(self._url, data=body, headers=headers) as response:
+            node = response.headers.get(NODE_HEADER)
+            if response.status != 200:
+                payload = await response.read()
+                outcome = classify_response(response.status, payload)
+                return Result(
+                    planned,
+                    sent - start,
+                    outcome,
+                    response.status,
+                    node=node,
+                    detail=payload[:200].decode(errors="replace"),
+                )
+            try:
+                ttft, tokens, done = await self._read_stream(response.content, sent)
+            except (aiohttp.ClientError, OSError, ValueError) as exc:
+                return Result(planned, sent - start, "lost", 200, node=node, detail=_describe(exc))
+        if done is None:
+            return Result(
+                planned, sent - start, "lost", 200, ttft, None, tokens, node, "stream ended without [DONE]"
+            )
+        served: Outcome = "async" if node in self._async_nodes else "ok"
+        return Result(planned, sent - start, served, 200, ttft, done, tokens, node)
+
+    async def _read_stream(
+        self, content: aiohttp.StreamReader, sent: float
+    ) -> tuple[float | None, int, float | None]:
+        """(TTFT, completion tokens, time to `data: [DONE]` or None when the stream ended without it)."""
+        ttft: float | None = None
+        tokens = 0
+        async for line in content:
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:].strip()
+            if data == b"[DONE]":
+                return ttft, tokens, self._clock() - sent
+            # Only the first content chunk and the usage chunk are parsed: decoding every chunk of
+            # the long streams would slow this client's loop and inflate the short requests' TTFT.
+            if ttft is None:
+                if _chunk_text(data):
+                    ttft = self._clock() - sent
+            elif b'"usage":{' in data:
+                tokens = _completion_tokens(data)
+        return ttft, tokens, None

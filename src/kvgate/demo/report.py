@@ -1,0 +1,133 @@
+"""The figures of one demo run, computed from the request results and the nodes' counters (pure).
+
+Request counts, outcomes and TTFTs are those of the burst phase; `short_ttft_p99_ms_no_burst` comes
+from the same short traffic replayed alone on the same stack just before. Node counters (OOM crashes,
+preemptions, peak KV) cover the whole run.
+
+`short_ttft_*` cover short requests that were served; `long_goodput_tokens_per_s` counts prompt and
+generated tokens of long requests served in full, over the window from the first long request sent to
+the last one finished; `long_capacity_tokens_per_s` is what the pool serving long requests would do
+at full use over the same kind of traffic (see `capacity`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvgate.demo.load import Outcome, Result
+from kvgate.demo.scrape import NodeMetrics, Sample
+
+REPORTED_OUTCOMES: tuple[Outcome, ...] = ("ok", "413", "429", "503", "async", "other")
+
+
+@dataclass(frozen=True, slots=True)
+class RunTrace:
+    """Everything one run produced, for the report and the plot."""
+
+    summary: dict[str, Any]
+    burst: list[Result]
+    timeline: Mapping[str, list[Sample]]
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 1)
+
+
+def short_ttfts(results: Sequence[Result]) -> list[float]:
+    return [
+        r.ttft_s for r in results if r.planned.kind == "short" and r.outcome == "ok" and r.ttft_s is not None
+    ]
+
+
+def long_goodput(results: Sequence[Result]) -> float:
+    longs = [r for r in results if r.planned.kind == "long"]
+    served = [r for r in longs if r.outcome == "ok" and r.finished_s is not None]
+    if not served:
+        return 0.0
+    start = min(r.sent_s for r in longs)
+    end = max(r.sent_s + (r.finished_s or 0.0) for r in served)
+    tokens = sum(r.planned.prompt_tokens + r.completion_tokens for r in served)
+    return tokens / max(end - start, 1e-9)
+
+
+def summarize_run(
+    burst: Sequence[Result],
+    no_burst: Sequence[Result],
+    nodes: Mapping[str, NodeMetrics | None],
+    pools: Mapping[str, str],
+    long_capacity_tokens_per_s: float,
+) -> dict[str, Any]:
+    outcomes = Counter(r.outcome for r in burst)
+    ttfts = short_ttfts(burst)
+    known = [m for m in nodes.values() if m is not None]
+    return {
+        "oom_crashes": sum(m.oom_crashes for m in known),
+        "preemptions": sum(m.preemptions for m in known),
+        "requests_total": len(burst),
+        "requests_lost": outcomes["lost"],
+        "outcomes": {o: outcomes[o] for o in REPORTED_OUTCOMES},
+        "short_ttft_p50_ms": _ms(percentile(ttfts, 50)),
+        "short_ttft_p99_ms": _ms(percentile(ttfts, 99)),
+        "short_ttft_p99_ms_no_burst": _ms(percentile(short_ttfts(no_burst), 99)),
+        "peak_kv_fraction": {
+            name: None if m is None else round(m.peak_kv_tokens / m.capacity_tokens, 3)
+            for name, m in nodes.items()
+        },
+        "long_goodput_tokens_per_s": round(long_goodput(burst), 1),
+        "long_capacity_tokens_per_s": round(long_capacity_tokens_per_s, 1),
+        "nodes_unreadable": sorted(name for name, m in nodes.items() if m is None),
+        "pools": dict(pools),
+        "long_requests": sum(1 for r in burst if r.planned.kind == "long"),
+        "long_served": sum(1 for r in burst if r.planned.kind == "long" and r.outcome == "ok"),
+    }
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.1f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def format_table(report: Mapping[str, Mapping[str, Any]]) -> str:
+    runs = list(report)
+    rows: list[tuple[str, list[str]]] = []
+    for key in ("oom_crashes", "preemptions", "requests_total", "requests_lost"):
+        rows.append((key, [_cell(report[r].get(key)) for r in runs]))
+    for outcome in REPORTED_OUTCOMES:
+        rows.append((f"outcome {outcome}", [_cell(report[r]["outcomes"].get(outcome)) for r in runs]))
+    for key in ("short_ttft_p50_ms", "short_ttft_p99_ms", "short_ttft_p99_ms_no_burst"):
+        rows.append((key, [_cell(report[r].get(key)) for r in runs]))
+    rows.append(("peak_kv_fraction (max node)", [_cell(_max_peak(report[r])) for r in runs]))
+    for key in ("long_goodput_tokens_per_s", "long_capacity_tokens_per_s"):
+        rows.append((key, [_cell(report[r].get(key)) for r in runs]))
+    label_width = max(len(label) for label, _ in rows)
+    widths = [max(len(run), *(len(cells[i]) for _, cells in rows)) for i, run in enumerate(runs)]
+    header = " " * label_width + "  " + "  ".join(run.rjust(w) for run, w in zip(runs, widths, strict=True))
+    lines = [header, "-" * len(header)]
+    for label, cells in rows:
+        lines.append(
+            label.ljust(label_width)
+            + "  "
+            + "  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True))
+        )
+    return "\n".join(lines)
+
+
+def _max_peak(run: Mapping[str, Any]) -> float | None:
+    peaks = [v for v in run.get("peak_kv_fraction", {}).values() if v is not None]
+    return max(peaks) if peaks else None

@@ -1,0 +1,150 @@
+"""The demo run: the same traffic through the baseline stack and through kvgate, then the report.
+
+Each run starts its stack, replays the short traffic alone (the TTFT reference), replays it again
+with the bursts while sampling every node's KV usage, reads the nodes' counters and stops the stack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TextIO
+
+from kvgate.demo.capacity import node_capacity_tokens_per_s
+from kvgate.demo.load import LoadGenerator, Result
+from kvgate.demo.plot import write_plot
+from kvgate.demo.processes import Supervisor
+from kvgate.demo.report import RunTrace, format_table, summarize_run
+from kvgate.demo.scenario import Scenario, plan
+from kvgate.demo.scrape import Sampler, final_metrics
+from kvgate.demo.stacks import Stack, start_baseline, start_kvgate
+
+
+class Progress:
+    """One status line, rewritten in place on a terminal and printed every few seconds otherwise."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._tty = stream.isatty()
+        self._last_plain = 0.0
+
+    def show(self, line: str) -> None:
+        if self._tty:
+            self._stream.write("\r\x1b[2K" + line)
+            self._stream.flush()
+        elif time.monotonic() - self._last_plain >= 5.0:
+            self._last_plain = time.monotonic()
+            self._stream.write(line + "\n")
+            self._stream.flush()
+
+    def done(self, line: str) -> None:
+        self._stream.write(("\r\x1b[2K" if self._tty else "") + line + "\n")
+        self._stream.flush()
+
+
+async def _report_progress(label: str, duration_s: float, load: LoadGenerator, progress: Progress) -> None:
+    start = time.monotonic()
+    while True:
+        counts = load.progress()
+        parts = " ".join(f"{key} {counts[key]}" for key in ("ok", "413", "429", "503", "async", "lost"))
+        elapsed = time.monotonic() - start
+        progress.show(f"{label:<18} {elapsed:5.1f}/{duration_s:.0f}s  sent {counts['sent']}  {parts}  "
+                      f"in flight {counts['in_flight']}")  # fmt: skip
+        await asyncio.sleep(0.5)
+
+
+async def _phase(
+    label: str,
+    stack: Stack,
+    scenario: Scenario,
+    with_bursts: bool,
+    progress: Progress,
+    *,
+    sampler: Sampler | None,
+) -> list[Result]:
+    duration = scenario.timing.burst_phase_s if with_bursts else scenario.timing.no_burst_phase_s
+    requests = plan(scenario, duration, with_bursts)
+    load = LoadGenerator(stack.url, scenario, stack.async_nodes)
+    bodies = load.prepare(requests)
+    start = time.monotonic()
+    watchers = [asyncio.create_task(_report_progress(label, duration, load, progress))]
+    if sampler is not None:
+        watchers.append(asyncio.create_task(sampler.run(start)))
+    try:
+        results = await load.run(requests, bodies, start)
+    finally:
+        for task in watchers:
+            task.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)
+    counts = load.progress()
+    progress.done(f"{label:<18} {len(results)} requests: " + ", ".join(
+        f"{key} {counts[key]}" for key in ("ok", "413", "429", "503", "async", "other", "lost") if counts[key]
+    ))  # fmt: skip
+    return results
+
+
+async def _run_one(
+    name: str, scenario: Scenario, out_dir: Path, envoy_config: Path, progress: Progress
+) -> RunTrace:
+    with (
+        tempfile.TemporaryDirectory(prefix=f"kvgate-demo-{name}-") as tmp,
+        Supervisor(out_dir / "logs" / name) as sup,
+    ):
+        progress.done(f"{name}: starting the stack")
+        if name == "baseline":
+            stack = await start_baseline(sup, scenario, Path(tmp))
+        else:
+            stack = await start_kvgate(sup, scenario, Path(tmp), envoy_config)
+        no_burst = await _phase(f"{name} no bursts", stack, scenario, False, progress, sampler=None)
+        sup.check_alive()
+        sampler = Sampler(stack.nodes)
+        burst = await _phase(f"{name} bursts", stack, scenario, True, progress, sampler=sampler)
+        final = await final_metrics(stack.nodes, wait_s=scenario.node.restart_s + 2.0)
+    long_capacity = len(stack.long_pool) * node_capacity_tokens_per_s(
+        scenario.node, scenario.bursts.prompt_tokens, scenario.bursts.max_tokens
+    )
+    pools = {node.name: node.pool for node in stack.nodes}
+    summary = summarize_run(burst, no_burst, final, pools, long_capacity)
+    return RunTrace(summary, burst, sampler.timeline)
+
+
+async def run_demo(
+    scenario: Scenario,
+    out_dir: Path,
+    envoy_config: Path,
+    runs: tuple[str, ...] = ("baseline", "kvgate"),
+    stream: TextIO = sys.stderr,
+) -> dict[str, Any]:
+    """Run the scenario through each stack, write report.json (and the plot), return the report."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    progress = Progress(stream)
+    traces: dict[str, RunTrace] = {}
+    for name in runs:
+        traces[name] = await _run_one(name, scenario, out_dir, envoy_config, progress)
+        _write_requests(traces[name].burst, out_dir / f"requests-{name}.jsonl")
+    report = {name: trace.summary for name, trace in traces.items()}
+    report_path = out_dir / "report.json"
+    report_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    if not write_plot(traces, out_dir / "report.png"):
+        progress.done("matplotlib is not installed: no report.png (`make setup` installs it)")
+    return report
+
+
+def _write_requests(results: list[Result], path: Path) -> None:
+    """One JSON line per request of the burst phase: what was asked, when, and what came of it."""
+    with path.open("w", encoding="utf-8") as out:
+        for r in results:
+            row = {**dataclasses.asdict(r.planned), **dataclasses.asdict(r)}
+            del row["planned"]
+            out.write(json.dumps(row) + "\n")
+
+
+def print_report(report: Mapping[str, Mapping[str, Any]], out_dir: Path, stream: TextIO = sys.stdout) -> None:
+    stream.write(format_table(report) + "\n")
+    stream.write(f"\nwrote {out_dir / 'report.json'} and {out_dir / 'report.png'}\n")

@@ -1,0 +1,112 @@
+"""What the demo reads from the simulated nodes' /metrics: KV usage over time, crashes, preemptions.
+
+A scrape that fails means the node is down (a crashed engine answers nothing): the timeline records
+it as such, and the final figures wait out a restart before reading the counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})? (\S+)$", re.MULTILINE)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeMetrics:
+    kv_usage: float
+    running: int
+    waiting: int
+    preemptions: int
+    oom_crashes: int
+    peak_kv_tokens: int
+    capacity_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    t_s: float
+    metrics: NodeMetrics | None  # None: the node did not answer (down)
+
+
+def parse_sim_metrics(text: str) -> NodeMetrics:
+    values = {name: float(value) for name, value in _SAMPLE.findall(text)}
+    try:
+        return NodeMetrics(
+            kv_usage=values["vllm:kv_cache_usage_perc"],
+            running=int(values["vllm:num_requests_running"]),
+            waiting=int(values["vllm:num_requests_waiting"]),
+            preemptions=int(values["vllm:num_preemptions_total"]),
+            oom_crashes=int(values["kvgate_sim_oom_crashes_total"]),
+            peak_kv_tokens=int(values["kvgate_sim_peak_kv_tokens"]),
+            capacity_tokens=int(values["kvgate_sim_kv_capacity_tokens"]),
+        )
+    except KeyError as exc:
+        raise ValueError(f"not a kvgate sim /metrics page: {exc} missing") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    name: str
+    port: int
+    pool: str
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.address}/metrics"
+
+
+async def scrape(session: aiohttp.ClientSession, node: Node) -> NodeMetrics | None:
+    try:
+        async with session.get(node.metrics_url) as response:
+            if response.status != 200:
+                return None
+            return parse_sim_metrics(await response.text())
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return None
+
+
+class Sampler:
+    """Scrapes every node at a fixed interval while the load runs."""
+
+    def __init__(
+        self, nodes: Sequence[Node], interval_s: float = 0.25, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.nodes = tuple(nodes)
+        self.timeline: dict[str, list[Sample]] = {n.name: [] for n in nodes}
+        self._interval = interval_s
+        self._clock = clock
+
+    async def run(self, start: float) -> None:
+        """Sample until cancelled; `start` is the clock value that timelines count from."""
+        timeout = aiohttp.ClientTimeout(total=self._interval * 2)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while True:
+                now = self._clock() - start
+                found = await asyncio.gather(*(scrape(session, n) for n in self.nodes))
+                for node, metrics in zip(self.nodes, found, strict=True):
+                    self.timeline[node.name].append(Sample(now, metrics))
+                await asyncio.sleep(self._interval)
+
+
+async def final_metrics(nodes: Sequence[Node], wait_s: float) -> dict[str, NodeMetrics | None]:
+    """Each node's counters, waiting up to `wait_s` for nodes that are restarting after a crash."""
+    deadline = time.monotonic() + wait_s
+    result: dict[str, NodeMetrics | None] = {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0)) as session:
+        for node in nodes:
+            metrics = await scrape(session, node)
+            while metrics is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+                metrics = await scrape(session, node)
+            result[node.name] = metrics
+    return result

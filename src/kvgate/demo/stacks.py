@@ -1,0 +1,151 @@
+"""The two stacks the demo compares, started under a Supervisor on free 127.0.0.1 ports.
+
+- baseline: simulated nodes in one shared pool behind a plain round-robin Envoy.
+- kvgate: an interactive pool, a long-context pool with one `kvgate agent` per node, an optional
+  async pool, the gate, and Envoy with the repository's config.
+Both use the same node profile and the same number of nodes for the interactive and long traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvgate.demo.envoy_config import baseline_bootstrap, kvgate_bootstrap, write_yaml
+from kvgate.demo.processes import Supervisor, find_envoy, free_ports, kvgate_command, sim_command
+from kvgate.demo.scenario import Scenario
+from kvgate.demo.scrape import Node
+
+
+@dataclass(frozen=True, slots=True)
+class Stack:
+    url: str
+    nodes: tuple[Node, ...]
+    # Nodes whose served requests count as long-pool goodput and capacity.
+    long_pool: tuple[str, ...]
+    async_nodes: frozenset[str]
+
+
+def _sim_command(scenario: Scenario, node: Node, max_model_len: int, seed: int) -> list[str]:
+    profile = scenario.node
+    return [
+        *sim_command(),
+        "--listen", node.address,
+        "--kv-capacity-tokens", str(profile.kv_capacity_tokens),
+        "--max-model-len", str(max_model_len),
+        "--prefill-tokens-per-s", str(profile.prefill_tokens_per_s),
+        "--decode-tokens-per-s", str(profile.decode_tokens_per_s),
+        # The async tier is a batch engine: it queues and preempts (vLLM's own behaviour), it is not
+        # where the demo shows what an unguarded node does.
+        "--on-exhaustion", "preempt" if node.pool == "async" else profile.on_exhaustion,
+        "--restart-s", str(profile.restart_s),
+        "--seed", str(seed),
+        "--model-name", scenario.model,
+        "--node-name", node.name,
+    ]  # fmt: skip
+
+
+def _start_envoy(supervisor: Supervisor, config_path: Path) -> None:
+    argv = [str(find_envoy()), "-c", str(config_path), "--disable-hot-restart", "--concurrency", "1"]
+    supervisor.start("envoy", [*argv, "--log-level", "warn"])
+
+
+async def _wait_all(supervisor: Supervisor, ports: dict[str, int]) -> None:
+    await asyncio.gather(*(supervisor.wait_listening(name, port) for name, port in ports.items()))
+
+
+def _start_nodes(
+    supervisor: Supervisor, scenario: Scenario, nodes: list[Node], max_model_len: dict[str, int]
+) -> None:
+    for i, node in enumerate(nodes):
+        supervisor.start(node.name, _sim_command(scenario, node, max_model_len[node.pool], scenario.seed + i))
+
+
+async def start_baseline(supervisor: Supervisor, scenario: Scenario, work_dir: Path) -> Stack:
+    count = scenario.layout.baseline_nodes
+    ports = iter(free_ports(count + 2))
+    nodes = [Node(f"shared-{i}", next(ports), "shared") for i in range(count)]
+    _start_nodes(supervisor, scenario, nodes, {"shared": scenario.node.max_model_len})
+    listen, admin = next(ports), next(ports)
+    bootstrap = baseline_bootstrap(listen, admin, [n.port for n in nodes])
+    _start_envoy(supervisor, write_yaml(bootstrap, work_dir / "envoy-baseline.yaml"))
+    await _wait_all(supervisor, {**{n.name: n.port for n in nodes}, "envoy": listen})
+    url = f"http://127.0.0.1:{listen}/v1/chat/completions"
+    return Stack(url, tuple(nodes), tuple(n.name for n in nodes), frozenset())
+
+
+def gate_config(scenario: Scenario, gate_port: int, agent_ports: list[int]) -> dict[str, Any]:
+    """The gate's YAML for this run: pool limits from the node profile, one agent per long node."""
+    return {
+        "server": {"listen": f"127.0.0.1:{gate_port}", "workers": 1},
+        "default_model": {
+            "interactive_max_tokens": scenario.node.interactive_max_model_len,
+            "max_total_tokens": scenario.node.max_model_len,
+        },
+        # With an async pool, a long request that finds no room is handed to it instead of a 429.
+        "admission": {
+            "max_wait_s": scenario.gate.admission_max_wait_s,
+            "async_fallback": scenario.layout.async_nodes > 0,
+        },
+        "headroom": {"agents": [f"127.0.0.1:{port}" for port in agent_ports]},
+    }
+
+
+def _start_agents(supervisor: Supervisor, long_nodes: list[Node], ports: Iterator[int]) -> dict[str, int]:
+    """One agent per long-context node, reading that node's /metrics; returns name -> port."""
+    agents: dict[str, int] = {}
+    for node in long_nodes:
+        name, port = f"agent-{node.name}", next(ports)
+        agents[name] = port
+        supervisor.start(
+            name,
+            kvgate_command(
+                "agent", "--listen", f"127.0.0.1:{port}", "--endpoint", node.address,
+                "--engine-metrics", node.metrics_url, "--nvml", "off", "--node-name", node.name,
+            ),
+        )  # fmt: skip
+    return agents
+
+
+async def start_kvgate(
+    supervisor: Supervisor, scenario: Scenario, work_dir: Path, envoy_config: Path
+) -> Stack:
+    layout = scenario.layout
+    sizes = {"interactive": layout.interactive_nodes, "long": layout.long_nodes, "async": layout.async_nodes}
+    # Nodes, agents, then the gate, its metrics, Envoy's listener and admin.
+    ports = iter(free_ports(sum(sizes.values()) + layout.long_nodes + 4))
+    nodes = [Node(f"{pool}-{i}", next(ports), pool) for pool, size in sizes.items() for i in range(size)]
+    model_len = {
+        "interactive": scenario.node.interactive_max_model_len,
+        "long": scenario.node.max_model_len,
+        "async": scenario.node.max_model_len,
+    }
+    _start_nodes(supervisor, scenario, nodes, model_len)
+    long_nodes = [n for n in nodes if n.pool == "long"]
+    agents = _start_agents(supervisor, long_nodes, ports)
+    gate_port = next(ports)
+    gate_yaml = write_yaml(
+        gate_config(scenario, gate_port, list(agents.values())), work_dir / "kvgate-gate.yaml"
+    )
+    # A port of its own for the gate's /metrics: the default one may be taken by another gate.
+    gate_metrics = f"127.0.0.1:{next(ports)}"
+    supervisor.start(
+        "gate", kvgate_command("gate", "--config", str(gate_yaml), "--metrics-listen", gate_metrics)
+    )
+    listen, admin = next(ports), next(ports)
+    pools = {
+        "interactive": [n.port for n in nodes if n.pool == "interactive"],
+        "long_context": [n.port for n in long_nodes],
+        "async": [n.port for n in nodes if n.pool == "async"],
+    }
+    bootstrap = kvgate_bootstrap(envoy_config, listen, admin, gate_port, pools)
+    _start_envoy(supervisor, write_yaml(bootstrap, work_dir / "envoy-kvgate.yaml"))
+    await _wait_all(
+        supervisor, {**{n.name: n.port for n in nodes}, **agents, "gate": gate_port, "envoy": listen}
+    )
+    url = f"http://127.0.0.1:{listen}/v1/chat/completions"
+    async_nodes = frozenset(n.name for n in nodes if n.pool == "async")
+    return Stack(url, tuple(nodes), tuple(n.name for n in long_nodes), async_nodes)

@@ -1,0 +1,195 @@
+"""The OpenAI-compatible surface of the simulator, as vLLM's server shapes it (pure; no I/O).
+
+Requests are read into a `CompletionRequest`; a request vLLM would refuse raises `RequestError`
+with the status and message vLLM uses, and `error_body` renders it as vLLM's error JSON.
+Prompt tokens follow `kvgate.sim.tokens`: ceil(UTF-8 bytes / 4) per text part, summed; image parts
+are not charged; a completions prompt given as token ids counts one token per id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kvgate.errors import RequestError
+from kvgate.sim.tokens import count_text_tokens
+
+Api = Literal["chat", "completion"]
+
+# vLLM's completions endpoint generates 16 tokens when max_tokens is absent, like OpenAI's.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    api: Api
+    model: str | None
+    prompt_tokens: int
+    max_tokens: int | None
+    stream: bool
+    include_usage: bool
+
+
+def _bad(message: str) -> RequestError:
+    return RequestError(400, "BadRequestError", message, "BadRequestError")
+
+
+def error_body(error: RequestError) -> dict[str, Any]:
+    return {
+        "error": {"message": error.message, "type": error.error_type, "param": None, "code": error.status}
+    }
+
+
+def parse_request(api: Api, body: object) -> CompletionRequest:
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("'model' must be a string")
+    if api == "chat":
+        prompt_tokens = _chat_prompt_tokens(body.get("messages"))
+        max_tokens = _positive_int(body, "max_completion_tokens")
+        if max_tokens is None:
+            max_tokens = _positive_int(body, "max_tokens")
+    else:
+        prompt_tokens = _completion_prompt_tokens(body.get("prompt"))
+        max_tokens = _positive_int(body, "max_tokens")
+        if max_tokens is None:
+            max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad("'stream' must be true or false")
+    options = body.get("stream_options") or {}
+    include_usage = isinstance(options, dict) and options.get("include_usage") is True
+    return CompletionRequest(api, model, prompt_tokens, max_tokens, stream, include_usage)
+
+
+def check_context(request: CompletionRequest, max_model_len: int) -> None:
+    """Refuse what vLLM refuses: a prompt plus output budget beyond max-model-len."""
+    prompt = request.prompt_tokens
+    if request.max_tokens is None:
+        if prompt >= max_model_len:
+            raise _bad(
+                f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+                f"{prompt} input tokens. Please reduce the length of the input messages."
+            )
+        return
+    total = prompt + request.max_tokens
+    if total > max_model_len:
+        where = "messages" if request.api == "chat" else "prompt"
+        raise _bad(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{total} tokens ({prompt} in the {where}, {request.max_tokens} in the completion). "
+            f"Please reduce the length of the {where} or completion."
+        )
+
+
+def _positive_int(body: dict[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _bad(f"'{key}' must be a positive integer, got {value!r}")
+    return value
+
+
+def _chat_prompt_tokens(messages: object) -> int:
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty list")
+    total = 0
+    for message in messages:
+        if not isinstance(message, dict):
+            raise _bad("each message must be an object")
+        content = message.get("content")
+        if isinstance(content, str):
+            total += count_text_tokens(content)
+        elif isinstance(content, list):
+            for part in content:
+                if (
+                    isinstance(part, dict)
+                    and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)
+                ):
+                    total += count_text_tokens(part["text"])
+        elif content is not None:
+            raise _bad("a message's 'content' must be a string or a list of parts")
+    return max(total, 1)
+
+
+def _completion_prompt_tokens(prompt: object) -> int:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return max(count_text_tokens(prompt), 1)
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        return len(prompt)
+    raise _bad("'prompt' must be a string, a list of one string, or a list of token ids")
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """Builds the response objects of one request, streamed as vLLM chunks them or whole."""
+
+    request: CompletionRequest
+    request_id: str
+    created: int
+    model: str
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.request_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    @property
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.request.api == "chat" else "text_completion"
+
+    def role_chunk(self) -> dict[str, Any]:
+        """vLLM's first chat chunk: the assistant role with empty content."""
+        delta = {"role": "assistant", "content": ""}
+        return self._envelope(
+            self._chunk_object, [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]
+        )
+
+    def chunk(self, text: str, finish: str | None) -> dict[str, Any]:
+        if self.request.api == "chat":
+            choice: dict[str, Any] = {"index": 0, "delta": {"content": text} if text else {}}
+        else:
+            choice = {"index": 0, "text": text}
+        choice["logprobs"] = None
+        choice["finish_reason"] = finish
+        return self._envelope(self._chunk_object, [choice])
+
+    def usage_chunk(self, completion_tokens: int) -> dict[str, Any]:
+        body = self._envelope(self._chunk_object, [])
+        body["usage"] = usage(self.request.prompt_tokens, completion_tokens)
+        return body
+
+    def full(self, text: str, finish: str, completion_tokens: int) -> dict[str, Any]:
+        if self.request.api == "chat":
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text}
+            obj = "text_completion"
+        choice["logprobs"] = None
+        choice["finish_reason"] = finish
+        body = self._envelope(obj, [choice])
+        body["usage"] = usage(self.request.prompt_tokens, completion_tokens)
+        return body

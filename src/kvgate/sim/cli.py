@@ -1,0 +1,133 @@
+"""`kvgate sim`: run one simulated GPU node (an OpenAI-compatible server with vLLM-style /metrics)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from kvgate.errors import ConfigError
+from kvgate.sim.engine import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "sim",
+        help="run a simulated GPU inference node",
+        description=(
+            "Serve /v1/chat/completions, /v1/completions (streaming and not), /v1/models, /health and a "
+            "vLLM-format /metrics from a model of one GPU node: KV blocks allocated chunk by chunk during "
+            "prefill and a block at a time during decode, batched prefill and decode throughput, and on "
+            "exhaustion either vLLM V1's preemption or a CUDA-OOM crash that fails every in-flight request "
+            "and keeps the node down for --restart-s. Prompt tokens are counted as ceil(UTF-8 bytes / 4) "
+            "of the text parts."
+        ),
+    )
+    parser.add_argument("--listen", required=True, metavar="HOST:PORT", help="address to serve on")
+    parser.add_argument(
+        "--kv-capacity-tokens", type=int, required=True, metavar="N", help="KV-cache size in tokens"
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=32768,
+        metavar="N",
+        help="longest prompt + max_tokens accepted; longer requests get vLLM's 400 (default 32768)",
+    )
+    parser.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=20000.0,
+        metavar="R",
+        help="prefill throughput of the node (default 20000)",
+    )
+    parser.add_argument(
+        "--decode-tokens-per-s",
+        type=float,
+        default=50.0,
+        metavar="R",
+        help="decode speed of one sequence on an idle node; batching slows it (default 50)",
+    )
+    parser.add_argument(
+        "--on-exhaustion",
+        choices=["crash", "preempt"],
+        default="preempt",
+        help="what a full KV cache does: preempt the newest request (vLLM V1) or crash (CUDA OOM)",
+    )
+    parser.add_argument(
+        "--restart-s",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds a crashed node refuses connections (default 10)",
+    )
+    parser.add_argument("--seed", type=int, default=0, metavar="S", help="seed for output lengths and text")
+    parser.add_argument("--block-size", type=int, default=16, metavar="N", help="KV block size in tokens")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="token budget of one engine step (the prefill chunk size)",
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=256, metavar="N", help="most sequences in one batch"
+    )
+    parser.add_argument(
+        "--model-name", default="kvgate-sim", help="model name served and reported in metrics"
+    )
+    parser.add_argument(
+        "--node-name", default=None, help="name in the x-kvgate-sim-node header (default: --listen)"
+    )
+    parser.set_defaults(func=run)
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(f"--listen must be HOST:PORT, got {value!r}")
+    return host, int(port)
+
+
+def run(args: argparse.Namespace) -> int:
+    host, port = parse_listen(args.listen)
+    config = EngineConfig(
+        kv_capacity_tokens=args.kv_capacity_tokens,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        prefill_tokens_per_s=args.prefill_tokens_per_s,
+        decode_tokens_per_s=args.decode_tokens_per_s,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        on_exhaustion=args.on_exhaustion,
+        restart_s=args.restart_s,
+        seed=args.seed,
+    )
+    asyncio.run(_serve(config, args.model_name, args.node_name or args.listen, (host, port)))
+    return 0
+
+
+async def _serve(config: EngineConfig, model_name: str, node_name: str, address: tuple[str, int]) -> None:
+    # Imported here so that `kvgate --help` does not load the HTTP stack.
+    from aiohttp import web
+
+    from kvgate.sim.server import SimServer
+
+    server = SimServer(config, model_name=model_name, node_name=node_name)
+    host, port = address
+    runner = web.AppRunner(server.app(), access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        log.info("simulated node %s serving on http://%s:%d", server.node_name, host, port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()

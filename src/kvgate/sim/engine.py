@@ -1,0 +1,310 @@
+"""The engine model of a simulated node: KV blocks, a vLLM-V1-like scheduler step, OOM and restart.
+
+It is pure: no I/O, no asyncio. The caller alternates `schedule()` (pick the batch of the next step
+and allocate its KV blocks) and `complete(step)` (after the step's duration, commit the computed
+tokens and sample one token for every sequence whose known tokens are all computed).
+
+How a step is built, as in vLLM V1:
+- Running sequences first, oldest first: a decoding sequence computes 1 token, a prefilling one
+  (or one recomputing after preemption) a chunk of up to the remaining token budget.
+- Then waiting sequences, first come first served, while budget and `max_num_seqs` allow. A
+  running prefill takes the budget before new arrivals, which is how a long prompt delays the first
+  token of every short request behind it.
+- KV is allocated in blocks for the tokens computed in this step; a decoding sequence needs a new
+  block every `block_size` tokens.
+- When blocks run out, `preempt` mode frees the newest running sequence and queues it for
+  recomputation (latency collapses, nothing fails); a waiting sequence just waits. `crash` mode
+  models an engine without that guard, a CUDA OOM: every sequence fails and the node is down for
+  `restart_s`.
+Step time: (1 + batch/`batch_knee`) / `decode_tokens_per_s` + prefill tokens / `prefill_tokens_per_s`,
+so inter-token latency grows with the batch and with prefill work sharing the step.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from kvgate.errors import ConfigError
+
+Exhaustion = Literal["crash", "preempt"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    kv_capacity_tokens: int
+    block_size: int = 16
+    max_model_len: int = 32768
+    prefill_tokens_per_s: float = 20000.0
+    decode_tokens_per_s: float = 50.0
+    batch_knee: int = 64
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    on_exhaustion: Exhaustion = "preempt"
+    restart_s: float = 10.0
+    seed: int = 0
+    # Output length when a request names no max_tokens (a real engine stops at end-of-sequence).
+    default_output_tokens: tuple[int, int] = (32, 256)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.kv_capacity_tokens < self.block_size:
+            raise ConfigError(
+                f"kv capacity ({self.kv_capacity_tokens} tokens) must hold at least one block of "
+                f"{self.block_size} tokens"
+            )
+        if self.max_model_len > self.num_gpu_blocks * self.block_size:
+            # vLLM refuses to start in this case too: one request could never fit.
+            raise ConfigError(
+                f"max-model-len {self.max_model_len} is larger than the KV cache "
+                f"({self.num_gpu_blocks * self.block_size} tokens)"
+            )
+        if min(self.prefill_tokens_per_s, self.decode_tokens_per_s) <= 0 or self.restart_s < 0:
+            raise ConfigError("throughputs must be > 0 and the restart time >= 0")
+        if min(self.batch_knee, self.max_num_seqs, self.max_num_batched_tokens) < 1:
+            raise ConfigError("batch_knee, max_num_seqs and max_num_batched_tokens must be >= 1")
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self.kv_capacity_tokens // self.block_size
+
+
+@dataclass(slots=True)
+class _Sequence:
+    request_id: str
+    prompt_tokens: int
+    output_target: int
+    # "length" when the client's max_tokens ended the output, "stop" when the engine chose to stop.
+    finish_reason: Literal["stop", "length"]
+    output_tokens: int = 0
+    computed_tokens: int = 0
+    blocks: int = 0
+
+    @property
+    def known_tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One engine step: the tokens computed per request, and how long the step takes.
+
+    `crashed` lists every request that failed because the node ran out of memory in this step; the
+    batch of a crashed step is empty.
+    """
+
+    batch: tuple[tuple[str, int], ...]
+    duration_s: float
+    crashed: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    request_id: str
+    output_tokens: int
+    finished: bool
+    finish_reason: Literal["stop", "length"] | None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    running: int
+    waiting: int
+    used_blocks: int
+    total_blocks: int
+    block_size: int
+    preemptions_total: int
+    oom_crashes_total: int
+    peak_kv_tokens: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    finished_total: int
+    down: bool
+
+    @property
+    def kv_usage(self) -> float:
+        return self.used_blocks / self.total_blocks
+
+
+_IDLE = Step(batch=(), duration_s=0.0)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, clock: Callable[[], float]) -> None:
+        self.config = config
+        self._clock = clock
+        self._rng = random.Random(config.seed)
+        self._running: list[_Sequence] = []
+        self._waiting: deque[_Sequence] = deque()
+        self._by_id: dict[str, _Sequence] = {}
+        self._free_blocks = config.num_gpu_blocks
+        self._down_until = float("-inf")
+        self._preemptions = 0
+        self._crashes = 0
+        self._peak_tokens = 0
+        self._prompt_total = 0
+        self._generated_total = 0
+        self._finished_total = 0
+
+    def is_down(self) -> bool:
+        return self._clock() < self._down_until
+
+    def restart_in(self) -> float:
+        """Seconds until a crashed node serves again (0 when it is up)."""
+        return max(0.0, self._down_until - self._clock())
+
+    def has_work(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def add(self, request_id: str, prompt_tokens: int, max_tokens: int | None) -> int:
+        """Queue a request the caller has validated; returns the number of tokens it will generate."""
+        assert not self.is_down(), "a down node accepts no requests"
+        assert request_id not in self._by_id, f"duplicate request id {request_id}"
+        room = self.config.max_model_len - prompt_tokens
+        if max_tokens is None:
+            low, high = self.config.default_output_tokens
+            target = min(self._rng.randint(low, high), room)
+        else:
+            target = max_tokens
+        assert 1 <= target <= room and prompt_tokens >= 1, "request exceeds max-model-len"
+        sequence = _Sequence(request_id, prompt_tokens, target, "stop" if max_tokens is None else "length")
+        self._waiting.append(sequence)
+        self._by_id[request_id] = sequence
+        self._prompt_total += prompt_tokens
+        return target
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request whose client went away, freeing its blocks; unknown ids are ignored."""
+        sequence = self._by_id.pop(request_id, None)
+        if sequence is None:
+            return
+        self._free(sequence)
+        if sequence in self._running:
+            self._running.remove(sequence)
+        else:
+            self._waiting.remove(sequence)
+
+    def schedule(self) -> Step:
+        if self.is_down() or not self.has_work():
+            return _IDLE
+        budget = self.config.max_num_batched_tokens
+        batch: list[tuple[_Sequence, int]] = []
+        preempted = False
+        index = 0
+        while index < len(self._running) and budget > 0:
+            sequence = self._running[index]
+            count = min(sequence.known_tokens - sequence.computed_tokens, budget)
+            while not self._allocate(sequence, count):
+                if self.config.on_exhaustion == "crash":
+                    return self._crash()
+                victim = self._running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is sequence:
+                    break
+            else:
+                batch.append((sequence, count))
+                budget -= count
+                index += 1
+        # vLLM admits no new request in a step that had to preempt.
+        while (
+            self._waiting and not preempted and budget > 0 and len(self._running) < self.config.max_num_seqs
+        ):
+            sequence = self._waiting[0]
+            count = min(sequence.known_tokens - sequence.computed_tokens, budget)
+            if not self._allocate(sequence, count):
+                if self.config.on_exhaustion == "crash":
+                    return self._crash()
+                break
+            self._running.append(self._waiting.popleft())
+            batch.append((sequence, count))
+            budget -= count
+        return Step(
+            batch=tuple((s.request_id, n) for s, n in batch),
+            duration_s=self._step_seconds(batch),
+        )
+
+    def complete(self, step: Step) -> list[TokenEvent]:
+        """Commit a scheduled step: every sequence whose known tokens are now computed samples one."""
+        events: list[TokenEvent] = []
+        for request_id, count in step.batch:
+            sequence = self._by_id.get(request_id)
+            if sequence is None:
+                continue  # aborted while the step ran
+            sequence.computed_tokens += count
+            if sequence.computed_tokens < sequence.known_tokens:
+                continue
+            sequence.output_tokens += 1
+            self._generated_total += 1
+            finished = sequence.output_tokens >= sequence.output_target
+            if finished:
+                self._finish(sequence)
+            reason = sequence.finish_reason if finished else None
+            events.append(TokenEvent(request_id, sequence.output_tokens, finished, reason))
+        return events
+
+    def stats(self) -> EngineStats:
+        total = self.config.num_gpu_blocks
+        return EngineStats(
+            running=len(self._running),
+            waiting=len(self._waiting),
+            used_blocks=total - self._free_blocks,
+            total_blocks=total,
+            block_size=self.config.block_size,
+            preemptions_total=self._preemptions,
+            oom_crashes_total=self._crashes,
+            peak_kv_tokens=self._peak_tokens,
+            prompt_tokens_total=self._prompt_total,
+            generation_tokens_total=self._generated_total,
+            finished_total=self._finished_total,
+            down=self.is_down(),
+        )
+
+    def _allocate(self, sequence: _Sequence, count: int) -> bool:
+        size = self.config.block_size
+        needed = -(-(sequence.computed_tokens + count) // size) - sequence.blocks
+        used = self.config.num_gpu_blocks - self._free_blocks
+        if needed > self._free_blocks:
+            self._peak_tokens = max(self._peak_tokens, (used + needed) * size)
+            return False
+        if needed > 0:
+            sequence.blocks += needed
+            self._free_blocks -= needed
+            self._peak_tokens = max(self._peak_tokens, (used + needed) * size)
+        return True
+
+    def _free(self, sequence: _Sequence) -> None:
+        self._free_blocks += sequence.blocks
+        sequence.blocks = 0
+
+    def _preempt(self, sequence: _Sequence) -> None:
+        self._running.remove(sequence)
+        self._free(sequence)
+        sequence.computed_tokens = 0
+        self._waiting.appendleft(sequence)
+        self._preemptions += 1
+
+    def _finish(self, sequence: _Sequence) -> None:
+        self._running.remove(sequence)
+        self._free(sequence)
+        del self._by_id[sequence.request_id]
+        self._finished_total += 1
+
+    def _crash(self) -> Step:
+        failed = tuple(self._by_id)
+        self._running.clear()
+        self._waiting.clear()
+        self._by_id.clear()
+        self._free_blocks = self.config.num_gpu_blocks
+        self._crashes += 1
+        self._down_until = self._clock() + self.config.restart_s
+        return Step(batch=(), duration_s=0.0, crashed=failed)
+
+    def _step_seconds(self, batch: list[tuple[_Sequence, int]]) -> float:
+        if not batch:
+            return 0.0
+        prefill = sum(n for s, n in batch if s.output_tokens == 0 or s.known_tokens - s.computed_tokens > 1)
+        decode_s = (1 + len(batch) / self.config.batch_knee) / self.config.decode_tokens_per_s
+        return decode_s + prefill / self.config.prefill_tokens_per_s

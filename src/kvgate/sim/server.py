@@ -1,0 +1,231 @@
+"""The HTTP adapter of a simulated node: aiohttp handlers around the engine model, in real time.
+
+One task drives the engine: schedule a step, sleep its duration, commit it, hand the sampled tokens
+to the waiting handlers. While the engine is down after a simulated OOM, it behaves like a dead
+process: every connection is cut without an answer, /metrics and in-flight streams included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from kvgate.errors import RequestError
+from kvgate.sim import api
+from kvgate.sim.engine import Engine, EngineConfig, TokenEvent
+from kvgate.sim.metrics import render_metrics
+from kvgate.sim.tokens import output_word, vocabulary_size
+
+NODE_HEADER = "x-kvgate-sim-node"
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class _EngineDied(Exception):
+    """The engine crashed while this request was in flight."""
+
+
+class SimServer:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_name: str = "kvgate-sim",
+        node_name: str = "sim",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine = Engine(config, clock)
+        self._clock = clock
+        self.model_name = model_name
+        self.node_name = node_name
+        self._streams: dict[str, asyncio.Queue[TokenEvent | None]] = {}
+        self._ids = itertools.count()
+        self._wake = asyncio.Event()
+        self._driver: asyncio.Task[None] | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._dead_engine])
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, _app: web.Application) -> None:
+        self._driver = asyncio.create_task(self._drive(), name=f"sim-engine-{self.node_name}")
+
+    async def _stop(self, _app: web.Application) -> None:
+        if self._driver is not None:
+            self._driver.cancel()
+            await asyncio.gather(self._driver, return_exceptions=True)
+
+    async def _drive(self) -> None:
+        engine = self.engine
+        # Steps end on the model's timeline, not "sleep after the work": the time spent handling a
+        # step and the event loop's lateness are made up in the next sleep, so a busy host does not
+        # silently make the node slower than its configured throughput.
+        step_end = self._clock()
+        while True:
+            if engine.is_down():
+                await asyncio.sleep(engine.restart_in())
+                continue
+            step = engine.schedule()
+            for request_id in step.crashed:
+                self._streams[request_id].put_nowait(None)
+            if step.crashed:
+                continue
+            if not step.batch:
+                self._wake.clear()
+                await self._wake.wait()
+                step_end = self._clock()
+                continue
+            # Never more than one step behind: a stalled host must not be followed by a burst of steps.
+            step_end = max(step_end, self._clock() - step.duration_s) + step.duration_s
+            await asyncio.sleep(max(0.0, step_end - self._clock()))
+            for event in engine.complete(step):
+                self._streams[event.request_id].put_nowait(event)
+
+    @web.middleware
+    async def _dead_engine(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
+        if self.engine.is_down():
+            _cut(request)
+        try:
+            return await handler(request)
+        except _EngineDied:
+            _cut(request)
+        raise AssertionError("unreachable")
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._completion(request, "chat")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._completion(request, "completion")
+
+    async def _completion(self, request: web.Request, kind: api.Api) -> web.StreamResponse:
+        raw = await request.read()
+        if self.engine.is_down():
+            raise _EngineDied  # the engine crashed while the body arrived
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return _error(
+                RequestError(400, "BadRequestError", "the request body is not valid JSON", "BadRequestError")
+            )
+        try:
+            parsed = api.parse_request(kind, body)
+            api.check_context(parsed, self.engine.config.max_model_len)
+        except RequestError as exc:
+            return _error(exc)
+        if parsed.model is not None and parsed.model != self.model_name:
+            message = f"The model `{parsed.model}` does not exist."
+            return _error(RequestError(404, "NotFoundError", message, "NotFoundError"))
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        request_id = f"{prefix}-{self.node_name}-{next(self._ids)}"
+        queue: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
+        self._streams[request_id] = queue
+        self.engine.add(request_id, parsed.prompt_tokens, parsed.max_tokens)
+        self._wake.set()
+        words = _Words(self.engine.config.seed, request_id)
+        reply = api.Reply(parsed, request_id, int(time.time()), self.model_name)
+        try:
+            if parsed.stream:
+                return await self._stream(request, reply, queue, words)
+            return await self._collect(reply, queue, words)
+        finally:
+            del self._streams[request_id]
+            self.engine.abort(request_id)
+
+    async def _stream(
+        self, request: web.Request, reply: api.Reply, queue: asyncio.Queue[TokenEvent | None], words: _Words
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream; charset=utf-8", NODE_HEADER: self.node_name}
+        )
+        await response.prepare(request)
+        produced = 0
+        while True:
+            last = (await _next_events(queue))[-1]
+            if produced == 0 and reply.request.api == "chat":
+                # vLLM sends the role chunk with the first token, so it does not shorten TTFT.
+                await _send(response, reply.role_chunk())
+            text = words.take(last.output_tokens - produced)
+            produced = last.output_tokens
+            await _send(response, reply.chunk(text, last.finish_reason))
+            if last.finished:
+                break
+        if reply.request.include_usage:
+            await _send(response, reply.usage_chunk(produced))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _collect(
+        self, reply: api.Reply, queue: asyncio.Queue[TokenEvent | None], words: _Words
+    ) -> web.StreamResponse:
+        while True:
+            last = (await _next_events(queue))[-1]
+            if last.finish_reason is not None:
+                break
+        body = reply.full(words.take(last.output_tokens), last.finish_reason, last.output_tokens)
+        return web.json_response(body, headers={NODE_HEADER: self.node_name})
+
+    async def _models(self, _request: web.Request) -> web.StreamResponse:
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "kvgate-sim",
+            "root": self.model_name,
+            "max_model_len": self.engine.config.max_model_len,
+        }
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def _health(self, _request: web.Request) -> web.StreamResponse:
+        return web.Response(status=200)
+
+    async def _metrics(self, _request: web.Request) -> web.StreamResponse:
+        text = render_metrics(self.engine.config, self.engine.stats(), self.model_name)
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+
+class _Words:
+    """The generated text of one request, reproducible from the seed and the request id."""
+
+    def __init__(self, seed: int, request_id: str) -> None:
+        self._rng = random.Random(f"{seed}/{request_id}")
+
+    def take(self, count: int) -> str:
+        return "".join(output_word(self._rng.randrange(vocabulary_size())) for _ in range(count))
+
+
+async def _next_events(queue: asyncio.Queue[TokenEvent | None]) -> list[TokenEvent]:
+    """The next event and any already queued behind it (a slow writer sends them as one chunk)."""
+    items = [await queue.get()]
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    if any(item is None for item in items):
+        raise _EngineDied
+    return [item for item in items if item is not None]
+
+
+async def _send(response: web.StreamResponse, chunk: dict[str, Any]) -> None:
+    await response.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
+
+
+def _error(error: RequestError) -> web.Response:
+    return web.json_response(api.error_body(error), status=error.status)
+
+
+def _cut(request: web.Request) -> None:
+    """Drop the connection without an answer, as a dead engine process would."""
+    if request.transport is not None:
+        request.transport.abort()
+    raise asyncio.CancelledError

@@ -1,0 +1,57 @@
+"""Demo scenarios: strict YAML, built-in files, and a deterministic request plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvgate.demo.scenario import builtin_scenario, load_scenario, parse_scenario, plan
+from kvgate.errors import ConfigError
+
+
+@pytest.mark.parametrize("name", ["burst", "smoke"])
+def test_builtin_scenarios_load(name: str) -> None:
+    scenario = load_scenario(builtin_scenario(name))
+    assert scenario.name == name
+
+
+def test_burst_scenario_is_the_field_report_case() -> None:
+    scenario = load_scenario(builtin_scenario("burst"))
+    assert (scenario.short.prompt_tokens_min, scenario.short.prompt_tokens_max) == (500, 1000)
+    assert scenario.bursts.prompt_tokens == 32000
+    assert (scenario.bursts.size_min, scenario.bursts.size_max) == (3, 5)
+    assert scenario.bursts.spread_s <= 1.0
+    per_long = scenario.bursts.prompt_tokens + scenario.bursts.max_tokens
+    # Two long sequences fit a node, three do not: a burst landing on one node overflows it.
+    assert 2 * per_long <= scenario.node.kv_capacity_tokens < 3 * per_long
+
+
+def test_unknown_keys_and_wrong_types_name_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"bursts\.sise_max: unknown key"):
+        parse_scenario("bursts: {sise_max: 4}")
+    with pytest.raises(ConfigError, match=r"short\.rate_per_s: expected float"):
+        parse_scenario("short: {rate_per_s: fast}")
+    with pytest.raises(ConfigError, match=r"node\.on_exhaustion: must be one of crash, preempt"):
+        parse_scenario("node: {on_exhaustion: explode}")
+
+
+def test_requests_that_cannot_fit_their_pool_are_rejected() -> None:
+    with pytest.raises(ConfigError, match="interactive_max_model_len"):
+        parse_scenario("short: {prompt_tokens_max: 4000, max_tokens: 200}")
+    with pytest.raises(ConfigError, match=r"node\.max_model_len"):
+        parse_scenario("bursts: {prompt_tokens: 41000}")
+
+
+def test_plan_is_deterministic_and_the_no_burst_phase_is_the_same_short_traffic() -> None:
+    scenario = parse_scenario("seed: 5\nshort: {rate_per_s: 10}\nbursts: {first_at_s: 1, every_s: 4}")
+    with_bursts = plan(scenario, 10.0, with_bursts=True)
+    assert with_bursts == plan(scenario, 10.0, with_bursts=True)
+    shorts = [(p.at_s, p.prompt_tokens) for p in with_bursts if p.kind == "short"]
+    assert shorts == [(p.at_s, p.prompt_tokens) for p in plan(scenario, 10.0, with_bursts=False)]
+    assert 60 < len(shorts) < 140
+    assert all(500 <= tokens <= 1000 for _, tokens in shorts)
+    longs = [p for p in with_bursts if p.kind == "long"]
+    burst_starts = {int(p.at_s) for p in longs}
+    assert burst_starts == {1, 5, 9}
+    assert all(3 <= sum(1 for p in longs if int(p.at_s) == s) <= 5 for s in burst_starts)
+    assert [p.at_s for p in with_bursts] == sorted(p.at_s for p in with_bursts)
+    assert [p.index for p in with_bursts] == list(range(len(with_bursts)))
