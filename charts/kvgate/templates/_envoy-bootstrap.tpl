@@ -1,0 +1,165 @@
+{{/*
+The standalone Envoy bootstrap. `kvgate envoy-config` renders the same document from Python; a test
+keeps the two equal. An early header mutation strips the gate's headers from client requests (when
+ext_proc fails open the route must not follow a client's header), ext_proc asks the gate, the router
+routes on the x-kvgate-pool header the gate set.
+*/}}
+{{- define "kvgate.envoy.bootstrap" -}}
+{{- $envoy := .Values.envoy -}}
+{{- $standalone := $envoy.standalone -}}
+{{- $bufferLimit := include "kvgate.envoy.bufferLimitBytes" . | int -}}
+{{- $routeTimeout := printf "%ds" (int $envoy.routeTimeoutSeconds) -}}
+{{- $longPools := include "kvgate.longPools" . | splitList "," -}}
+admin:
+  address:
+    socket_address:
+      address: 127.0.0.1
+      port_value: {{ $standalone.adminPort }}
+static_resources:
+  listeners:
+    - name: ingress
+      address:
+        socket_address:
+          address: {{ $standalone.listenAddress }}
+          port_value: {{ $standalone.listenPort }}
+      per_connection_buffer_limit_bytes: {{ $bufferLimit }}
+      filter_chains:
+        - filters:
+            - name: envoy.filters.network.http_connection_manager
+              typed_config:
+                "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+                stat_prefix: ingress
+                # Before the first route selection: when ext_proc fails open, no client-sent
+                # gate header can pick the pool or the pinned endpoint.
+                early_header_mutation_extensions:
+                  {{- include "kvgate.stripGateHeaders" . | nindent 18 }}
+                route_config:
+                  name: pools
+                  virtual_hosts:
+                    - name: pools
+                      domains: ["*"]
+                      routes:
+                        {{- range $name := splitList "," (include "kvgate.routedPools" .) }}
+                        {{- if $name }}
+                        {{- if has $name $longPools }}
+                        - match:
+                            prefix: /
+                            headers:
+                              - name: x-kvgate-pool
+                                string_match:
+                                  exact: {{ $name }}
+                              - name: x-kvgate-endpoint
+                                present_match: true
+                          route:
+                            cluster: kvgate_pinned
+                            timeout: {{ $routeTimeout }}
+                        {{- end }}
+                        - match:
+                            prefix: /
+                            headers:
+                              - name: x-kvgate-pool
+                                string_match:
+                                  exact: {{ $name }}
+                          route:
+                            cluster: {{ printf "pool_%s" $name }}
+                            timeout: {{ $routeTimeout }}
+                        {{- end }}
+                        {{- end }}
+                        - match:
+                            prefix: /
+                          route:
+                            cluster: {{ printf "pool_%s" $envoy.defaultPool }}
+                            timeout: {{ $routeTimeout }}
+                http_filters:
+                  - name: envoy.filters.http.ext_proc
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
+                      grpc_service:
+                        envoy_grpc:
+                          cluster_name: kvgate_gate
+                      failure_mode_allow: {{ $envoy.failOpen }}
+                      allow_mode_override: true
+                      message_timeout: {{ printf "%.3fs" (divf (int $envoy.messageTimeoutMs) 1000.0) }}
+                      processing_mode:
+                        request_header_mode: SEND
+                        request_body_mode: BUFFERED
+                        response_header_mode: SKIP
+                      metadata_options:
+                        receiving_namespaces:
+                          untyped: [kvgate]
+                  - name: envoy.filters.http.router
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+    - name: ready
+      address:
+        socket_address:
+          address: {{ $standalone.listenAddress }}
+          port_value: {{ $standalone.readyPort }}
+      filter_chains:
+        - filters:
+            - name: envoy.filters.network.http_connection_manager
+              typed_config:
+                "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+                stat_prefix: ready
+                route_config:
+                  name: ready
+                http_filters:
+                  - name: envoy.filters.http.health_check
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.health_check.v3.HealthCheck
+                      pass_through_mode: false
+                      headers:
+                        - name: :path
+                          string_match:
+                            exact: /ready
+                  - name: envoy.filters.http.router
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+    - name: kvgate_gate
+      type: STRICT_DNS
+      connect_timeout: 1s
+      # The buffered body travels to the gate in one gRPC message.
+      per_connection_buffer_limit_bytes: {{ $bufferLimit }}
+      typed_extension_protocol_options:
+        envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+          "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+          explicit_http_config:
+            http2_protocol_options: {}
+      load_assignment:
+        cluster_name: kvgate_gate
+        endpoints:
+          - lb_endpoints:
+              - endpoint:
+                  address:
+                    socket_address:
+                      address: {{ $standalone.gateAddress | default (include "kvgate.gate.headlessHost" .) }}
+                      port_value: {{ .Values.gate.port }}
+    # The gate pins an admitted long request to the node holding its KV reservation, by address;
+    # the early header mutation guarantees the header comes from the gate.
+    - name: kvgate_pinned
+      type: ORIGINAL_DST
+      lb_policy: CLUSTER_PROVIDED
+      connect_timeout: 2s
+      per_connection_buffer_limit_bytes: {{ $bufferLimit }}
+      original_dst_lb_config:
+        use_http_header: true
+        http_header_name: x-kvgate-endpoint
+    {{- range $name, $pool := $envoy.pools }}
+    {{- if $pool.address }}
+    - name: {{ printf "pool_%s" $name }}
+      type: STRICT_DNS
+      connect_timeout: 2s
+      per_connection_buffer_limit_bytes: {{ $bufferLimit }}
+      load_assignment:
+        cluster_name: {{ printf "pool_%s" $name }}
+        endpoints:
+          - lb_endpoints:
+              - endpoint:
+                  address:
+                    socket_address:
+                      address: {{ $pool.address }}
+                      port_value: {{ $pool.port }}
+    {{- end }}
+    {{- end }}
+{{- end -}}

@@ -1,0 +1,199 @@
+{{/* Names and labels. */}}
+{{- define "kvgate.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvgate.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Component names leave room for the longest suffix (-agent-interactive) within 63 characters. */}}
+{{- define "kvgate.base" -}}{{ include "kvgate.fullname" . | trunc 45 | trimSuffix "-" }}{{- end -}}
+{{- define "kvgate.gate.fullname" -}}{{ include "kvgate.base" . }}-gate{{- end -}}
+{{- define "kvgate.envoy.fullname" -}}{{ include "kvgate.base" . }}-envoy{{- end -}}
+{{/* The agents of one pool: include with (list $ "long"). */}}
+{{- define "kvgate.agent.fullname" -}}{{ include "kvgate.base" (index . 0) }}-agent-{{ index . 1 }}{{- end -}}
+
+{{- define "kvgate.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "kvgate.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Selector labels of one component: include with (list $ "gate"). */}}
+{{- define "kvgate.selectorLabels" -}}
+{{- $root := index . 0 -}}
+app.kubernetes.io/name: {{ include "kvgate.name" $root }}
+app.kubernetes.io/instance: {{ $root.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end -}}
+
+{{- define "kvgate.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* Worker processes: gate.workers, or one per whole CPU of the gate's CPU limit (request if no limit). */}}
+{{- define "kvgate.gate.workers" -}}
+{{- $workers := int .Values.gate.workers -}}
+{{- if le $workers 0 -}}
+{{- $resources := .Values.gate.resources | default dict -}}
+{{- $cpu := toString (dig "limits" "cpu" (dig "requests" "cpu" "1" $resources) $resources) -}}
+{{- if hasSuffix "m" $cpu -}}
+{{- $workers = div (int (trimSuffix "m" $cpu)) 1000 -}}
+{{- else -}}
+{{- $workers = int (float64 $cpu) -}}
+{{- end -}}
+{{- $workers = max $workers 1 -}}
+{{- end -}}
+{{- $workers -}}
+{{- end -}}
+
+{{/* The request body limit the gate enforces; Envoy buffers a little more so the gate, not Envoy, refuses. */}}
+{{- define "kvgate.maxBodyBytes" -}}
+{{- int (dig "request" "max_body_bytes" 33554432 (.Values.gate.config | default dict)) -}}
+{{- end -}}
+
+{{- define "kvgate.envoy.bufferLimitBytes" -}}
+{{- add (include "kvgate.maxBodyBytes" . | int) 1048576 -}}
+{{- end -}}
+
+{{- define "kvgate.gate.terminationGracePeriodSeconds" -}}
+{{- add (int .Values.gate.preStopSleepSeconds) (int (ceil .Values.gate.drainSeconds)) (int .Values.gate.terminationMarginSeconds) -}}
+{{- end -}}
+
+{{- define "kvgate.gate.host" -}}
+{{- printf "%s.%s.svc.cluster.local" (include "kvgate.gate.fullname" .) .Release.Namespace -}}
+{{- end -}}
+
+{{- define "kvgate.gate.headlessHost" -}}
+{{- printf "%s-headless.%s.svc.cluster.local" (include "kvgate.gate.fullname" .) .Release.Namespace -}}
+{{- end -}}
+
+{{- define "kvgate.agent.dns" -}}
+{{- $root := index . 0 -}}
+{{- printf "%s.%s.svc.cluster.local:%d" (include "kvgate.agent.fullname" .) $root.Release.Namespace (int $root.Values.agent.port) -}}
+{{- end -}}
+
+{{/* The gate config section each agent pool feeds: reservations (long) or the water level only. */}}
+{{- define "kvgate.agent.section" -}}
+{{- ternary "headroom" "interactive_headroom" (eq . "long") -}}
+{{- end -}}
+
+{{/* Every pool name the gate config can set (default_model and each model), so each gets a route. */}}
+{{- define "kvgate.referencedPools" -}}
+{{- $names := list -}}
+{{- $models := prepend (.Values.gate.config.models | default list) (.Values.gate.config.default_model | default dict) -}}
+{{- range $models -}}
+{{- $pools := .pools | default dict -}}
+{{- $names = append $names ($pools.interactive | default "interactive") -}}
+{{- $names = append $names ($pools.long | default "long") -}}
+{{- end -}}
+{{- $names | uniq | sortAlpha | join "," -}}
+{{- end -}}
+
+{{/* The pool names the gate sends long-context requests to (pinned to a node when it names one). */}}
+{{- define "kvgate.longPools" -}}
+{{- $names := list -}}
+{{- $models := prepend (.Values.gate.config.models | default list) (.Values.gate.config.default_model | default dict) -}}
+{{- range $models -}}
+{{- $names = append $names ((.pools | default dict).long | default "long") -}}
+{{- end -}}
+{{- $names | uniq | sortAlpha | join "," -}}
+{{- end -}}
+
+{{/* Fails the render, naming the value, when a pool the gate routes to has no address. */}}
+{{- define "kvgate.checkPools" -}}
+{{- $pools := .Values.envoy.pools -}}
+{{- range $name := splitList "," (include "kvgate.referencedPools" .) -}}
+{{- $pool := index $pools $name | default dict -}}
+{{- if not $pool.address -}}
+{{- fail (printf "envoy.pools.%s.address is required: the gate routes requests to pool %q (envoy.mode=%s)" $name $name $.Values.envoy.mode) -}}
+{{- end -}}
+{{- end -}}
+{{- if not (hasKey $pools .Values.envoy.defaultPool) -}}
+{{- fail (printf "envoy.defaultPool %q names no entry of envoy.pools" .Values.envoy.defaultPool) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Pools in a stable order: the default pool's route must come last (it matches everything). */}}
+{{- define "kvgate.routedPools" -}}
+{{- $names := list -}}
+{{- range $name, $pool := .Values.envoy.pools -}}
+{{- if and $pool.address (ne $name $.Values.envoy.defaultPool) -}}
+{{- $names = append $names $name -}}
+{{- end -}}
+{{- end -}}
+{{- $names | sortAlpha | join "," -}}
+{{- end -}}
+
+{{- define "kvgate.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 65532
+runAsGroup: 65532
+fsGroup: 65532
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "kvgate.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: [ALL]
+{{- end -}}
+
+{{- define "kvgate.otelEnv" -}}
+{{- if .Values.otel.endpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ .Values.otel.endpoint | quote }}
+- name: OTEL_EXPORTER_OTLP_PROTOCOL
+  value: {{ .Values.otel.protocol | quote }}
+{{- end }}
+- name: OTEL_SERVICE_NAME
+  value: {{ .Values.otel.serviceName | quote }}
+{{- end -}}
+
+{{/* An Envoy Gateway backendRef from a pool address `name` or `name.namespace`: (list $ pool). */}}
+{{- define "kvgate.serviceBackendRef" -}}
+{{- $root := index . 0 -}}
+{{- $pool := index . 1 -}}
+{{- $parts := splitList "." $pool.address -}}
+name: {{ first $parts }}
+{{- if gt (len $parts) 1 }}
+namespace: {{ index $parts 1 }}
+{{- end }}
+port: {{ $pool.port }}
+{{- end -}}
+
+{{/*
+The headers the gate sets, removed from client requests before the first route selection: when
+ext_proc fails open nothing a client sent may pick the pool or the pinned endpoint. Only these: the
+client's priority header (admission.priority_header) must still reach the gate.
+*/}}
+{{- define "kvgate.gateHeaders" -}}
+x-kvgate-pool,x-kvgate-endpoint,x-kvgate-tokens,x-kvgate-reason
+{{- end -}}
+
+{{- define "kvgate.stripGateHeaders" -}}
+- name: envoy.http.early_header_mutation.header_mutation
+  typed_config:
+    "@type": type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation
+    mutations:
+      {{- range splitList "," (include "kvgate.gateHeaders" .) }}
+      - remove: {{ . }}
+      {{- end }}
+{{- end -}}

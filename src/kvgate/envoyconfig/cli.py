@@ -1,0 +1,120 @@
+"""`kvgate envoy-config`: print the Envoy bootstrap for plain Envoy in front of the gate."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+
+from kvgate.config import Config, load_config
+from kvgate.envoyconfig.settings import HostPort, envoy_settings, parse_host_port
+from kvgate.errors import ConfigError
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "envoy-config",
+        help="render the Envoy bootstrap for plain Envoy in front of the gate",
+        description=(
+            "Write a static Envoy bootstrap (YAML) that strips client copies of the gate's headers, "
+            "sends each request's headers and buffered body to the gate over ext_proc, and routes on the "
+            "x-kvgate-pool header the gate sets. Buffer limits and pool names come from the gate's config; "
+            "pool addresses from --pool. The Helm chart's standalone mode renders the same bootstrap."
+        ),
+        epilog=(
+            "example: kvgate envoy-config --config kvgate.yaml --pool interactive=10.0.0.5:8000 "
+            "--pool long=10.0.0.6:8000 --pool async=10.0.0.7:8080 > envoy.yaml"
+        ),
+    )
+    parser.add_argument(
+        "--config", type=Path, help="the gate's kvgate YAML file (default: built-in defaults)"
+    )
+    parser.add_argument(
+        "--pool",
+        action="append",
+        default=[],
+        metavar="NAME=HOST:PORT",
+        help="an upstream pool by its x-kvgate-pool value; every pool the config routes to is required",
+    )
+    parser.add_argument(
+        "--default-pool", help="pool for requests without a pool header (default: the interactive pool)"
+    )
+    parser.add_argument("--listen", default="0.0.0.0:10000", help="Envoy's listener (default 0.0.0.0:10000)")
+    parser.add_argument(
+        "--ready-port", type=_positive_int, default=19001, help="port of the /ready listener (default 19001)"
+    )
+    parser.add_argument(
+        "--admin-port", type=_positive_int, default=9901, help="admin port, on 127.0.0.1 (default 9901)"
+    )
+    parser.add_argument("--gate", help="the gate's HOST:PORT (default: from server.listen)")
+    parser.add_argument(
+        "--message-timeout-ms",
+        type=_positive_int,
+        default=2000,
+        help="ext_proc per-message timeout (default 2000)",
+    )
+    parser.add_argument(
+        "--fail-closed",
+        action="store_true",
+        help="answer 500 when the gate is unreachable (default: fail open)",
+    )
+    parser.add_argument(
+        "--route-timeout-seconds",
+        type=_non_negative_int,
+        default=0,
+        help="upstream request timeout, 0 = none (default 0)",
+    )
+    parser.add_argument("--output", type=Path, help="write here instead of standard output")
+    parser.set_defaults(func=run)
+
+
+def parse_pools(items: list[str]) -> dict[str, HostPort]:
+    pools: dict[str, HostPort] = {}
+    for item in items:
+        name, sep, address = item.partition("=")
+        if not sep or not name:
+            raise ConfigError(f"--pool: expected NAME=HOST:PORT, got {item!r}")
+        if name in pools:
+            raise ConfigError(f"--pool: pool {name!r} given twice")
+        pools[name] = parse_host_port(address, f"--pool {name}")
+    return pools
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvgate.envoyconfig.bootstrap import render_bootstrap
+
+    config = load_config(args.config) if args.config else Config()
+    settings = envoy_settings(
+        config,
+        parse_pools(args.pool),
+        listen=parse_host_port(args.listen, "--listen"),
+        ready_port=args.ready_port,
+        admin_port=args.admin_port,
+        gate=parse_host_port(args.gate, "--gate") if args.gate else None,
+        default_pool=args.default_pool,
+        message_timeout_ms=args.message_timeout_ms,
+        fail_open=not args.fail_closed,
+        route_timeout_seconds=args.route_timeout_seconds,
+    )
+    text = yaml.safe_dump(render_bootstrap(settings), sort_keys=False)
+    if args.output:
+        args.output.write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+    return 0

