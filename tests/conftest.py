@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 import mistral_common
+import pytest
 
 TOKENIZER_DIR = Path(mistral_common.__file__).parent / "data"
 

@@ -23,7 +23,14 @@ from aiohttp import web
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 ENVOY_YAML = ROOT / "envoy" / "envoy.yaml"
-LOCAL_PORTS = {"listener": 10000, "gate": 9002, "interactive": 8001, "long": 8002, "async": 8003, "admin": 9901}
+LOCAL_PORTS = {
+    "listener": 10000,
+    "gate": 9002,
+    "interactive": 8001,
+    "long": 8002,
+    "async": 8003,
+    "admin": 9901,
+}
 
 
 def free_port() -> int:
@@ -176,7 +183,9 @@ class Reply:
         return json.loads(self.body)
 
 
-def post(port: int, path: str, body: bytes, headers: dict[str, str] | None = None, timeout: float = 30) -> Reply:
+def post(
+    port: int, path: str, body: bytes, headers: dict[str, str] | None = None, timeout: float = 30
+) -> Reply:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
         all_headers = {"content-type": "application/json", **(headers or {})}
@@ -188,7 +197,9 @@ def post(port: int, path: str, body: bytes, headers: dict[str, str] | None = Non
 
 
 def chat(text: str, **extra: Any) -> bytes:
-    return json.dumps({"model": "test-model", "messages": [{"role": "user", "content": text}], **extra}).encode()
+    return json.dumps(
+        {"model": "test-model", "messages": [{"role": "user", "content": text}], **extra}
+    ).encode()
 
 
 @contextlib.contextmanager
@@ -196,8 +207,17 @@ def gate_process(config_text: str, tmp: Path, port: int, extra: list[str] | None
     config = tmp / "kvgate.yaml"
     config.write_text(config_text)
     metrics_port = free_port()
-    argv = [str(BIN / "kvgate"), "gate", "--config", str(config), "--listen", f"127.0.0.1:{port}",
-            "--metrics-listen", f"127.0.0.1:{metrics_port}", *(extra or [])]
+    argv = [
+        str(BIN / "kvgate"),
+        "gate",
+        "--config",
+        str(config),
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--metrics-listen",
+        f"127.0.0.1:{metrics_port}",
+        *(extra or []),
+    ]
     gate = Service("gate", argv, tmp)
     gate.metrics_port = metrics_port
     try:
@@ -210,8 +230,19 @@ def gate_process(config_text: str, tmp: Path, port: int, extra: list[str] | None
 def agent_process(tmp: Path, name: str, port: int, endpoint: str, extra: list[str]) -> Service:
     agent = Service(
         name,
-        [str(BIN / "kvgate"), "agent", "--listen", f"127.0.0.1:{port}", "--endpoint", endpoint,
-         "--nvml", "off", "--node-name", name, *extra],
+        [
+            str(BIN / "kvgate"),
+            "agent",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--endpoint",
+            endpoint,
+            "--nvml",
+            "off",
+            "--node-name",
+            name,
+            *extra,
+        ],
         tmp,
     )
     wait_for_port(port, process=agent.process)

@@ -45,12 +45,21 @@ models:
     ("text", "expected"),
     [
         ("server:\n  listen: x\n  wrokers: 2\n", "<string>:3: server.wrokers: unknown key"),
-        ("default_model:\n  max_total_tokens: -5\n", "<string>:2: default_model.max_total_tokens: must be >= 1"),
+        (
+            "default_model:\n  max_total_tokens: -5\n",
+            "<string>:2: default_model.max_total_tokens: must be >= 1",
+        ),
         ("default_model:\n  max_total_tokens: lots\n", "default_model.max_total_tokens: expected an integer"),
         ("request:\n  unparsed: drop\n", "request.unparsed: must be one of passthrough, reject"),
-        ("models:\n  - interactive_max_tokens: 5\n", "<string>:2: models[0]: every model entry needs a 'match'"),
+        (
+            "models:\n  - interactive_max_tokens: 5\n",
+            "<string>:2: models[0]: every model entry needs a 'match'",
+        ),
         ("models:\n  - match: a\n    pools: {fast: x}\n", "<string>:3: models[0].pools.fast: unknown key"),
-        ("default_model:\n  interactive_max_tokens: 20000\n", "must not exceed default_model.max_total_tokens"),
+        (
+            "default_model:\n  interactive_max_tokens: 20000\n",
+            "must not exceed default_model.max_total_tokens",
+        ),
         ("server: [1]\n", "<string>:1: server: expected a mapping"),
         ("- a\n", "the file must be a mapping"),
         ("server: {listen: 'a'\n", "not valid YAML"),

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import base64
-import re
 import gzip
 import json
+import re
 import signal
 import threading
 import time
@@ -146,7 +146,13 @@ def test_10mb_body_reaches_the_gate_not_an_envoy_413(stack: Stack) -> None:
         {
             "model": "vision",
             "messages": [
-                {"role": "user", "content": [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": image}}]}
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What is this?"},
+                        {"type": "image_url", "image_url": {"url": image}},
+                    ],
+                }
             ],
         }
     ).encode()
@@ -224,7 +230,11 @@ def test_metrics_show_decisions(stack: Stack, texts: dict[str, str]) -> None:
     reply = post(stack.gate.metrics_port, "/metrics", None)  # type: ignore[arg-type]
     text = reply.body.decode()
     assert reply.status == 200
-    assert re.search(r'kvgate_gate_decisions_total\{method="fast",[^}]*reason="short",target="interactive"\} [1-9]', text)
-    assert re.search(r'kvgate_gate_decisions_total\{method="exact",[^}]*reason="too_long",target="413"\} [1-9]', text)
+    assert re.search(
+        r'kvgate_gate_decisions_total\{method="fast",[^}]*reason="short",target="interactive"\} [1-9]', text
+    )
+    assert re.search(
+        r'kvgate_gate_decisions_total\{method="exact",[^}]*reason="too_long",target="413"\} [1-9]', text
+    )
     assert "kvgate_gate_decision_duration_seconds_bucket" in text
     assert re.search(r'kvgate_gate_envoy_messages_total\{kind="request_body"', text)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -68,21 +69,27 @@ def burst(port: int, body: bytes, count: int, delay: str) -> list[Reply]:
     return replies
 
 
-def reserved_on(agent_port: int) -> int:
-    async def read() -> int:
+def wait_reserved(agent_port: int, wanted: Callable[[int], bool], timeout_s: float) -> int:
+    """Follow the agent's stream until its reserved tokens satisfy `wanted`; the last value seen."""
+
+    async def follow() -> int:
         view = HeadroomView(HeadroomSettings(agents=(f"127.0.0.1:{agent_port}",)))
         await view.start()
+        reserved = -1
         try:
-            for _ in range(50):
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
                 await view.wait_update(0.2)
                 (node,) = view.snapshot()
                 if node.headroom is not None:
-                    return node.headroom.reserved_tokens
-            raise AssertionError("agent sent no headroom")
+                    reserved = node.headroom.reserved_tokens
+                    if wanted(reserved):
+                        break
+            return reserved
         finally:
             await view.stop()
 
-    return asyncio.run(read())
+    return asyncio.run(follow())
 
 
 @pytest.fixture
@@ -160,15 +167,13 @@ def test_waiting_requests_are_admitted_as_capacity_frees(
         assert [r.status for r in replies] == [200] * 5
         assert upstreams.max_in_flight["long"] == 3
         assert 1.9 < elapsed < 6, "two of them waited for the first three to finish"
-        deadline = time.monotonic() + 5
-        while reserved_on(agent_port) != 0:
-            assert time.monotonic() < deadline, "reservations must drain to zero"
+        assert wait_reserved(agent_port, lambda r: r == 0, 5) == 0, "reservations must drain to zero"
 
 
 def test_async_fallback(
     tmp_path: Path, sp_model_path: Path, long_body: bytes, pools: tuple[dict[str, int], Upstreams]
 ) -> None:
-    pool_ports, upstreams = pools
+    pool_ports, _ = pools
     agent_port = free_port()
     with ExitStack() as stack:
         agent = agent_process(
@@ -221,7 +226,7 @@ def test_two_gates_cannot_over_admit_together(
 def test_no_healthy_node_is_503_and_agent_restart_recovers(
     tmp_path: Path, sp_model_path: Path, long_body: bytes, pools: tuple[dict[str, int], Upstreams]
 ) -> None:
-    pool_ports, upstreams = pools
+    pool_ports, _ = pools
     agent_port = free_port()
     endpoint = f"127.0.0.1:{pool_ports['long']}"
     args = ["--capacity-tokens", "40000", "--safety-ratio", "1.0"]
@@ -246,3 +251,34 @@ def test_no_healthy_node_is_503_and_agent_restart_recovers(
         while post(listener, CHAT, long_body).status != 200:
             assert time.monotonic() < deadline, "the gate must find the restarted agent again"
             time.sleep(0.3)
+
+
+def test_client_abort_releases_the_reservation(
+    tmp_path: Path, sp_model_path: Path, long_body: bytes, pools: tuple[dict[str, int], Upstreams]
+) -> None:
+    pool_ports, _ = pools
+    agent_port = free_port()
+    with ExitStack() as stack:
+        agent = agent_process(
+            tmp_path,
+            "node-a",
+            agent_port,
+            f"127.0.0.1:{pool_ports['long']}",
+            ["--capacity-tokens", "40000", "--safety-ratio", "1.0"],
+        )
+        stack.callback(agent.stop)
+        listener = front(stack, tmp_path, pool_ports, gate_config(sp_model_path, [agent_port]), "g1")
+        request = (
+            f"POST {CHAT} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nx-test-delay: 10\r\n"
+            f"content-length: {len(long_body)}\r\n\r\n"
+        ).encode() + long_body
+        with socket.create_connection(("127.0.0.1", listener)) as client:
+            client.sendall(request)
+            held = wait_reserved(agent_port, lambda r: r > 0, 5)
+            assert 11_000 < held < 14_000, "the long request holds its ~12k-token reservation"
+            time.sleep(0.5)
+            assert wait_reserved(agent_port, lambda r: r == 0, 0.5) == held, "held while the request runs"
+        # The client hung up long before the upstream's 10 s answer: the reservation must go now.
+        assert wait_reserved(agent_port, lambda r: r == 0, 3) == 0, (
+            "an aborted request releases its reservation"
+        )

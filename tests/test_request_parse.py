@@ -94,7 +94,10 @@ def test_responses_api() -> None:
         {
             "instructions": "you are terse",
             "input": [
-                {"role": "user", "content": [{"type": "input_text", "text": "hello"}, {"type": "input_image"}]}
+                {
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "hello"}, {"type": "input_image"}],
+                }
             ],
             "max_output_tokens": 50,
         },
@@ -188,16 +191,40 @@ def test_truncated_and_unknown_encodings() -> None:
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
     max_leaves=30,
 )
 
 
 @settings(max_examples=300, deadline=None)
-@given(api=st.sampled_from(list(Api)), body=st.dictionaries(st.sampled_from(
-    ["model", "messages", "prompt", "input", "instructions", "system", "tools", "max_tokens", "n",
-     "max_completion_tokens", "max_output_tokens", "response_format", "functions", "text", "best_of"]
-), json_values, max_size=6))
+@given(
+    api=st.sampled_from(list(Api)),
+    body=st.dictionaries(
+        st.sampled_from(
+            [
+                "model",
+                "messages",
+                "prompt",
+                "input",
+                "instructions",
+                "system",
+                "tools",
+                "max_tokens",
+                "n",
+                "max_completion_tokens",
+                "max_output_tokens",
+                "response_format",
+                "functions",
+                "text",
+                "best_of",
+            ]
+        ),
+        json_values,
+        max_size=6,
+    ),
+)
 def test_any_json_object_parses_or_is_a_clean_400(api: Api, body: dict[str, Any]) -> None:
     try:
         shape = parse(api, body)

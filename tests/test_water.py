@@ -12,12 +12,29 @@ from kvgate.policy.shedding import should_shed
 from kvgate.policy.water import Breaker, BreakerState, Level, PoolSignals, WaterLevel, pool_signals
 
 
-def node(name: str, headroom: int, *, fresh: bool = True, healthy: bool = True, connected: bool = True) -> NodeView:
+def node(
+    name: str, headroom: int, *, fresh: bool = True, healthy: bool = True, connected: bool = True
+) -> NodeView:
     data = NodeHeadroom(
-        node=name, endpoint=f"{name}:8000", seq=1, sample_time_unix_ns=0, capacity_tokens=40000,
-        safety_ratio=1.0, used_tokens=40000 - headroom, reserved_tokens=0, reservations=0,
-        headroom_tokens=headroom, healthy=healthy, reason="", capacity_source=CapacitySource.MANUAL,
-        kv_usage=None, running=None, waiting=None, preemptions_total=None, gpus=(), period_ms=100,
+        node=name,
+        endpoint=f"{name}:8000",
+        seq=1,
+        sample_time_unix_ns=0,
+        capacity_tokens=40000,
+        safety_ratio=1.0,
+        used_tokens=40000 - headroom,
+        reserved_tokens=0,
+        reservations=0,
+        headroom_tokens=headroom,
+        healthy=healthy,
+        reason="",
+        capacity_source=CapacitySource.MANUAL,
+        kv_usage=None,
+        running=None,
+        waiting=None,
+        preemptions_total=None,
+        gpus=(),
+        period_ms=100,
     )
     return NodeView(f"{name}:9100", data, 0.05 if fresh else 5.0, connected, fresh, healthy)
 
@@ -44,8 +61,10 @@ def test_unhealthy_and_disconnected_nodes_are_never_asked() -> None:
 
 
 def test_pool_signals() -> None:
-    signals = pool_signals([node("a", 10000), node("b", 30000), node("c", 0, fresh=False)], waiting=16, queue_size=64)
-    assert signals.kv == 0.5
+    signals = pool_signals(
+        [node("a", 10000), node("b", 30000), node("c", 0, fresh=False)], waiting=16, queue_size=64
+    )
+    assert signals.kv == 0.5, "(30000 + 10000 used) / (2 x 40000), from the engines' usage"
     assert signals.queue == 0.25
     assert abs(signals.stale - 1 / 3) < 1e-9
 
@@ -56,8 +75,8 @@ def test_level_rises_at_once_and_falls_with_hysteresis() -> None:
     assert water.update(PoolSignals(0.96, 0, 0)) is Level.RED
     assert water.update(PoolSignals(0.90, 0, 0)) is Level.RED, "inside the hysteresis band: stays red"
     assert water.update(PoolSignals(0.84, 0, 0)) is Level.YELLOW
-    assert water.update(PoolSignals(0.75, 0, 0)) is Level.YELLOW
-    assert water.update(PoolSignals(0.69, 0, 0)) is Level.GREEN
+    assert water.update(PoolSignals(0.76, 0, 0)) is Level.YELLOW
+    assert water.update(PoolSignals(0.74, 0, 0)) is Level.GREEN
     assert water.update(PoolSignals(0.1, 0.8, 0)) is Level.RED, "a long queue alone makes it red"
 
 

@@ -72,7 +72,8 @@ class RequestConfig:
 class WaterThresholds:
     """Rising thresholds of a pool's water level; a level falls only `hysteresis` below them."""
 
-    yellow_kv: float = field(default=0.80, metadata=_at_least(0))
+    # Engine-reported KV usage over its whole capacity (reservations stop at capacity x safety ratio).
+    yellow_kv: float = field(default=0.85, metadata=_at_least(0))
     red_kv: float = field(default=0.95, metadata=_at_least(0))
     yellow_queue: float = field(default=0.25, metadata=_at_least(0))
     red_queue: float = field(default=0.75, metadata=_at_least(0))
@@ -107,9 +108,9 @@ class Config:
     request: RequestConfig = RequestConfig()
     admission: AdmissionConfig = AdmissionConfig()
     # Agents of the long-context pool: reservations and its water level.
-    headroom: HeadroomSettings = HeadroomSettings()
+    headroom: HeadroomSettings = field(default_factory=HeadroomSettings)
     # Agents of the interactive pool, if any: only its water level (no per-request reservations).
-    interactive_headroom: HeadroomSettings = HeadroomSettings()
+    interactive_headroom: HeadroomSettings = field(default_factory=HeadroomSettings)
     default_model: ModelConfig = ModelConfig()
     models: tuple[ModelConfig, ...] = ()
     source: str = "<defaults>"
@@ -142,7 +143,7 @@ class _Loader:
             key = key_node.value
             name = _KEY_ALIASES.get(key, key)
             path = f"{where}.{key}" if where else key
-            if name not in fields or name.endswith("_") and key == name:
+            if name not in fields or (name.endswith("_") and key == name):
                 known = ", ".join(sorted(_yaml_key(n) for n in fields))
                 raise self.fail(key_node, path, f"unknown key (known keys: {known})")
             if name in values:
@@ -187,8 +188,14 @@ class _Loader:
                 raise self.fail(node, where, f"expected true or false, got {value!r}")
             return value
         if hint is int or hint is float:
-            if isinstance(value, bool) or not isinstance(value, int | float) or (hint is int and not isinstance(value, int)):
-                raise self.fail(node, where, f"expected {'an integer' if hint is int else 'a number'}, got {value!r}")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or (hint is int and not isinstance(value, int))
+            ):
+                raise self.fail(
+                    node, where, f"expected {'an integer' if hint is int else 'a number'}, got {value!r}"
+                )
             minimum = metadata.get("min")
             if minimum is not None and value < minimum:
                 raise self.fail(node, where, f"must be >= {minimum:g}, got {value!r}")
@@ -222,7 +229,9 @@ def parse_config(text: str, source: str = "<string>") -> Config:
     sections = {key.value: (key, value) for key, value in root.value}
     default_node = sections.pop("default_model", None)
     models_node = sections.pop("models", None)
-    base = yaml.MappingNode("tag:yaml.org,2002:map", [item for item in root.value if item[0].value in sections])
+    base = yaml.MappingNode(
+        "tag:yaml.org,2002:map", [item for item in root.value if item[0].value in sections]
+    )
     base.start_mark = root.start_mark
     config: Config = loader.build(Config, base, "")
     default_model = ModelConfig()

@@ -22,7 +22,9 @@ class ConfigError(KvgateError):
 class RequestError(KvgateError):
     """A request body the gate cannot interpret, mapped to an OpenAI-style error response."""
 
-    def __init__(self, status: int, code: str, message: str, error_type: str = "invalid_request_error") -> None:
+    def __init__(
+        self, status: int, code: str, message: str, error_type: str = "invalid_request_error"
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code

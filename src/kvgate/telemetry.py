@@ -51,8 +51,13 @@ def start_prometheus(listen: str | None) -> None:
         log.error("metrics endpoint %s could not start (%s); serving without metrics", listen, exc)
         return
     views = [
-        View(instrument_name=ESTIMATED_TOKENS, aggregation=ExplicitBucketHistogramAggregation(_TOKEN_BUCKETS)),
-        View(instrument_name=DECISION_DURATION, aggregation=ExplicitBucketHistogramAggregation(_SECONDS_BUCKETS)),
+        View(
+            instrument_name=ESTIMATED_TOKENS, aggregation=ExplicitBucketHistogramAggregation(_TOKEN_BUCKETS)
+        ),
+        View(
+            instrument_name=DECISION_DURATION,
+            aggregation=ExplicitBucketHistogramAggregation(_SECONDS_BUCKETS),
+        ),
     ]
     metrics.set_meter_provider(MeterProvider(metric_readers=[PrometheusMetricReader()], views=views))
     log.info("metrics on http://%s/metrics", listen)
@@ -83,16 +88,22 @@ class GateMetrics:
 
     def __init__(self) -> None:
         m = meter("kvgate.gate")
-        self._decisions = m.create_counter(DECISIONS, unit="{request}", description="Decisions by pool, status and reason")
+        self._decisions = m.create_counter(
+            DECISIONS, unit="{request}", description="Decisions by pool, status and reason"
+        )
         self._duration = m.create_histogram(
             DECISION_DURATION, unit="s", description="Time from the body's arrival to the gate's answer"
         )
         self._tokens = m.create_histogram(
             ESTIMATED_TOKENS, unit="{token}", description="Estimated total tokens (prompt + output budget)"
         )
-        self._messages = m.create_counter(ENVOY_MESSAGES, unit="{message}", description="ext_proc messages by kind")
+        self._messages = m.create_counter(
+            ENVOY_MESSAGES, unit="{message}", description="ext_proc messages by kind"
+        )
         self._reservations = m.create_counter(
-            RESERVATIONS, unit="{reservation}", description="Reserve attempts by result (granted, refused, error)"
+            RESERVATIONS,
+            unit="{reservation}",
+            description="Reserve attempts by result (granted, refused, error)",
         )
         self.meter = m
 

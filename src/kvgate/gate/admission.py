@@ -93,16 +93,25 @@ class Admission:
         self._observe_gauges()
 
     def _observe_gauges(self) -> None:
-        pools = {"long": (self._long_view, self._long), "interactive": (self._interactive_view, self._interactive)}
+        pools = {
+            "long": (self._long_view, self._long),
+            "interactive": (self._interactive_view, self._interactive),
+        }
 
         def water() -> list[tuple[float, dict[str, str]]]:
-            return [(float(state.water.level), {"pool": pool}) for pool, (view, state) in pools.items() if view]
+            return [
+                (float(state.water.level), {"pool": pool}) for pool, (view, state) in pools.items() if view
+            ]
 
         def breaker() -> list[tuple[float, dict[str, str]]]:
             states = {BreakerState.CLOSED: 0.0, BreakerState.HALF_OPEN: 1.0, BreakerState.OPEN: 2.0}
-            return [(states[state.breaker.state], {"pool": pool}) for pool, (view, state) in pools.items() if view]
+            return [
+                (states[state.breaker.state], {"pool": pool}) for pool, (view, state) in pools.items() if view
+            ]
 
-        def nodes(read: Callable[[NodeView], float | None]) -> Callable[[], list[tuple[float, dict[str, str]]]]:
+        def nodes(
+            read: Callable[[NodeView], float | None],
+        ) -> Callable[[], list[tuple[float, dict[str, str]]]]:
             def gauge() -> list[tuple[float, dict[str, str]]]:
                 found = []
                 for pool, (view, _state) in pools.items():
@@ -115,13 +124,29 @@ class Admission:
             return gauge
 
         m = self._metrics.meter
-        observe(m, ADMISSION_WAITING, "{request}", "Long requests waiting for capacity", lambda: [(len(self._queue), {})])
+        observe(
+            m,
+            ADMISSION_WAITING,
+            "{request}",
+            "Long requests waiting for capacity",
+            lambda: [(len(self._queue), {})],
+        )
         observe(m, POOL_WATER_LEVEL, "1", "0 green, 1 yellow, 2 red", water)
         observe(m, POOL_BREAKER_OPEN, "1", "0 closed, 1 half-open, 2 open", breaker)
-        observe(m, NODE_HEADROOM, "{token}", "Headroom the node's agent last reported",
-                nodes(lambda n: float(n.headroom.headroom_tokens) if n.headroom else None))
-        observe(m, NODE_AGE, "s", "Age of the node's latest headroom message",
-                nodes(lambda n: n.age_s if n.headroom else None))
+        observe(
+            m,
+            NODE_HEADROOM,
+            "{token}",
+            "Headroom the node's agent last reported",
+            nodes(lambda n: float(n.headroom.headroom_tokens) if n.headroom else None),
+        )
+        observe(
+            m,
+            NODE_AGE,
+            "s",
+            "Age of the node's latest headroom message",
+            nodes(lambda n: n.age_s if n.headroom else None),
+        )
         observe(m, NODE_FRESH, "1", "1 when the node's headroom is fresh", nodes(lambda n: float(n.fresh)))
 
     @property
@@ -146,7 +171,9 @@ class Admission:
     def rank(self, priority: str | None) -> int:
         return self._ranks.get(priority or "", self._ranks[self._config.default_priority])
 
-    async def admit(self, route: Route, model: ModelConfig, priority: str | None, request_id: str) -> Admitted:
+    async def admit(
+        self, route: Route, model: ModelConfig, priority: str | None, request_id: str
+    ) -> Admitted:
         rank = self.rank(priority)
         if route.reason is Reason.SHORT:
             return Admitted(self._admit_interactive(route, rank))
@@ -156,7 +183,9 @@ class Admission:
             return Admitted(self._no_healthy_node(route))
         level = self._long.observe(self._long_view, len(self._queue), self._config.queue_size, self._clock())
         if should_shed(level, self._long.breaker, rank, len(self._ranks)):
-            return Admitted(self._overflow(route, model, Reason.SHED, f"the long-context pool is {level.name.lower()}"))
+            return Admitted(
+                self._overflow(route, model, Reason.SHED, f"the long-context pool is {level.name.lower()}")
+            )
         return await self._admit_long(route, model, rank, request_id)
 
     def _admit_interactive(self, route: Route, rank: int) -> Decision:
@@ -183,7 +212,9 @@ class Admission:
                     for node in choice.candidates:
                         ticket = await self._try_reserve(node.agent, request_id, route.tokens)
                         if ticket is not None and node.headroom is not None:
-                            return Admitted(Route(route.pool, Reason.LONG, route.tokens, node.headroom.endpoint), ticket)
+                            return Admitted(
+                                Route(route.pool, Reason.LONG, route.tokens, node.headroom.endpoint), ticket
+                            )
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     return Admitted(self._overflow(route, model, Reason.NO_CAPACITY, "no node has room"))
@@ -214,15 +245,23 @@ class Admission:
     def _overflow(self, route: Route, model: ModelConfig, reason: Reason, why: str) -> Decision:
         if self._config.async_fallback:
             return Route(model.pools.async_, Reason.ASYNC, route.tokens)
-        return self._refuse(429, reason, route.tokens, f"No capacity for a {route.tokens}-token request now: {why}.")
+        return self._refuse(
+            429, reason, route.tokens, f"No capacity for a {route.tokens}-token request now: {why}."
+        )
 
     def _no_healthy_node(self, route: Route) -> Refusal:
-        return self._refuse(503, Reason.NO_HEALTHY_NODE, route.tokens, "No long-context node is healthy and reachable.")
+        return self._refuse(
+            503, Reason.NO_HEALTHY_NODE, route.tokens, "No long-context node is healthy and reachable."
+        )
 
     def _refuse(self, status: int, reason: Reason, tokens: int, message: str) -> Refusal:
         code = _ERROR_CODES[reason]
         return Refusal(
-            status, code, reason, message + " Retry later.", tokens,
+            status,
+            code,
+            reason,
+            message + " Retry later.",
+            tokens,
             retry_after_s=self._config.retry_after_s,
             error_type="rate_limit_error" if status == 429 else "server_error",
         )

@@ -27,7 +27,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="tokenizer for the default model entry: a sentencepiece .model or a Hugging Face tokenizer.json",
     )
     parser.add_argument("--listen", help="HOST:PORT to serve on (overrides server.listen)")
-    parser.add_argument("--workers", type=int, help="worker processes sharing the port (overrides server.workers)")
+    parser.add_argument(
+        "--workers", type=int, help="worker processes sharing the port (overrides server.workers)"
+    )
     parser.add_argument(
         "--metrics-listen",
         default="127.0.0.1:9464",

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from kvgate.config import Config, ModelConfig
 from kvgate.errors import RequestError
-from kvgate.gate.admission import Admission, Ticket
 from kvgate.estimate import Estimator, PromptCosts, TokenEstimate, build_estimator
+from kvgate.gate.admission import Admission, Ticket
 from kvgate.policy import Decision, Reason, Refusal, Route, decide, thresholds
 from kvgate.policy.models import ModelMatcher
 from kvgate.request import Api, RequestShape, api_for_path, decompress, is_json_content_type, parse_body
@@ -80,14 +80,15 @@ class Pipeline:
         self._admission = admission
         self._models = ModelMatcher(config)
         # Build every estimator at start-up: a missing tokenizer file fails here, not on a request.
-        self._estimators = {
-            id(model): estimators(model) for model in (config.default_model, *config.models)
-        }
+        self._estimators = {id(model): estimators(model) for model in (config.default_model, *config.models)}
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvgate-body")
         self._offload_slots = asyncio.Semaphore(offload_slots)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        # Models share estimators (one per tokenizer and costs): close each once.
+        for estimator in {id(e): e for e in self._estimators.values()}.values():
+            estimator.close()
 
     def passthrough(self, reason: Reason) -> Decision:
         if self._config.request.unparsed == "reject":
@@ -120,7 +121,10 @@ class Pipeline:
         if shape is None:
             return Outcome(self.passthrough(Reason.UNPARSED))
         model = self._models.lookup(shape.model)
-        estimate = await self._estimators[id(model)].estimate(shape, thresholds(model))
+        try:
+            estimate = await self._estimators[id(model)].estimate(shape, thresholds(model))
+        except RequestError as error:
+            return Outcome(_refusal_for(error), shape)
         decision = decide(estimate.prompt_tokens, estimate.output_tokens, model)
         if self._admission is None or not isinstance(decision, Route):
             return Outcome(decision, shape, estimate)

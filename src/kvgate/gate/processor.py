@@ -91,7 +91,7 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
         self._priority_header = priority_header.lower()
         self._releases: set[asyncio.Task[None]] = set()
 
-    async def Process(  # noqa: N802 - the gRPC method name
+    async def Process(
         self, requests: AsyncIterator[ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ProcessingResponse]:
         stream = _Stream()
@@ -131,7 +131,9 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
 
     def _record(self, decision: Decision, method: str, seconds: float) -> None:
         if isinstance(decision, Refusal):
-            self._metrics.decision(str(decision.status), decision.reason.value, method, decision.tokens, seconds)
+            self._metrics.decision(
+                str(decision.status), decision.reason.value, method, decision.tokens, seconds
+            )
         else:
             self._metrics.decision(decision.pool, decision.reason.value, method, decision.tokens, seconds)
 

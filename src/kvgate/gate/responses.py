@@ -21,7 +21,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.struct_pb2 import Struct
 
-from kvgate.policy.decision import Reason, Refusal, Route
+from kvgate.policy.decision import Refusal, Route
 
 POOL_HEADER = "x-kvgate-pool"
 TOKENS_HEADER = "x-kvgate-tokens"
@@ -52,7 +52,11 @@ def _route_mutation(route: Route, forged: Iterable[str]) -> HeaderMutation:
 
 def _metadata(route: Route, extra: dict[str, str | float]) -> Struct:
     metadata = Struct()
-    fields: dict[str, str | float] = {"pool": route.pool, "tokens": route.tokens, "reason": route.reason.value}
+    fields: dict[str, str | float] = {
+        "pool": route.pool,
+        "tokens": route.tokens,
+        "reason": route.reason.value,
+    }
     if route.endpoint is not None:
         fields["endpoint"] = route.endpoint
     fields.update(extra)
@@ -60,7 +64,9 @@ def _metadata(route: Route, extra: dict[str, str | float]) -> Struct:
     return metadata
 
 
-def route_after_body(route: Route, forged: Iterable[str], extra: dict[str, str | float]) -> ProcessingResponse:
+def route_after_body(
+    route: Route, forged: Iterable[str], extra: dict[str, str | float]
+) -> ProcessingResponse:
     """Answer the body message: set the routing headers and make Envoy pick the route again."""
     common = CommonResponse(header_mutation=_route_mutation(route, forged), clear_route_cache=True)
     return ProcessingResponse(
@@ -116,10 +122,9 @@ def refuse(refusal: Refusal) -> ProcessingResponse:
     if refusal.status in _RETRYABLE:
         headers.append(_header("retry-after", str(refusal.retry_after_s or 1)))
     immediate = ImmediateResponse(
-        status=HttpStatus(code=refusal.status),  # type: ignore[arg-type]
+        status=HttpStatus(code=refusal.status),
         headers=HeaderMutation(set_headers=headers),
         body=refusal_body(refusal),
         details=f"kvgate_{refusal.reason.value}",
     )
     return ProcessingResponse(immediate_response=immediate)
-

@@ -18,11 +18,11 @@ from grpc_health.v1.health import aio as health_aio
 
 from kvgate.config import Config
 from kvgate.gate.admission import Admission
+from kvgate.gate.pipeline import Pipeline, estimator_factory
+from kvgate.gate.processor import ExternalProcessor
 from kvgate.headroom.settings import HeadroomSettings
 from kvgate.headroom.view import HeadroomView
 from kvgate.telemetry import GateMetrics, start_prometheus
-from kvgate.gate.pipeline import Pipeline, estimator_factory
-from kvgate.gate.processor import ExternalProcessor
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,11 @@ def run_gate(config: Config, metrics_listen: str | None) -> int:
     # Load every tokenizer once here so a bad path fails the command, not each worker in a restart loop.
     Pipeline(config, estimator_factory()).close()
     spawn_index = itertools.count()
-    return _supervise(lambda: _spawn(config, _worker_metrics(metrics_listen, next(spawn_index) % config.server.workers)), config.server.workers, config.server.drain_seconds)
+    return _supervise(
+        lambda: _spawn(config, _worker_metrics(metrics_listen, next(spawn_index) % config.server.workers)),
+        config.server.workers,
+        config.server.drain_seconds,
+    )
 
 
 def _worker_metrics(listen: str | None, index: int) -> str | None:

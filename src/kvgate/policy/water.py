@@ -32,21 +32,39 @@ class PoolSignals:
 
 
 def pool_signals(nodes: Sequence[NodeView], waiting: int, queue_size: int) -> PoolSignals:
-    capacity = committed = 0
+    """The pool's signals from its nodes' latest headroom.
+
+    kv is the engines' own KV usage (what the engine reports, else observed tokens over capacity), not
+    the reservations: a pool packed with granted reservations is working as intended and must keep
+    queueing, while engine usage near the physical limit means pressure the reservations do not
+    explain (other traffic, runaway decodes) and is what should shed.
+    """
+    capacity = used = 0.0
     stale = 0
     for node in nodes:
-        if not node.fresh or node.headroom is None:
+        data = node.headroom
+        if not node.fresh or data is None:
             stale += 1
             continue
-        limit = int(node.headroom.capacity_tokens * node.headroom.safety_ratio)
-        capacity += limit
-        committed += limit - node.headroom.headroom_tokens
-    kv = committed / capacity if capacity else 0.0
-    return PoolSignals(kv=kv, queue=waiting / queue_size if queue_size else 0.0, stale=stale / len(nodes) if nodes else 0.0)
+        if data.kv_usage is not None:
+            used += data.kv_usage * data.capacity_tokens
+        elif data.used_tokens is not None:
+            used += data.used_tokens
+        else:
+            continue
+        capacity += data.capacity_tokens
+    kv = used / capacity if capacity else 0.0
+    return PoolSignals(
+        kv=kv, queue=waiting / queue_size if queue_size else 0.0, stale=stale / len(nodes) if nodes else 0.0
+    )
 
 
 def _raw_level(signals: PoolSignals, t: WaterThresholds, slack: float) -> Level:
-    if signals.kv >= t.red_kv - slack or signals.queue >= t.red_queue - slack or signals.stale >= t.red_stale - slack:
+    if (
+        signals.kv >= t.red_kv - slack
+        or signals.queue >= t.red_queue - slack
+        or signals.stale >= t.red_stale - slack
+    ):
         return Level.RED
     if (
         signals.kv >= t.yellow_kv - slack

@@ -45,7 +45,9 @@ def decompress(body: bytes, content_encoding: str | None, max_bytes: int) -> byt
             data = inflater.unconsumed_tail
         tail = inflater.flush()
     except zlib.error as exc:
-        raise RequestError(400, "invalid_body", f"The {encoding} body could not be decompressed: {exc}.") from exc
+        raise RequestError(
+            400, "invalid_body", f"The {encoding} body could not be decompressed: {exc}."
+        ) from exc
     if produced + len(tail) > max_bytes:
         raise _too_big(max_bytes)
     if not inflater.eof:
