@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvgate.errors import RequestError
-from kvgate.request import Api, api_for_path, decompress, is_json_content_type, parse_body
+from kvgate.request import Api, ParseLimits, api_for_path, decompress, is_json_content_type, parse_body
 
 
 def parse(api: Api, body: dict[str, Any]) -> Any:
@@ -260,3 +260,15 @@ def test_any_message_list_parses_or_is_a_clean_400(api: Api, messages: Any, syst
         parse(api, {"messages": messages, "system": system})
     except RequestError as error:
         assert error.status == 400
+
+
+def test_message_count_and_schema_depth_limits_name_the_limit() -> None:
+    limits = ParseLimits(max_messages=3, max_json_depth=4)
+    many = json.dumps({"messages": [{"role": "user", "content": "x"}] * 4}).encode()
+    with pytest.raises(RequestError, match="4 messages, more than this gateway's limit of 3"):
+        parse_body(Api.CHAT, many, limits)
+    deep_tool = {"messages": [], "tools": [{"a": {"b": {"c": {"d": {"e": 1}}}}}]}
+    with pytest.raises(RequestError, match="nested deeper than 4 levels"):
+        parse_body(Api.CHAT, json.dumps(deep_tool).encode(), limits)
+    shallow_tool = {"messages": [], "tools": [{"a": {"b": {"c": 1}}}]}
+    assert parse_body(Api.CHAT, json.dumps(shallow_tool).encode(), limits).texts

@@ -34,6 +34,9 @@ class ServerConfig:
     # Envoy can buffer this much body; gRPC's 4 MiB default would refuse big prompts.
     max_message_bytes: int = field(default=64 * MiB, metadata=_at_least(1 * MiB))
     drain_seconds: float = field(default=30.0, metadata=_at_least(0))
+    # Envoy dynamic-metadata namespace of the decision (pool, tokens, reason, endpoint, model); it
+    # must be listed in the ext_proc filter's metadata_options.receiving_namespaces.untyped.
+    metadata_namespace: str = "kvgate"
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +67,9 @@ class RequestConfig:
     max_body_bytes: int = field(default=32 * MiB, metadata=_at_least(1))
     # Cap on a gzip body once inflated: a zip bomb gets a 413 instead of exhausting memory.
     max_decompressed_bytes: int = field(default=64 * MiB, metadata=_at_least(1))
+    max_messages: int = field(default=10_000, metadata=_at_least(1))
+    # Nesting allowed in tool schemas, response formats and tool arguments.
+    max_json_depth: int = field(default=64, metadata=_at_least(2))
     # What to do with bodies the gate does not understand (unknown paths, non-JSON content types).
     unparsed: Literal["passthrough", "reject"] = "passthrough"
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 
-from opentelemetry import metrics
+from opentelemetry import metrics, propagate, trace
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
+from opentelemetry.util.types import AttributeValue
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,27 @@ def start_prometheus(listen: str | None) -> None:
     ]
     metrics.set_meter_provider(MeterProvider(metric_readers=[PrometheusMetricReader()], views=views))
     log.info("metrics on http://%s/metrics", listen)
+
+
+def start_otlp(endpoint: str | None, service: str) -> bool:
+    """Send traces (and metrics) to an OTLP/gRPC collector; False when no endpoint is configured.
+
+    Without it the tracer is OpenTelemetry's no-op, so the gate never builds spans nobody reads.
+    """
+    if not endpoint:
+        return False
+    from opentelemetry import trace
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    # Batched and bounded: a slow or absent collector drops spans, it never blocks a request.
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, insecure=True)))
+    trace.set_tracer_provider(provider)
+    log.info("traces to OTLP collector %s", endpoint)
+    return True
 
 
 def meter(name: str) -> Meter:
@@ -119,3 +141,26 @@ class GateMetrics:
 
     def reservation(self, result: str) -> None:
         self._reservations.add(1, {"result": result})
+
+
+class DecisionSpans:
+    """One span per decision, a child of the trace Envoy started when the request carries one."""
+
+    def __init__(self, provider: trace.TracerProvider | None = None) -> None:
+        provider = provider or trace.get_tracer_provider()
+        self.enabled = not isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider)
+        self._tracer = provider.get_tracer("kvgate.gate")
+
+    def record(
+        self,
+        carrier: dict[str, str],
+        start_ns: int,
+        end_ns: int,
+        attributes: dict[str, AttributeValue],
+    ) -> None:
+        if not self.enabled:
+            return
+        span = self._tracer.start_span(
+            "kvgate.decision", context=propagate.extract(carrier), start_time=start_ns, attributes=attributes
+        )
+        span.end(end_time=end_ns)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from pathlib import Path
 
 from kvgate.config import Config, load_config
@@ -34,6 +35,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--metrics-listen",
         default="127.0.0.1:9464",
         help="HOST:PORT of the Prometheus /metrics endpoint; 'off' disables it (default 127.0.0.1:9464)",
+    )
+    parser.add_argument(
+        "--otlp-endpoint",
+        default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
+        help="OTLP/gRPC collector for decision traces, e.g. http://otel-collector:4317 "
+        "(default $OTEL_EXPORTER_OTLP_ENDPOINT; unset: no traces)",
     )
     parser.set_defaults(func=run)
 
@@ -67,4 +74,4 @@ def run(args: argparse.Namespace) -> int:
     from kvgate.gate.server import run_gate
 
     metrics_listen = None if args.metrics_listen == "off" else args.metrics_listen
-    return run_gate(resolve_config(args), metrics_listen)
+    return run_gate(resolve_config(args), metrics_listen, args.otlp_endpoint)

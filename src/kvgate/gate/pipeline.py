@@ -19,7 +19,15 @@ from kvgate.estimate import Estimator, PromptCosts, TokenEstimate, build_estimat
 from kvgate.gate.admission import Admission, Ticket
 from kvgate.policy import Decision, Reason, Refusal, Route, decide, thresholds
 from kvgate.policy.models import ModelMatcher
-from kvgate.request import Api, RequestShape, api_for_path, decompress, is_json_content_type, parse_body
+from kvgate.request import (
+    Api,
+    ParseLimits,
+    RequestShape,
+    api_for_path,
+    decompress,
+    is_json_content_type,
+    parse_body,
+)
 
 # Bodies above this size are inflated and parsed off the event loop (json.loads runs ~30 ms per 10 MB).
 OFFLOAD_BYTES = 256 * 1024
@@ -36,6 +44,8 @@ class RequestHead:
     has_body: bool
     priority: str | None = None
     request_id: str = ""
+    # W3C trace context from Envoy (traceparent / tracestate), empty when the request has none.
+    trace_context: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +88,7 @@ class Pipeline:
     ) -> None:
         self._config = config
         self._admission = admission
+        self._parse_limits = ParseLimits(config.request.max_messages, config.request.max_json_depth)
         self._models = ModelMatcher(config)
         # Build every estimator at start-up: a missing tokenizer file fails here, not on a request.
         self._estimators = {id(model): estimators(model) for model in (config.default_model, *config.models)}
@@ -142,13 +153,19 @@ class Pipeline:
                 413, "request_too_large", f"The request body exceeds {limits.max_body_bytes} bytes."
             )
         if len(body) <= OFFLOAD_BYTES and not head.content_encoding:
-            return _shape_or_none(api, head, body, limits.max_decompressed_bytes)
+            return _shape_or_none(api, head, body, limits.max_decompressed_bytes, self._parse_limits)
         if self._offload_slots.locked():
             raise _OverloadedError
         async with self._offload_slots:
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(
-                self._executor, _shape_or_none, api, head, body, limits.max_decompressed_bytes
+                self._executor,
+                _shape_or_none,
+                api,
+                head,
+                body,
+                limits.max_decompressed_bytes,
+                self._parse_limits,
             )
 
 
@@ -157,13 +174,15 @@ class _OverloadedError(RequestError):
         super().__init__(503, "gateway_overloaded", "The gateway is busy reading other large requests.")
 
 
-def _shape_or_none(api: Api, head: RequestHead, body: bytes, max_decompressed: int) -> RequestShape | None:
+def _shape_or_none(
+    api: Api, head: RequestHead, body: bytes, max_decompressed: int, limits: ParseLimits
+) -> RequestShape | None:
     """Parse the body; None when it is not JSON and did not claim to be (pass it through untouched)."""
     data = decompress(body, head.content_encoding, max_decompressed)
     if is_json_content_type(head.content_type):
-        return parse_body(api, data)
+        return parse_body(api, data, limits)
     try:
-        return parse_body(api, data)
+        return parse_body(api, data, limits)
     except RequestError:
         return None
 

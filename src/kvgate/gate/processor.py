@@ -24,12 +24,13 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     ProcessingResponse,
     TrailersResponse,
 )
+from opentelemetry.util.types import AttributeValue
 
 from kvgate.gate import responses
 from kvgate.gate.admission import Ticket
-from kvgate.gate.pipeline import Pipeline, RequestHead
+from kvgate.gate.pipeline import Outcome, Pipeline, RequestHead
 from kvgate.policy import Decision, Refusal
-from kvgate.telemetry import GateMetrics
+from kvgate.telemetry import DecisionSpans, GateMetrics
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +54,13 @@ class _Stream:
         self.ticket: Ticket | None = None
 
 
+_TRACE_HEADERS = frozenset({"traceparent", "tracestate"})
+
+
 def read_head(message: HttpHeaders, stream: _Stream, priority_header: str) -> RequestHead:
     path = method = request_id = ""
     content_type = content_encoding = priority = None
+    trace_context: list[tuple[str, str]] = []
     for header in message.headers.headers:
         key = header.key
         value = header.raw_value.decode("latin-1") if header.raw_value else header.value
@@ -69,6 +74,8 @@ def read_head(message: HttpHeaders, stream: _Stream, priority_header: str) -> Re
             content_encoding = value
         elif key == "x-request-id":
             request_id = value
+        elif key in _TRACE_HEADERS:
+            trace_context.append((key, value))
         if key == priority_header:
             priority = value.strip().lower()
         if key.startswith(responses.HEADER_PREFIX):
@@ -81,13 +88,23 @@ def read_head(message: HttpHeaders, stream: _Stream, priority_header: str) -> Re
         has_body=not message.end_of_stream,
         priority=priority,
         request_id=request_id or uuid.uuid4().hex,
+        trace_context=tuple(trace_context),
     )
 
 
 class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self, pipeline: Pipeline, priority_header: str, telemetry: GateMetrics) -> None:
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        priority_header: str,
+        telemetry: GateMetrics,
+        spans: DecisionSpans | None = None,
+        metadata_namespace: str = responses.METADATA_NAMESPACE,
+    ) -> None:
         self._pipeline = pipeline
         self._metrics = telemetry
+        self._spans = spans or DecisionSpans()
+        self._namespace = metadata_namespace
         self._priority_header = priority_header.lower()
         self._releases: set[asyncio.Task[None]] = set()
 
@@ -127,7 +144,7 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
         self._record(decision, "none", 0.0)
         if isinstance(decision, Refusal):
             return responses.refuse(decision)
-        return responses.route_after_headers(decision, stream.forged, skip_body=head.has_body)
+        return responses.route_after_headers(decision, stream.forged, head.has_body, self._namespace)
 
     def _record(self, decision: Decision, method: str, seconds: float) -> None:
         if isinstance(decision, Refusal):
@@ -146,12 +163,20 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
             stream.body += message.body
             return responses.CONTINUE_BODY
         body = bytes(stream.body) + message.body if stream.body else message.body
+        started_ns = time.time_ns()
         started = time.perf_counter()
         outcome = await self._pipeline.on_body(stream.head, body)
         stream.ticket = outcome.ticket
         decision = outcome.decision
         method = outcome.estimate.method if outcome.estimate is not None else "none"
         self._record(decision, method, time.perf_counter() - started)
+        if self._spans.enabled:
+            self._spans.record(
+                dict(stream.head.trace_context),
+                started_ns,
+                time.time_ns(),
+                _span_attributes(outcome, len(body)),
+            )
         if isinstance(decision, Refusal):
             return responses.refuse(decision)
         extra: dict[str, str | float] = {}
@@ -160,4 +185,26 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
             extra["prompt_tokens"] = outcome.estimate.prompt_tokens
         if outcome.shape is not None and outcome.shape.model:
             extra["model"] = outcome.shape.model
-        return responses.route_after_body(decision, stream.forged, extra)
+        return responses.route_after_body(decision, stream.forged, extra, self._namespace)
+
+
+def _span_attributes(outcome: Outcome, body_bytes: int) -> dict[str, AttributeValue]:
+    decision = outcome.decision
+    attributes: dict[str, AttributeValue] = {
+        "kvgate.reason": decision.reason.value,
+        "kvgate.tokens": decision.tokens,
+        "http.request.body.size": body_bytes,
+    }
+    if isinstance(decision, Refusal):
+        attributes["http.response.status_code"] = decision.status
+    else:
+        attributes["kvgate.pool"] = decision.pool
+        if decision.endpoint is not None:
+            attributes["kvgate.endpoint"] = decision.endpoint
+    if outcome.estimate is not None:
+        attributes["kvgate.estimate.method"] = outcome.estimate.method
+        attributes["gen_ai.usage.input_tokens"] = outcome.estimate.prompt_tokens
+        attributes["gen_ai.request.max_tokens"] = outcome.estimate.output_tokens
+    if outcome.shape is not None and outcome.shape.model:
+        attributes["gen_ai.request.model"] = outcome.shape.model
+    return attributes

@@ -50,7 +50,7 @@ def _route_mutation(route: Route, forged: Iterable[str]) -> HeaderMutation:
     return HeaderMutation(set_headers=headers, remove_headers=[name for name in forged if name not in ours])
 
 
-def _metadata(route: Route, extra: dict[str, str | float]) -> Struct:
+def _metadata(route: Route, extra: dict[str, str | float], namespace: str) -> Struct:
     metadata = Struct()
     fields: dict[str, str | float] = {
         "pool": route.pool,
@@ -60,25 +60,27 @@ def _metadata(route: Route, extra: dict[str, str | float]) -> Struct:
     if route.endpoint is not None:
         fields["endpoint"] = route.endpoint
     fields.update(extra)
-    metadata.update({METADATA_NAMESPACE: fields})
+    metadata.update({namespace: fields})
     return metadata
 
 
 def route_after_body(
-    route: Route, forged: Iterable[str], extra: dict[str, str | float]
+    route: Route, forged: Iterable[str], extra: dict[str, str | float], namespace: str
 ) -> ProcessingResponse:
     """Answer the body message: set the routing headers and make Envoy pick the route again."""
     common = CommonResponse(header_mutation=_route_mutation(route, forged), clear_route_cache=True)
     return ProcessingResponse(
-        request_body=BodyResponse(response=common), dynamic_metadata=_metadata(route, extra)
+        request_body=BodyResponse(response=common), dynamic_metadata=_metadata(route, extra, namespace)
     )
 
 
-def route_after_headers(route: Route, forged: Iterable[str], skip_body: bool) -> ProcessingResponse:
+def route_after_headers(
+    route: Route, forged: Iterable[str], skip_body: bool, namespace: str
+) -> ProcessingResponse:
     """Answer the headers message of a request that needs no body inspection."""
     common = CommonResponse(header_mutation=_route_mutation(route, forged), clear_route_cache=True)
     response = ProcessingResponse(
-        request_headers=HeadersResponse(response=common), dynamic_metadata=_metadata(route, {})
+        request_headers=HeadersResponse(response=common), dynamic_metadata=_metadata(route, {}, namespace)
     )
     if skip_body:
         response.mode_override.CopyFrom(_SKIP_BODY)

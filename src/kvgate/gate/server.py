@@ -22,7 +22,7 @@ from kvgate.gate.pipeline import Pipeline, estimator_factory
 from kvgate.gate.processor import ExternalProcessor
 from kvgate.headroom.settings import HeadroomSettings
 from kvgate.headroom.view import HeadroomView
-from kvgate.telemetry import GateMetrics, start_prometheus
+from kvgate.telemetry import DecisionSpans, GateMetrics, start_otlp, start_prometheus
 
 log = logging.getLogger(__name__)
 
@@ -42,16 +42,28 @@ def _grpc_options(config: Config) -> list[tuple[str, int]]:
     ]
 
 
-async def serve(config: Config, metrics_listen: str | None = None, stop: asyncio.Event | None = None) -> None:
+async def serve(
+    config: Config,
+    metrics_listen: str | None = None,
+    otlp_endpoint: str | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
     """Serve until SIGTERM/SIGINT (or `stop`), then drain in-flight streams for drain_seconds."""
     start_prometheus(metrics_listen)
+    start_otlp(otlp_endpoint, "kvgate-gate")
     telemetry = GateMetrics()
     admission = build_admission(config, telemetry)
     if admission is not None:
         await admission.start()
     pipeline = Pipeline(config, estimator_factory(), admission)
     server = grpc.aio.server(options=_grpc_options(config))
-    processor = ExternalProcessor(pipeline, config.admission.priority_header, telemetry)
+    processor = ExternalProcessor(
+        pipeline,
+        config.admission.priority_header,
+        telemetry,
+        DecisionSpans(),
+        config.server.metadata_namespace,
+    )
     external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(processor, server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -89,23 +101,28 @@ def build_admission(config: Config, telemetry: GateMetrics) -> Admission | None:
     return Admission(config.admission, long_view, interactive_view, telemetry)
 
 
-def run_worker(config: Config, metrics_listen: str | None) -> None:
-    uvloop.run(serve(config, metrics_listen))
+def run_worker(config: Config, metrics_listen: str | None, otlp_endpoint: str | None) -> None:
+    uvloop.run(serve(config, metrics_listen, otlp_endpoint))
 
 
-def run_gate(config: Config, metrics_listen: str | None) -> int:
+def run_gate(config: Config, metrics_listen: str | None, otlp_endpoint: str | None = None) -> int:
     """Run one worker in this process, or supervise `workers` processes sharing the port.
 
     Worker i serves its metrics on the metrics port + i (Prometheus scrapes each worker).
     """
     if config.server.workers == 1:
-        run_worker(config, metrics_listen)
+        run_worker(config, metrics_listen, otlp_endpoint)
         return 0
     # Load every tokenizer once here so a bad path fails the command, not each worker in a restart loop.
     Pipeline(config, estimator_factory()).close()
     spawn_index = itertools.count()
+
+    def spawn() -> multiprocessing.process.BaseProcess:
+        index = next(spawn_index) % config.server.workers
+        return _spawn(config, _worker_metrics(metrics_listen, index), otlp_endpoint)
+
     return _supervise(
-        lambda: _spawn(config, _worker_metrics(metrics_listen, next(spawn_index) % config.server.workers)),
+        spawn,
         config.server.workers,
         config.server.drain_seconds,
     )
@@ -118,9 +135,11 @@ def _worker_metrics(listen: str | None, index: int) -> str | None:
     return f"{host}:{int(port) + index}"
 
 
-def _spawn(config: Config, metrics_listen: str | None) -> multiprocessing.process.BaseProcess:
+def _spawn(
+    config: Config, metrics_listen: str | None, otlp_endpoint: str | None
+) -> multiprocessing.process.BaseProcess:
     process = multiprocessing.get_context("spawn").Process(
-        target=run_worker, args=(config, metrics_listen), name="kvgate-gate-worker"
+        target=run_worker, args=(config, metrics_listen, otlp_endpoint), name="kvgate-gate-worker"
     )
     process.start()
     return process

@@ -2,7 +2,15 @@
 
 from kvgate.request.apis import api_for_path
 from kvgate.request.body import decompress, is_json_content_type
-from kvgate.request.parse import parse_body
+from kvgate.request.parse import ParseLimits, parse_body
 from kvgate.request.shape import Api, RequestShape
 
-__all__ = ["Api", "RequestShape", "api_for_path", "decompress", "is_json_content_type", "parse_body"]
+__all__ = [
+    "Api",
+    "ParseLimits",
+    "RequestShape",
+    "api_for_path",
+    "decompress",
+    "is_json_content_type",
+    "parse_body",
+]

@@ -10,12 +10,38 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kvgate.errors import RequestError
 from kvgate.request.shape import Api, RequestShape
 
 _IMAGE_PART_TYPES = frozenset({"image_url", "input_image", "image"})
+
+
+@dataclass(frozen=True, slots=True)
+class ParseLimits:
+    """Bounds on what one body may contain; beyond them the request is a 400 that names the limit."""
+
+    max_messages: int = 10_000
+    max_json_depth: int = 64
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether nested arrays/objects go deeper than `limit`; iterative, so no recursion limit applies."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children: Any = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
 
 
 def _invalid(message: str) -> RequestError:
@@ -49,9 +75,10 @@ def _compact(value: Any) -> str:
 class _Collector:
     """Accumulates prompt pieces while walking a body."""
 
-    __slots__ = ("images", "messages", "texts", "token_ids")
+    __slots__ = ("images", "limits", "messages", "texts", "token_ids")
 
-    def __init__(self) -> None:
+    def __init__(self, limits: ParseLimits) -> None:
+        self.limits = limits
         self.texts: list[str] = []
         self.token_ids = 0
         self.images = 0
@@ -66,8 +93,16 @@ class _Collector:
             self.texts.append(value)
 
     def structured(self, value: Any) -> None:
-        if value is not None:
-            self.texts.append(value if isinstance(value, str) else _compact(value))
+        if value is None:
+            return
+        if isinstance(value, str):
+            self.texts.append(value)
+            return
+        if _depth_exceeds(value, self.limits.max_json_depth):
+            raise _invalid(
+                f"A schema or tool argument is nested deeper than {self.limits.max_json_depth} levels."
+            )
+        self.texts.append(_compact(value))
 
     def content(self, content: Any, where: str) -> None:
         """A message content: a string, or a list of typed parts (text, images, tool results)."""
@@ -98,6 +133,11 @@ class _Collector:
     def message_list(self, messages: Any, where: str) -> None:
         if not isinstance(messages, list):
             raise _invalid(f"'{where}' must be an array of messages.")
+        if len(messages) > self.limits.max_messages:
+            raise _invalid(
+                f"'{where}' has {len(messages)} messages, "
+                f"more than this gateway's limit of {self.limits.max_messages}."
+            )
         for i, message in enumerate(messages):
             if not isinstance(message, dict):
                 raise _invalid(f"'{where}[{i}]' must be an object.")
@@ -177,10 +217,10 @@ def _shape(api: Api, body: dict[str, Any], collected: _Collector, output: int | 
     )
 
 
-def _chat(body: dict[str, Any]) -> RequestShape:
+def _chat(body: dict[str, Any], limits: ParseLimits) -> RequestShape:
     if "messages" not in body:
         raise _invalid("'messages' is required.")
-    collected = _Collector()
+    collected = _Collector(limits)
     collected.message_list(body["messages"], "messages")
     collected.definitions(body, "tools", "functions")
     response_format = body.get("response_format")
@@ -191,10 +231,10 @@ def _chat(body: dict[str, Any]) -> RequestShape:
     return _shape(Api.CHAT, body, collected, output, n)
 
 
-def _completions(body: dict[str, Any]) -> RequestShape:
+def _completions(body: dict[str, Any], limits: ParseLimits) -> RequestShape:
     if "prompt" not in body:
         raise _invalid("'prompt' is required.")
-    collected = _Collector()
+    collected = _Collector(limits)
     collected.prompt(body["prompt"], "prompt")
     collected.text(body.get("suffix"), "suffix")
     n = _count(body, "n", 1) or 1
@@ -204,8 +244,8 @@ def _completions(body: dict[str, Any]) -> RequestShape:
     return _shape(Api.COMPLETIONS, body, collected, output, copies)
 
 
-def _responses(body: dict[str, Any]) -> RequestShape:
-    collected = _Collector()
+def _responses(body: dict[str, Any], limits: ParseLimits) -> RequestShape:
+    collected = _Collector(limits)
     collected.text(body.get("instructions"), "instructions")
     items = body.get("input")
     if isinstance(items, list):
@@ -227,19 +267,19 @@ def _responses(body: dict[str, Any]) -> RequestShape:
     return _shape(Api.RESPONSES, body, collected, output, 1)
 
 
-def _embeddings(body: dict[str, Any]) -> RequestShape:
+def _embeddings(body: dict[str, Any], limits: ParseLimits) -> RequestShape:
     if "input" not in body:
         raise _invalid("'input' is required.")
-    collected = _Collector()
+    collected = _Collector(limits)
     collected.prompt(body["input"], "input")
     # Embeddings generate nothing: no output budget to charge.
     return _shape(Api.EMBEDDINGS, body, collected, 0, 1)
 
 
-def _anthropic_messages(body: dict[str, Any]) -> RequestShape:
+def _anthropic_messages(body: dict[str, Any], limits: ParseLimits) -> RequestShape:
     if "messages" not in body:
         raise _invalid("'messages' is required.")
-    collected = _Collector()
+    collected = _Collector(limits)
     collected.content(body.get("system"), "system")
     collected.message_list(body["messages"], "messages")
     collected.definitions(body, "tools")
@@ -247,7 +287,7 @@ def _anthropic_messages(body: dict[str, Any]) -> RequestShape:
     return _shape(Api.ANTHROPIC_MESSAGES, body, collected, output, 1)
 
 
-_PARSERS: dict[Api, Callable[[dict[str, Any]], RequestShape]] = {
+_PARSERS: dict[Api, Callable[[dict[str, Any], ParseLimits], RequestShape]] = {
     Api.CHAT: _chat,
     Api.COMPLETIONS: _completions,
     Api.RESPONSES: _responses,
@@ -256,6 +296,9 @@ _PARSERS: dict[Api, Callable[[dict[str, Any]], RequestShape]] = {
 }
 
 
-def parse_body(api: Api, body: bytes) -> RequestShape:
+_DEFAULT_LIMITS = ParseLimits()
+
+
+def parse_body(api: Api, body: bytes, limits: ParseLimits = _DEFAULT_LIMITS) -> RequestShape:
     """Parse a JSON body of the given API. Raises RequestError (400) for anything malformed."""
-    return _PARSERS[api](load_json(body))
+    return _PARSERS[api](load_json(body), limits)

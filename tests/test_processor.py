@@ -1,0 +1,190 @@
+"""The ext_proc adapter driven directly with ProcessingRequest messages: answers, traces, fuzzing."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    HttpBody,
+    HttpHeaders,
+    HttpTrailers,
+    ProcessingRequest,
+    ProcessingResponse,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from kvgate.config import Config, parse_config
+from kvgate.gate.pipeline import Pipeline, estimator_factory
+from kvgate.gate.processor import ExternalProcessor
+from kvgate.telemetry import DecisionSpans, GateMetrics
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+def headers(path: str = "/v1/chat/completions", *, end: bool = False, **extra: str) -> ProcessingRequest:
+    values = {":method": "POST", ":path": path, "content-type": "application/json", **extra}
+    header_map = HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()])
+    return ProcessingRequest(request_headers=HttpHeaders(headers=header_map, end_of_stream=end))
+
+
+def body(data: bytes, end: bool = True) -> ProcessingRequest:
+    return ProcessingRequest(request_body=HttpBody(body=data, end_of_stream=end))
+
+
+def make_processor(config: Config | None = None, spans: DecisionSpans | None = None) -> ExternalProcessor:
+    config = config or Config()
+    pipeline = Pipeline(config, estimator_factory())
+    return ExternalProcessor(pipeline, config.admission.priority_header, GateMetrics(), spans, "kvgate")
+
+
+def drive(processor: ExternalProcessor, messages: Sequence[ProcessingRequest]) -> list[ProcessingResponse]:
+    async def requests() -> AsyncIterator[ProcessingRequest]:
+        for message in messages:
+            yield message
+
+    async def run() -> list[ProcessingResponse]:
+        return [response async for response in processor.Process(requests(), None)]  # type: ignore[arg-type]
+
+    return asyncio.run(asyncio.wait_for(run(), 10))
+
+
+def set_headers(response: ProcessingResponse) -> dict[str, str]:
+    which = response.WhichOneof("response")
+    common = getattr(response, which).response
+    return {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
+
+
+def chat(text: str, **extra: Any) -> bytes:
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": text}], **extra}).encode()
+
+
+def test_short_chat_is_routed_in_the_body_response() -> None:
+    first, second = drive(make_processor(), [headers(**{"x-kvgate-pool": "long"}), body(chat("hi"))])
+    assert first.WhichOneof("response") == "request_headers"
+    assert not first.request_headers.response.HasField("header_mutation")
+    routed = set_headers(second)
+    assert routed["x-kvgate-pool"] == "interactive"
+    assert second.request_body.response.clear_route_cache
+    assert second.dynamic_metadata.fields["kvgate"].struct_value.fields["pool"].string_value == "interactive"
+
+
+def test_bodiless_request_is_answered_at_the_headers() -> None:
+    (only,) = drive(make_processor(), [headers("/v1/models", end=True)])
+    assert set_headers(only)["x-kvgate-reason"] == "no_body"
+    assert not only.HasField("mode_override")
+
+
+def test_unknown_path_skips_the_body() -> None:
+    (only,) = drive(make_processor(), [headers("/v1/audio/speech")])
+    assert set_headers(only)["x-kvgate-reason"] == "unparsed"
+    assert only.mode_override.request_body_mode == 0  # NONE: Envoy does not buffer or send the body
+
+
+def test_forged_headers_are_removed_even_when_we_do_not_set_them() -> None:
+    _, routed = drive(
+        make_processor(), [headers(**{"x-kvgate-node": "a", "x-kvgate-priority": "high"}), body(chat("x"))]
+    )
+    removed = set(routed.request_body.response.header_mutation.remove_headers)
+    assert removed == {"x-kvgate-node", "x-kvgate-priority"}
+
+
+def test_chunked_body_is_collected_until_its_end() -> None:
+    data = chat("hello " * 3000, max_tokens=2000)
+    responses = drive(make_processor(), [headers(), body(data[:100], end=False), body(data[100:])])
+    assert [r.WhichOneof("response") for r in responses] == [
+        "request_headers",
+        "request_body",
+        "request_body",
+    ]
+    assert set_headers(responses[-1])["x-kvgate-pool"] == "long"
+
+
+def test_refusals_are_immediate_json_responses() -> None:
+    _, answer = drive(make_processor(), [headers(), body(b"{broken")])
+    immediate = answer.immediate_response
+    assert immediate.status.code == 400
+    assert json.loads(immediate.body)["error"]["code"] == "invalid_request"
+
+
+def test_gzip_bodies_are_offloaded_and_understood() -> None:
+    data = gzip.compress(chat("word " * 20000))
+    _, answer = drive(make_processor(), [headers(**{"content-encoding": "gzip"}), body(data)])
+    assert answer.immediate_response.status.code == 413
+
+
+def test_other_phases_get_a_matching_empty_answer() -> None:
+    trailers = ProcessingRequest(request_trailers=HttpTrailers())
+    _, _, last = drive(make_processor(), [headers(), body(chat("hi")), trailers])
+    assert last.WhichOneof("response") == "request_trailers"
+
+
+def test_a_span_per_decision_joins_envoys_trace() -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    processor = make_processor(spans=DecisionSpans(provider))
+    traceparent = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
+    drive(processor, [headers(traceparent=traceparent), body(chat("hi", max_tokens=6000))])
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "kvgate.decision"
+    assert format(span.context.trace_id, "032x") == TRACE_ID
+    assert span.parent is not None and format(span.parent.span_id, "016x") == "00f067aa0ba902b7"
+    assert span.attributes is not None
+    assert span.attributes["kvgate.pool"] == "long"
+    assert span.attributes["gen_ai.request.model"] == "m"
+    assert span.attributes["gen_ai.request.max_tokens"] == 6000
+
+
+def test_metadata_namespace_is_configurable() -> None:
+    config = parse_config("server: {metadata_namespace: llm.routing}")
+    pipeline = Pipeline(config, estimator_factory())
+    processor = ExternalProcessor(
+        pipeline, "x-kvgate-priority", GateMetrics(), None, config.server.metadata_namespace
+    )
+    _, routed = drive(processor, [headers(), body(chat("hi"))])
+    assert "llm.routing" in routed.dynamic_metadata.fields
+
+
+header_values = st.text(max_size=40)
+messages = st.one_of(
+    st.builds(
+        lambda path, ctype, enc, end: headers(
+            path, end=end, **{"content-type": ctype, "content-encoding": enc}
+        ),
+        st.sampled_from(
+            ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/embeddings", "/x", ""]
+        ),
+        st.sampled_from(["application/json", "text/plain", "", "application/json; charset=latin-1"]),
+        st.sampled_from(["", "gzip", "deflate", "br", "identity"]),
+        st.booleans(),
+    ),
+    st.builds(body, st.binary(max_size=200), st.booleans()),
+    st.builds(
+        lambda d, end: body(gzip.compress(d)[: len(d) // 2 + 5], end), st.binary(max_size=100), st.booleans()
+    ),
+    st.just(ProcessingRequest(request_trailers=HttpTrailers())),
+    st.just(ProcessingRequest()),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(messages, max_size=5))
+def test_any_message_sequence_gets_a_defined_answer(sequence: list[ProcessingRequest]) -> None:
+    """Arbitrary, out-of-order, truncated or empty messages: no crash, no hang, one answer per phase."""
+    answers = drive(make_processor(), sequence)
+    assert len(answers) <= len(sequence)
+    for answer in answers:
+        kind = answer.WhichOneof("response")
+        assert kind is not None
+        if kind == "immediate_response":
+            assert 400 <= answer.immediate_response.status.code < 600
+            json.loads(answer.immediate_response.body)
