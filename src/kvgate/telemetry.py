@@ -105,13 +105,42 @@ def observe(meter_: Meter, name: str, unit: str, description: str, read: Gauge) 
     meter_.create_observable_gauge(name, callbacks=[callback], unit=unit, description=description)
 
 
+class _Tally:
+    """Counts kept in a plain dict and read by the SDK at scrape time.
+
+    An SDK counter.add costs about 10 µs; a dict increment about 0.2 µs. On a path that handles each
+    request in a few hundred microseconds, the difference is worth an observable counter.
+    """
+
+    def __init__(
+        self, meter_: Meter, name: str, unit: str, description: str, labels: tuple[str, ...]
+    ) -> None:
+        self._labels = labels
+        self.counts: dict[tuple[str, ...], int] = {}
+
+        def read(_options: CallbackOptions) -> Iterable[Observation]:
+            return [
+                Observation(n, dict(zip(self._labels, key, strict=True)))
+                for key, n in list(self.counts.items())
+            ]
+
+        meter_.create_observable_counter(name, callbacks=[read], unit=unit, description=description)
+
+    def add(self, *key: str) -> None:
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+
 class GateMetrics:
     """The gate's instruments. Construct once per process after `start_prometheus`."""
 
     def __init__(self) -> None:
         m = meter("kvgate.gate")
-        self._decisions = m.create_counter(
-            DECISIONS, unit="{request}", description="Decisions by pool, status and reason"
+        self._decisions = _Tally(
+            m,
+            DECISIONS,
+            "{request}",
+            "Decisions by target (pool or status), reason and method",
+            ("target", "reason", "method"),
         )
         self._duration = m.create_histogram(
             DECISION_DURATION, unit="s", description="Time from the body's arrival to the gate's answer"
@@ -119,28 +148,31 @@ class GateMetrics:
         self._tokens = m.create_histogram(
             ESTIMATED_TOKENS, unit="{token}", description="Estimated total tokens (prompt + output budget)"
         )
-        self._messages = m.create_counter(
-            ENVOY_MESSAGES, unit="{message}", description="ext_proc messages by kind"
-        )
-        self._reservations = m.create_counter(
+        self._messages = _Tally(m, ENVOY_MESSAGES, "{message}", "ext_proc messages by kind", ("kind",))
+        self._reservations = _Tally(
+            m,
             RESERVATIONS,
-            unit="{reservation}",
-            description="Reserve attempts by result (granted, refused, error)",
+            "{reservation}",
+            "Reserve attempts by result (granted, refused, error)",
+            ("result",),
         )
         self.meter = m
 
     def decision(self, target: str, reason: str, method: str, tokens: int, seconds: float) -> None:
-        attributes = {"target": target, "reason": reason, "method": method}
-        self._decisions.add(1, attributes)
-        self._duration.record(seconds, {"method": method})
+        self._decisions.add(target, reason, method)
+        attributes = _METHOD_ATTRIBUTES.get(method) or {"method": method}
+        self._duration.record(seconds, attributes)
         if tokens:
-            self._tokens.record(tokens, {"method": method})
+            self._tokens.record(tokens, attributes)
 
     def message(self, kind: str) -> None:
-        self._messages.add(1, {"kind": kind})
+        self._messages.add(kind)
 
     def reservation(self, result: str) -> None:
-        self._reservations.add(1, {"result": result})
+        self._reservations.add(result)
+
+
+_METHOD_ATTRIBUTES = {method: {"method": method} for method in ("fast", "exact", "none")}
 
 
 class DecisionSpans:
