@@ -1,0 +1,1 @@
+"""kvgate's benchmarks: `python -m bench [NAME ...]` runs bench/bench_NAME.py's main() for each."""

@@ -1,0 +1,84 @@
+"""The floor an ext_proc server in Python costs: grpc.aio on uvloop, parse the body, set the pool.
+
+It answers the same two messages as the gate under the shipped Envoy config (request headers SEND,
+body BUFFERED): headers continue untouched; the body is parsed with json.loads and answered with
+`x-kvgate-pool: interactive` and a cleared route cache. Whatever the gate costs beyond this server
+is the gate's own work.
+
+Run: python -m bench.trivial_extproc --listen 127.0.0.1:9102
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+from collections.abc import AsyncIterator
+
+import grpc
+import uvloop
+from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
+from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    BodyResponse,
+    CommonResponse,
+    HeaderMutation,
+    HeadersResponse,
+    ProcessingRequest,
+    ProcessingResponse,
+)
+
+_MESSAGE_LIMIT = 64 * 1024 * 1024
+_CONTINUE_HEADERS = ProcessingResponse(request_headers=HeadersResponse())
+
+
+def answer_body(body: bytes) -> ProcessingResponse:
+    """Parse the body (the work every ext_proc router does) and route it to the interactive pool."""
+    json.loads(body)
+    header = HeaderValueOption(
+        header=HeaderValue(key="x-kvgate-pool", raw_value=b"interactive"),
+        append_action=HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
+    common = CommonResponse(header_mutation=HeaderMutation(set_headers=[header]), clear_route_cache=True)
+    return ProcessingResponse(request_body=BodyResponse(response=common))
+
+
+class TrivialProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    async def Process(
+        self, requests: AsyncIterator[ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ProcessingResponse]:
+        async for message in requests:
+            kind = message.WhichOneof("request")
+            if kind == "request_headers":
+                yield _CONTINUE_HEADERS
+            elif kind == "request_body":
+                yield answer_body(message.request_body.body)
+
+
+async def serve(listen: str) -> None:
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", _MESSAGE_LIMIT),
+            ("grpc.max_send_message_length", _MESSAGE_LIMIT),
+        ]
+    )
+    external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(TrivialProcessor(), server)
+    server.add_insecure_port(listen)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    await server.stop(grace=1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="A trivial ext_proc server: the baseline for bench_gate.")
+    parser.add_argument("--listen", required=True, help="HOST:PORT to serve on")
+    uvloop.run(serve(parser.parse_args().listen))
+
+
+if __name__ == "__main__":
+    main()
