@@ -34,7 +34,7 @@ def test_too_long_is_a_413_naming_both_numbers() -> None:
 
 def test_limits_and_pool_names_are_configurable() -> None:
     model = ModelConfig(interactive_max_tokens=8192, max_total_tokens=131072, pools=PoolNames(long="big"))
-    assert decide(8000, 100, model) == Route("big", Reason.LONG, 8100)
+    assert decide(8200, 100, model) == Route("big", Reason.LONG, 8300)
     assert decide(100000, 0, model) == Route("big", Reason.LONG, 100000)
 
 

@@ -19,7 +19,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvgate.estimate.calibration import Calibration
-from kvgate.estimate.features import FEATURES, FULL_SCAN_BYTES, Sample, sample
+from kvgate.estimate.features import (
+    FEATURES,
+    FULL_SCAN_BYTES,
+    UTF8_MAX_BYTES,
+    WINDOW_BYTES,
+    WINDOWS,
+    Sample,
+    sample,
+)
 
 _FOURBYTE = FEATURES.index("fourbyte")
 
@@ -78,6 +86,11 @@ class FastEstimator:
             + emoji * c.fourbyte_min
             + features.trap_bytes / c.max_piece_bytes
         )
+        if features.max_size > features.min_size:
+            # The size was estimated from windows of a long non-ASCII text: one gap between two
+            # windows may hide characters wider than the windows showed.
+            gap_chars = max(0, features.min_size - WINDOWS * WINDOW_BYTES) / (WINDOWS - 1)
+            high += gap_chars * (UTF8_MAX_BYTES - 1) * c.max_tokens_per_byte
         ceiling = math.floor(c.max_tokens_per_byte * features.max_size) + texts
         floor = math.ceil(features.min_size / c.max_piece_bytes)
         high_tokens = max(floor, min(ceiling, math.ceil(high)))
