@@ -5,44 +5,47 @@
 # source: kvgate/headroom/v1/headroom.proto
 # Protobuf Python Version: 7.35.1
 """Generated protocol buffer code."""
-
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import descriptor_pool as _descriptor_pool
 from google.protobuf import runtime_version as _runtime_version
 from google.protobuf import symbol_database as _symbol_database
 from google.protobuf.internal import builder as _builder
-
 _runtime_version.ValidateProtobufRuntimeVersion(
-    _runtime_version.Domain.PUBLIC, 7, 35, 1, "", "kvgate/headroom/v1/headroom.proto"
+    _runtime_version.Domain.PUBLIC,
+    7,
+    35,
+    1,
+    '',
+    'kvgate/headroom/v1/headroom.proto'
 )
 # @@protoc_insertion_point(imports)
 
 _sym_db = _symbol_database.Default()
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(
-    b'\n!kvgate/headroom/v1/headroom.proto\x12\x12kvgate.headroom.v1"&\n\x10SubscribeRequest\x12\x12\n\nsubscriber\x18\x01 \x01(\t"\xff\x01\n\x07GpuInfo\x12\x0c\n\x04uuid\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x18\n\x0btotal_bytes\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x17\n\nused_bytes\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x17\n\nfree_bytes\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x1b\n\x0ereserved_bytes\x18\x07 \x01(\x04H\x03\x88\x01\x01\x12\x0f\n\x07healthy\x18\x08 \x01(\x08\x12\x0e\n\x06reason\x18\t \x01(\tB\x0e\n\x0c_total_bytesB\r\n\x0b_used_bytesB\r\n\x0b_free_bytesB\x11\n\x0f_reserved_bytes"\x8f\x04\n\x0cNodeHeadroom\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x1b\n\x13sample_time_unix_ns\x18\x04 \x01(\x03\x12\x17\n\x0f\x63\x61pacity_tokens\x18\x05 \x01(\x03\x12\x14\n\x0csafety_ratio\x18\x06 \x01(\x01\x12\x18\n\x0bused_tokens\x18\x07 \x01(\x03H\x00\x88\x01\x01\x12\x17\n\x0freserved_tokens\x18\x08 \x01(\x03\x12\x14\n\x0creservations\x18\t \x01(\r\x12\x17\n\x0fheadroom_tokens\x18\n \x01(\x03\x12\x0f\n\x07healthy\x18\x0b \x01(\x08\x12\x0e\n\x06reason\x18\x0c \x01(\t\x12\x17\n\x0f\x63\x61pacity_source\x18\r \x01(\t\x12\x15\n\x08kv_usage\x18\x0e \x01(\x01H\x01\x88\x01\x01\x12\x14\n\x07running\x18\x0f \x01(\rH\x02\x88\x01\x01\x12\x14\n\x07waiting\x18\x10 \x01(\rH\x03\x88\x01\x01\x12\x1e\n\x11preemptions_total\x18\x11 \x01(\x04H\x04\x88\x01\x01\x12)\n\x04gpus\x18\x12 \x03(\x0b\x32\x1b.kvgate.headroom.v1.GpuInfo\x12\x11\n\tperiod_ms\x18\x13 \x01(\rB\x0e\n\x0c_used_tokensB\x0b\n\t_kv_usageB\n\n\x08_runningB\n\n\x08_waitingB\x14\n\x12_preemptions_total"U\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x01(\x03\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\x12\x0e\n\x06holder\x18\x04 \x01(\t"u\n\x0fReserveResponse\x12\x0f\n\x07granted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x17\n\x0fheadroom_tokens\x18\x03 \x01(\x03\x12\x17\n\x0freserved_tokens\x18\x04 \x01(\x03\x12\x0f\n\x07lease_s\x18\x05 \x01(\x01"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t"U\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x12\x17\n\x0fheadroom_tokens\x18\x02 \x01(\x03\x12\x17\n\x0freserved_tokens\x18\x03 \x01(\x03\x32\x86\x02\n\x05\x41gent\x12U\n\tSubscribe\x12$.kvgate.headroom.v1.SubscribeRequest\x1a .kvgate.headroom.v1.NodeHeadroom0\x01\x12R\n\x07Reserve\x12".kvgate.headroom.v1.ReserveRequest\x1a#.kvgate.headroom.v1.ReserveResponse\x12R\n\x07Release\x12".kvgate.headroom.v1.ReleaseRequest\x1a#.kvgate.headroom.v1.ReleaseResponseb\x06proto3'
-)
+
+
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!kvgate/headroom/v1/headroom.proto\x12\x12kvgate.headroom.v1\"&\n\x10SubscribeRequest\x12\x12\n\nsubscriber\x18\x01 \x01(\t\"\xff\x01\n\x07GpuInfo\x12\x0c\n\x04uuid\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x18\n\x0btotal_bytes\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x17\n\nused_bytes\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x17\n\nfree_bytes\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x1b\n\x0ereserved_bytes\x18\x07 \x01(\x04H\x03\x88\x01\x01\x12\x0f\n\x07healthy\x18\x08 \x01(\x08\x12\x0e\n\x06reason\x18\t \x01(\tB\x0e\n\x0c_total_bytesB\r\n\x0b_used_bytesB\r\n\x0b_free_bytesB\x11\n\x0f_reserved_bytes\"\x8f\x04\n\x0cNodeHeadroom\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x1b\n\x13sample_time_unix_ns\x18\x04 \x01(\x03\x12\x17\n\x0f\x63\x61pacity_tokens\x18\x05 \x01(\x03\x12\x14\n\x0csafety_ratio\x18\x06 \x01(\x01\x12\x18\n\x0bused_tokens\x18\x07 \x01(\x03H\x00\x88\x01\x01\x12\x17\n\x0freserved_tokens\x18\x08 \x01(\x03\x12\x14\n\x0creservations\x18\t \x01(\r\x12\x17\n\x0fheadroom_tokens\x18\n \x01(\x03\x12\x0f\n\x07healthy\x18\x0b \x01(\x08\x12\x0e\n\x06reason\x18\x0c \x01(\t\x12\x17\n\x0f\x63\x61pacity_source\x18\r \x01(\t\x12\x15\n\x08kv_usage\x18\x0e \x01(\x01H\x01\x88\x01\x01\x12\x14\n\x07running\x18\x0f \x01(\rH\x02\x88\x01\x01\x12\x14\n\x07waiting\x18\x10 \x01(\rH\x03\x88\x01\x01\x12\x1e\n\x11preemptions_total\x18\x11 \x01(\x04H\x04\x88\x01\x01\x12)\n\x04gpus\x18\x12 \x03(\x0b\x32\x1b.kvgate.headroom.v1.GpuInfo\x12\x11\n\tperiod_ms\x18\x13 \x01(\rB\x0e\n\x0c_used_tokensB\x0b\n\t_kv_usageB\n\n\x08_runningB\n\n\x08_waitingB\x14\n\x12_preemptions_total\"U\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x01(\x03\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\x12\x0e\n\x06holder\x18\x04 \x01(\t\"u\n\x0fReserveResponse\x12\x0f\n\x07granted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x17\n\x0fheadroom_tokens\x18\x03 \x01(\x03\x12\x17\n\x0freserved_tokens\x18\x04 \x01(\x03\x12\x0f\n\x07lease_s\x18\x05 \x01(\x01\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"U\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x12\x17\n\x0fheadroom_tokens\x18\x02 \x01(\x03\x12\x17\n\x0freserved_tokens\x18\x03 \x01(\x03\x32\x86\x02\n\x05\x41gent\x12U\n\tSubscribe\x12$.kvgate.headroom.v1.SubscribeRequest\x1a .kvgate.headroom.v1.NodeHeadroom0\x01\x12R\n\x07Reserve\x12\".kvgate.headroom.v1.ReserveRequest\x1a#.kvgate.headroom.v1.ReserveResponse\x12R\n\x07Release\x12\".kvgate.headroom.v1.ReleaseRequest\x1a#.kvgate.headroom.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, "kvgate.headroom.v1.headroom_pb2", _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvgate.headroom.v1.headroom_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-    DESCRIPTOR._loaded_options = None
-    _globals["_SUBSCRIBEREQUEST"]._serialized_start = 57
-    _globals["_SUBSCRIBEREQUEST"]._serialized_end = 95
-    _globals["_GPUINFO"]._serialized_start = 98
-    _globals["_GPUINFO"]._serialized_end = 353
-    _globals["_NODEHEADROOM"]._serialized_start = 356
-    _globals["_NODEHEADROOM"]._serialized_end = 883
-    _globals["_RESERVEREQUEST"]._serialized_start = 885
-    _globals["_RESERVEREQUEST"]._serialized_end = 970
-    _globals["_RESERVERESPONSE"]._serialized_start = 972
-    _globals["_RESERVERESPONSE"]._serialized_end = 1089
-    _globals["_RELEASEREQUEST"]._serialized_start = 1091
-    _globals["_RELEASEREQUEST"]._serialized_end = 1127
-    _globals["_RELEASERESPONSE"]._serialized_start = 1129
-    _globals["_RELEASERESPONSE"]._serialized_end = 1214
-    _globals["_AGENT"]._serialized_start = 1217
-    _globals["_AGENT"]._serialized_end = 1479
+  DESCRIPTOR._loaded_options = None
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=57
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=95
+  _globals['_GPUINFO']._serialized_start=98
+  _globals['_GPUINFO']._serialized_end=353
+  _globals['_NODEHEADROOM']._serialized_start=356
+  _globals['_NODEHEADROOM']._serialized_end=883
+  _globals['_RESERVEREQUEST']._serialized_start=885
+  _globals['_RESERVEREQUEST']._serialized_end=970
+  _globals['_RESERVERESPONSE']._serialized_start=972
+  _globals['_RESERVERESPONSE']._serialized_end=1089
+  _globals['_RELEASEREQUEST']._serialized_start=1091
+  _globals['_RELEASEREQUEST']._serialized_end=1127
+  _globals['_RELEASERESPONSE']._serialized_start=1129
+  _globals['_RELEASERESPONSE']._serialized_end=1214
+  _globals['_AGENT']._serialized_start=1217
+  _globals['_AGENT']._serialized_end=1479
 # @@protoc_insertion_point(module_scope)

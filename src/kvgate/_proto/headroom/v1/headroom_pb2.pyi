@@ -14,17 +14,7 @@ class SubscribeRequest(_message.Message):
     def __init__(self, subscriber: _Optional[str] = ...) -> None: ...
 
 class GpuInfo(_message.Message):
-    __slots__ = (
-        "uuid",
-        "index",
-        "name",
-        "total_bytes",
-        "used_bytes",
-        "free_bytes",
-        "reserved_bytes",
-        "healthy",
-        "reason",
-    )
+    __slots__ = ("uuid", "index", "name", "total_bytes", "used_bytes", "free_bytes", "reserved_bytes", "healthy", "reason")
     UUID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -43,41 +33,10 @@ class GpuInfo(_message.Message):
     reserved_bytes: int
     healthy: bool
     reason: str
-    def __init__(
-        self,
-        uuid: _Optional[str] = ...,
-        index: _Optional[int] = ...,
-        name: _Optional[str] = ...,
-        total_bytes: _Optional[int] = ...,
-        used_bytes: _Optional[int] = ...,
-        free_bytes: _Optional[int] = ...,
-        reserved_bytes: _Optional[int] = ...,
-        healthy: _Optional[bool] = ...,
-        reason: _Optional[str] = ...,
-    ) -> None: ...
+    def __init__(self, uuid: _Optional[str] = ..., index: _Optional[int] = ..., name: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., healthy: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class NodeHeadroom(_message.Message):
-    __slots__ = (
-        "node",
-        "endpoint",
-        "seq",
-        "sample_time_unix_ns",
-        "capacity_tokens",
-        "safety_ratio",
-        "used_tokens",
-        "reserved_tokens",
-        "reservations",
-        "headroom_tokens",
-        "healthy",
-        "reason",
-        "capacity_source",
-        "kv_usage",
-        "running",
-        "waiting",
-        "preemptions_total",
-        "gpus",
-        "period_ms",
-    )
+    __slots__ = ("node", "endpoint", "seq", "sample_time_unix_ns", "capacity_tokens", "safety_ratio", "used_tokens", "reserved_tokens", "reservations", "headroom_tokens", "healthy", "reason", "capacity_source", "kv_usage", "running", "waiting", "preemptions_total", "gpus", "period_ms")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -116,28 +75,7 @@ class NodeHeadroom(_message.Message):
     preemptions_total: int
     gpus: _containers.RepeatedCompositeFieldContainer[GpuInfo]
     period_ms: int
-    def __init__(
-        self,
-        node: _Optional[str] = ...,
-        endpoint: _Optional[str] = ...,
-        seq: _Optional[int] = ...,
-        sample_time_unix_ns: _Optional[int] = ...,
-        capacity_tokens: _Optional[int] = ...,
-        safety_ratio: _Optional[float] = ...,
-        used_tokens: _Optional[int] = ...,
-        reserved_tokens: _Optional[int] = ...,
-        reservations: _Optional[int] = ...,
-        headroom_tokens: _Optional[int] = ...,
-        healthy: _Optional[bool] = ...,
-        reason: _Optional[str] = ...,
-        capacity_source: _Optional[str] = ...,
-        kv_usage: _Optional[float] = ...,
-        running: _Optional[int] = ...,
-        waiting: _Optional[int] = ...,
-        preemptions_total: _Optional[int] = ...,
-        gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ...,
-        period_ms: _Optional[int] = ...,
-    ) -> None: ...
+    def __init__(self, node: _Optional[str] = ..., endpoint: _Optional[str] = ..., seq: _Optional[int] = ..., sample_time_unix_ns: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., safety_ratio: _Optional[float] = ..., used_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., reservations: _Optional[int] = ..., headroom_tokens: _Optional[int] = ..., healthy: _Optional[bool] = ..., reason: _Optional[str] = ..., capacity_source: _Optional[str] = ..., kv_usage: _Optional[float] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., period_ms: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "tokens", "lease_s", "holder")
@@ -149,13 +87,7 @@ class ReserveRequest(_message.Message):
     tokens: int
     lease_s: float
     holder: str
-    def __init__(
-        self,
-        request_id: _Optional[str] = ...,
-        tokens: _Optional[int] = ...,
-        lease_s: _Optional[float] = ...,
-        holder: _Optional[str] = ...,
-    ) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[int] = ..., lease_s: _Optional[float] = ..., holder: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("granted", "reason", "headroom_tokens", "reserved_tokens", "lease_s")
@@ -169,14 +101,7 @@ class ReserveResponse(_message.Message):
     headroom_tokens: int
     reserved_tokens: int
     lease_s: float
-    def __init__(
-        self,
-        granted: _Optional[bool] = ...,
-        reason: _Optional[str] = ...,
-        headroom_tokens: _Optional[int] = ...,
-        reserved_tokens: _Optional[int] = ...,
-        lease_s: _Optional[float] = ...,
-    ) -> None: ...
+    def __init__(self, granted: _Optional[bool] = ..., reason: _Optional[str] = ..., headroom_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -192,9 +117,4 @@ class ReleaseResponse(_message.Message):
     released: bool
     headroom_tokens: int
     reserved_tokens: int
-    def __init__(
-        self,
-        released: _Optional[bool] = ...,
-        headroom_tokens: _Optional[int] = ...,
-        reserved_tokens: _Optional[int] = ...,
-    ) -> None: ...
+    def __init__(self, released: _Optional[bool] = ..., headroom_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ...) -> None: ...
