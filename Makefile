@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast bench lint format proto clean
+.PHONY: setup demo test test-fast bench soak lint format proto clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,9 @@ test-fast: setup
 
 bench: setup
 	$(BIN)/python -m bench
+
+soak: setup
+	$(BIN)/python -m bench soak
 
 lint: setup
 	$(BIN)/ruff check src tests bench

@@ -1,7 +1,8 @@
 """Run the benchmarks: every bench/bench_*.py module's main() in name order, or only those named.
 
-    python -m bench              all of them
+    python -m bench              all of them but the long ones (soak: 10 minutes)
     python -m bench gate         bench/bench_gate.py only
+    python -m bench soak         the soak run
 
 A benchmark that fails prints its error; the others still run, and the exit status is non-zero.
 """
@@ -17,6 +18,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 PREFIX = "bench_"
+# Run only when named: too long for `make bench`.
+ON_REQUEST = frozenset({"soak"})
 
 
 def available() -> list[str]:
@@ -43,7 +46,7 @@ def main() -> int:
     parser.add_argument(
         "names", nargs="*", metavar="NAME", help=f"benchmarks to run (of: {', '.join(names)})"
     )
-    chosen = parser.parse_args().names or names
+    chosen = parser.parse_args().names or [name for name in names if name not in ON_REQUEST]
     unknown = [name for name in chosen if name not in names]
     if unknown:
         parser.error(f"unknown benchmark(s) {', '.join(unknown)}; known: {', '.join(names)}")
