@@ -14,6 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+from envoy.config.core.v3.base_pb2 import HeaderValue
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
     BodyResponse,
@@ -57,32 +58,35 @@ class _Stream:
 _TRACE_HEADERS = frozenset({"traceparent", "tracestate"})
 
 
+def _value(header: HeaderValue) -> str:
+    return header.raw_value.decode("latin-1") if header.raw_value else str(header.value)
+
+
 def read_head(message: HttpHeaders, stream: _Stream, priority_header: str) -> RequestHead:
-    path = method = request_id = ""
-    content_type = content_encoding = priority = None
+    """The headers the gate reads; only those are decoded (a request carries twenty or more)."""
+    wanted: dict[str, str | None] = {
+        ":path": "",
+        ":method": "",
+        "content-type": None,
+        "content-encoding": None,
+        "x-request-id": "",
+    }
+    priority = None
     trace_context: list[tuple[str, str]] = []
     for header in message.headers.headers:
         key = header.key
-        value = header.raw_value.decode("latin-1") if header.raw_value else header.value
-        if key == ":path":
-            path = value
-        elif key == ":method":
-            method = value
-        elif key == "content-type":
-            content_type = value
-        elif key == "content-encoding":
-            content_encoding = value
-        elif key == "x-request-id":
-            request_id = value
+        if key in wanted:
+            wanted[key] = _value(header)
         elif key in _TRACE_HEADERS:
-            trace_context.append((key, value))
+            trace_context.append((key, _value(header)))
         if key == priority_header:
-            priority = value.strip().lower()
+            priority = _value(header).strip().lower()
         if key.startswith(responses.HEADER_PREFIX):
             stream.forged.append(key)
+    path, method, content_type, content_encoding, request_id = wanted.values()
     return RequestHead(
-        path,
-        method,
+        path or "",
+        method or "",
         content_type,
         content_encoding,
         has_body=not message.end_of_stream,
