@@ -103,6 +103,20 @@ def pools() -> Iterator[tuple[dict[str, int], Upstreams]]:
         upstreams.stop()
 
 
+def node_with_40k_tokens(stack: ExitStack, tmp: Path, pool_ports: dict[str, int]) -> int:
+    """An agent for the long pool's node with 40,000 tokens of capacity, all admissible; its port."""
+    port = free_port()
+    agent = agent_process(
+        tmp,
+        "node-a",
+        port,
+        f"127.0.0.1:{pool_ports['long']}",
+        ["--capacity-tokens", "40000", "--safety-ratio", "1.0"],
+    )
+    stack.callback(agent.stop)
+    return port
+
+
 def front(stack: ExitStack, tmp: Path, pool_ports: dict[str, int], config: str, name: str) -> int:
     """An Envoy + gate pair sharing the upstream pools; returns the Envoy listener port."""
     ports = dict(pool_ports, listener=free_port(), gate=free_port(), admin=free_port())
@@ -118,16 +132,8 @@ def test_burst_admits_only_what_fits_and_loses_nothing(
     tmp_path: Path, sp_model_path: Path, long_body: bytes, pools: tuple[dict[str, int], Upstreams]
 ) -> None:
     pool_ports, upstreams = pools
-    agent_port = free_port()
     with ExitStack() as stack:
-        agent = agent_process(
-            tmp_path,
-            "node-a",
-            agent_port,
-            f"127.0.0.1:{pool_ports['long']}",
-            ["--capacity-tokens", "40000", "--safety-ratio", "1.0"],
-        )
-        stack.callback(agent.stop)
+        agent_port = node_with_40k_tokens(stack, tmp_path, pool_ports)
         listener = front(
             stack, tmp_path, pool_ports, gate_config(sp_model_path, [agent_port], max_wait_s=0.3), "g1"
         )
@@ -148,16 +154,8 @@ def test_waiting_requests_are_admitted_as_capacity_frees(
     tmp_path: Path, sp_model_path: Path, long_body: bytes, pools: tuple[dict[str, int], Upstreams]
 ) -> None:
     pool_ports, upstreams = pools
-    agent_port = free_port()
     with ExitStack() as stack:
-        agent = agent_process(
-            tmp_path,
-            "node-a",
-            agent_port,
-            f"127.0.0.1:{pool_ports['long']}",
-            ["--capacity-tokens", "40000", "--safety-ratio", "1.0"],
-        )
-        stack.callback(agent.stop)
+        agent_port = node_with_40k_tokens(stack, tmp_path, pool_ports)
         listener = front(
             stack, tmp_path, pool_ports, gate_config(sp_model_path, [agent_port], max_wait_s=5), "g1"
         )
@@ -174,16 +172,8 @@ def test_async_fallback(
     tmp_path: Path, sp_model_path: Path, long_body: bytes, pools: tuple[dict[str, int], Upstreams]
 ) -> None:
     pool_ports, _ = pools
-    agent_port = free_port()
     with ExitStack() as stack:
-        agent = agent_process(
-            tmp_path,
-            "node-a",
-            agent_port,
-            f"127.0.0.1:{pool_ports['long']}",
-            ["--capacity-tokens", "40000", "--safety-ratio", "1.0"],
-        )
-        stack.callback(agent.stop)
+        agent_port = node_with_40k_tokens(stack, tmp_path, pool_ports)
         config = gate_config(sp_model_path, [agent_port], max_wait_s=0.2, async_fallback=True)
         listener = front(stack, tmp_path, pool_ports, config, "g1")
         replies = burst(listener, long_body, 5, delay="1.0")
@@ -195,16 +185,8 @@ def test_two_gates_cannot_over_admit_together(
     tmp_path: Path, sp_model_path: Path, long_body: bytes, pools: tuple[dict[str, int], Upstreams]
 ) -> None:
     pool_ports, upstreams = pools
-    agent_port = free_port()
     with ExitStack() as stack:
-        agent = agent_process(
-            tmp_path,
-            "node-a",
-            agent_port,
-            f"127.0.0.1:{pool_ports['long']}",
-            ["--capacity-tokens", "40000", "--safety-ratio", "1.0"],
-        )
-        stack.callback(agent.stop)
+        agent_port = node_with_40k_tokens(stack, tmp_path, pool_ports)
         config = gate_config(sp_model_path, [agent_port], max_wait_s=0.2)
         listeners = [front(stack, tmp_path, pool_ports, config, f"g{i}") for i in range(2)]
         results: list[list[Reply]] = [[], []]
@@ -257,16 +239,8 @@ def test_client_abort_releases_the_reservation(
     tmp_path: Path, sp_model_path: Path, long_body: bytes, pools: tuple[dict[str, int], Upstreams]
 ) -> None:
     pool_ports, _ = pools
-    agent_port = free_port()
     with ExitStack() as stack:
-        agent = agent_process(
-            tmp_path,
-            "node-a",
-            agent_port,
-            f"127.0.0.1:{pool_ports['long']}",
-            ["--capacity-tokens", "40000", "--safety-ratio", "1.0"],
-        )
-        stack.callback(agent.stop)
+        agent_port = node_with_40k_tokens(stack, tmp_path, pool_ports)
         listener = front(stack, tmp_path, pool_ports, gate_config(sp_model_path, [agent_port]), "g1")
         request = (
             f"POST {CHAT} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nx-test-delay: 10\r\n"
