@@ -507,7 +507,7 @@ def test_envoy_gateway_policies(helm: Helm) -> None:
     (ext_proc,) = policy["spec"]["extProc"]
     assert policy["metadata"]["namespace"] == "gateways"
     assert ext_proc["processingMode"] == {"allowModeOverride": True, "request": {"body": "Buffered"}}
-    assert ext_proc["messageTimeout"] == "2000ms"
+    assert ext_proc["messageTimeout"] == "5000ms"
     assert ext_proc["backendRefs"][0]["namespace"] == "llm"
     traffic = one(docs, "ClientTrafficPolicy")
     assert int(traffic["spec"]["connection"]["bufferLimit"]) > 32 * 1024 * 1024

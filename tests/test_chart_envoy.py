@@ -103,7 +103,7 @@ def python_bootstrap(values: dict[str, Any]) -> dict[str, Any]:
         {name: HostPort(pool["address"], pool["port"]) for name, pool in envoy["pools"].items()},
         listen=HostPort("0.0.0.0", 10000),
         gate=HostPort("rel-kvgate-gate-headless.llm.svc.cluster.local", 9002),
-        message_timeout_ms=envoy.get("messageTimeoutMs", 2000),
+        message_timeout_ms=envoy.get("messageTimeoutMs", 5000),
         fail_open=envoy.get("failOpen", True),
         route_timeout_seconds=envoy.get("routeTimeoutSeconds", 0),
     )

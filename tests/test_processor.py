@@ -23,7 +23,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvgate.config import Config, parse_config
-from kvgate.gate.pipeline import Pipeline, estimator_factory
+from kvgate.errors import RequestError
+from kvgate.gate.pipeline import Pipeline, estimator_factory, refusal_for
 from kvgate.gate.processor import ExternalProcessor
 from kvgate.telemetry import DecisionSpans, GateMetrics
 
@@ -188,3 +189,10 @@ def test_any_message_sequence_gets_a_defined_answer(sequence: list[ProcessingReq
         if kind == "immediate_response":
             assert 400 <= answer.immediate_response.status.code < 600
             json.loads(answer.immediate_response.body)
+
+
+def test_gateway_limits_are_retryable_503s_not_client_errors() -> None:
+    busy = refusal_for(RequestError(503, "tokenizer_busy", "busy", "server_error"))
+    assert (busy.status, busy.reason.value, busy.retry_after_s) == (503, "overloaded", 1)
+    bad = refusal_for(RequestError(400, "invalid_request", "bad"))
+    assert (bad.status, bad.reason.value, bad.retry_after_s) == (400, "invalid_request", None)

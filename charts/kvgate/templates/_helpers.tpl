@@ -197,3 +197,8 @@ x-kvgate-pool,x-kvgate-endpoint,x-kvgate-tokens,x-kvgate-reason
       - remove: {{ . }}
       {{- end }}
 {{- end -}}
+
+{{/* The metrics port of gate worker i: "metrics" for the first (annotations scrape it), "metrics-i" after. */}}
+{{- define "kvgate.gate.metricsPortName" -}}
+{{- if eq (int .) 0 }}metrics{{ else }}metrics-{{ . }}{{ end }}
+{{- end }}

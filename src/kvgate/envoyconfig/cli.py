@@ -52,8 +52,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--message-timeout-ms",
         type=_positive_int,
-        default=2000,
-        help="ext_proc per-message timeout (default 2000)",
+        default=5000,
+        help="ext_proc per-message timeout (default 5000; must exceed admission.max_wait_s)",
     )
     parser.add_argument(
         "--fail-closed",

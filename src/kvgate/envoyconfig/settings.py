@@ -38,7 +38,7 @@ class EnvoySettings:
     # Pools whose requests the gate may pin to one node with x-kvgate-endpoint.
     long_pools: tuple[str, ...]
     buffer_limit_bytes: int
-    message_timeout_ms: int = 2000
+    message_timeout_ms: int = 5000
     fail_open: bool = True
     # 0 disables the upstream timeout: long generations stream for minutes.
     route_timeout_seconds: int = 0

@@ -128,14 +128,14 @@ class Pipeline:
         try:
             shape = await self._understand(api, head, body)
         except RequestError as error:
-            return Outcome(_refusal_for(error))
+            return Outcome(refusal_for(error))
         if shape is None:
             return Outcome(self.passthrough(Reason.UNPARSED))
         model = self._models.lookup(shape.model)
         try:
             estimate = await self._estimators[id(model)].estimate(shape, thresholds(model))
         except RequestError as error:
-            return Outcome(_refusal_for(error), shape)
+            return Outcome(refusal_for(error), shape)
         decision = decide(estimate.prompt_tokens, estimate.output_tokens, model)
         if self._admission is None or not isinstance(decision, Route):
             return Outcome(decision, shape, estimate)
@@ -187,8 +187,10 @@ def _shape_or_none(
         return None
 
 
-def _refusal_for(error: RequestError) -> Refusal:
-    if isinstance(error, _OverloadedError):
+def refusal_for(error: RequestError) -> Refusal:
+    """The refusal for a request the gate could not take: the client's fault (4xx) or the gateway's (503)."""
+    if error.status == 503:
+        # The gateway's own limits (tokenizer queue, offload slots): retryable, not the client's fault.
         return Refusal(
             503, error.code, Reason.OVERLOADED, error.message, retry_after_s=1, error_type="server_error"
         )

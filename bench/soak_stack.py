@@ -1,0 +1,241 @@
+"""The soak's stack on 127.0.0.1: the shipped Envoy config, a two-worker gate, agents, simulated nodes.
+
+Layout: one simulated interactive node; two simulated long-context nodes, each with a `kvgate agent`
+reading its vLLM-style /metrics; `kvgate gate --workers 2` with both agents; Envoy from
+envoy/envoy.yaml with its ports remapped. The soak kills things on purpose, so each process can be
+killed with SIGKILL and started again on the same port, and the gate's workers are found as the
+children of the gate's supervisor process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from stack import Service, free_port, render_envoy, wait_for_port  # type: ignore[import-not-found]  # noqa: E402
+
+from kvgate.demo.processes import find_envoy, kvgate_command, sim_command  # noqa: E402
+
+LONG_NODES = ("long-0", "long-1")
+# Sized so that a long request (~8k tokens) takes about a second and four fit on a node at once.
+SIM_FLAGS = ("--prefill-tokens-per-s", "40000", "--decode-tokens-per-s", "100", "--on-exhaustion", "preempt")
+LONG_KV_TOKENS = 40_000
+INTERACTIVE_KV_TOKENS = 200_000
+
+
+@dataclass(frozen=True, slots=True)
+class Ports:
+    listener: int
+    admin: int
+    gate: int
+    gate_metrics: int
+    interactive: int
+    long: tuple[int, ...]
+    agents: tuple[int, ...]
+
+
+def consecutive_free_ports(count: int) -> int:
+    """The first of `count` consecutive free ports: gate worker i serves /metrics on the base port + i."""
+    for _ in range(100):
+        base = int(free_port())
+        with contextlib.ExitStack() as stack:
+            try:
+                for offset in range(1, count):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", base + offset))
+            except OSError:
+                continue
+            return base
+    raise RuntimeError(f"no {count} consecutive free ports on 127.0.0.1")
+
+
+def pick_ports() -> Ports:
+    return Ports(
+        listener=free_port(),
+        admin=free_port(),
+        gate=free_port(),
+        gate_metrics=consecutive_free_ports(2),
+        interactive=free_port(),
+        long=tuple(free_port() for _ in LONG_NODES),
+        agents=tuple(free_port() for _ in LONG_NODES),
+    )
+
+
+def gate_yaml(ports: Ports, lease_s: float) -> str:
+    agents = ", ".join(f"127.0.0.1:{port}" for port in ports.agents)
+    return (
+        f"server: {{listen: '127.0.0.1:{ports.gate}', workers: 2, drain_seconds: 5}}\n"
+        # A lost release (a killed worker's) comes back after the lease; short so the soak can see it.
+        f"headroom: {{agents: [{agents}], lease_s: {lease_s}}}\n"
+        "admission: {max_wait_s: 1.0}\n"
+    )
+
+
+def _pid_children(pid: int) -> list[int]:
+    children = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # The command name, in parentheses, may hold spaces: the parent pid is the 2nd field after it.
+        if int(stat.rpartition(")")[2].split()[1]) == pid:
+            children.append(int(entry.name))
+    return sorted(children)
+
+
+def rss_bytes(pid: int) -> int | None:
+    """Resident set size of a live process; None once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+@dataclass
+class SoakStack:
+    """Every process of one soak run; leaving the `with` block stops them all."""
+
+    log_dir: Path
+    lease_s: float
+    ports: Ports = field(default_factory=pick_ports)
+    services: dict[str, Service] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)
+
+    def __enter__(self) -> SoakStack:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._start_all()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.listener}/v1/chat/completions"
+
+    @property
+    def agent_addresses(self) -> tuple[str, ...]:
+        return tuple(f"127.0.0.1:{port}" for port in self.ports.agents)
+
+    def _start_all(self) -> None:
+        p = self.ports
+        self._start("sim-interactive", self._sim("interactive", p.interactive, INTERACTIVE_KV_TOKENS, 4096))
+        for node, port in zip(LONG_NODES, p.long, strict=True):
+            self._start(f"sim-{node}", self._sim(node, port, LONG_KV_TOKENS, 32768))
+        for i in range(len(LONG_NODES)):
+            self.start_agent(i)
+        config = self.log_dir / "kvgate.yaml"
+        config.write_text(gate_yaml(p, self.lease_s))
+        metrics = f"127.0.0.1:{p.gate_metrics}"
+        self._start("gate", kvgate_command("gate", "--config", str(config), "--metrics-listen", metrics))
+        envoy_ports = {
+            "listener": p.listener,
+            "admin": p.admin,
+            "gate": p.gate,
+            "interactive": p.interactive,
+            "long": p.long[0],
+        }
+        envoy_yaml = render_envoy(envoy_ports, self.log_dir / "envoy.yaml")
+        envoy_argv = [str(find_envoy()), "-c", str(envoy_yaml), "--disable-hot-restart", "--concurrency", "1"]
+        self._start("envoy", [*envoy_argv, "--log-level", "warning"])
+        ready = {"sim-interactive": p.interactive, "gate": p.gate, "envoy": p.listener}
+        ready |= {f"sim-{node}": port for node, port in zip(LONG_NODES, p.long, strict=True)}
+        for name, port in ready.items():
+            wait_for_port(port, timeout=60, process=self.services[name].process)
+        deadline = time.monotonic() + 60
+        while len(self.gate_workers()) < 2:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the gate did not start its 2 workers within 60 s")
+            time.sleep(0.1)
+
+    @staticmethod
+    def _sim(node: str, port: int, kv_tokens: int, max_model_len: int) -> list[str]:
+        return [
+            *sim_command(),
+            *("--listen", f"127.0.0.1:{port}", "--node-name", node),
+            *("--kv-capacity-tokens", str(kv_tokens), "--max-model-len", str(max_model_len)),
+            *SIM_FLAGS,
+        ]
+
+    def _start(self, name: str, argv: list[str]) -> Service:
+        generation = self.restarts.get(name, 0)
+        service = Service(name if not generation else f"{name}.{generation}", argv, self.log_dir)
+        self.services[name] = service
+        return service
+
+    def start_agent(self, index: int) -> None:
+        node, port = LONG_NODES[index], self.ports.agents[index]
+        argv = kvgate_command(
+            "agent",
+            *("--listen", f"127.0.0.1:{port}", "--endpoint", f"127.0.0.1:{self.ports.long[index]}"),
+            *("--engine-metrics", f"http://127.0.0.1:{self.ports.long[index]}/metrics"),
+            *("--nvml", "off", "--node-name", node),
+        )
+        agent = self._start(f"agent-{node}", argv)
+        wait_for_port(port, timeout=60, process=agent.process)
+
+    def restart_agent(self, index: int) -> None:
+        """SIGKILL the agent (its ledger dies with it) and start a fresh one on the same port."""
+        name = f"agent-{LONG_NODES[index]}"
+        old = self.services[name]
+        old.process.kill()
+        old.process.wait(10)
+        old.stop()
+        self.restarts[name] = self.restarts.get(name, 0) + 1
+        self.start_agent(index)
+
+    def gate_workers(self) -> list[int]:
+        """The gate's worker pids (its supervisor's children that are not multiprocessing helpers)."""
+        workers = []
+        for pid in _pid_children(self.services["gate"].process.pid):
+            with contextlib.suppress(OSError):
+                if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    workers.append(pid)
+        return workers
+
+    def kill_gate_worker(self, pid: int) -> None:
+        """SIGKILL one worker; the gate's supervisor is expected to start a new one."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+    def pids(self) -> dict[str, int]:
+        """The current pid of every process by role; gate workers as gate-worker:PID."""
+        found = {name: service.process.pid for name, service in self.services.items()}
+        found |= {f"gate-worker:{pid}": pid for pid in self.gate_workers()}
+        return found
+
+    def check_alive(self) -> None:
+        for name, service in self.services.items():
+            if service.process.poll() is not None:
+                tail = "\n".join(service.log().splitlines()[-15:])
+                raise RuntimeError(f"{name} exited with {service.process.returncode}:\n{tail}")
+
+    def stop(self) -> None:
+        # Envoy first, so nothing new reaches the gate while it drains; the nodes last.
+        for name in ("envoy", "gate", *(f"agent-{n}" for n in LONG_NODES)):
+            if name in self.services:
+                self.services.pop(name).stop()
+        for service in self.services.values():
+            service.stop()
+        self.services.clear()

@@ -1,0 +1,180 @@
+"""The chart's Grafana dashboard: a well-formed dashboard, shipped as a sidecar ConfigMap by the real
+helm when `dashboards.enabled`, whose every PromQL metric a real running gate exports."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import kubernetes_validate
+import pytest
+from stack import Upstreams, agent_process, chat, envoy_process, free_port, gate_process, post, render_envoy
+from test_chart import CHART, Helm, by_kind, real_helm, standalone
+
+DASHBOARD = CHART / "dashboards" / "kvgate.json"
+# Metric names in PromQL: identifiers that are not functions, keywords or label names.
+METRIC = re.compile(r"\b((?:kvgate|process)_[a-z0-9_]+)\b")
+# A panel shows what the issue asks for: each of these families appears in some expression.
+REQUIRED_FAMILIES = (
+    "kvgate_gate_decisions_total",
+    "kvgate_gate_decision_duration_seconds_bucket",
+    "kvgate_gate_estimated_tokens_bucket",
+    "kvgate_gate_reservations_total",
+    "kvgate_gate_admission_waiting",
+    "kvgate_pool_water_level",
+    "kvgate_pool_breaker_state",
+    "kvgate_node_headroom",
+    "kvgate_node_age_seconds",
+    "kvgate_node_fresh",
+)
+
+
+def dashboard() -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads(DASHBOARD.read_text())
+    return loaded
+
+
+def expressions(board: dict[str, Any]) -> list[str]:
+    exprs = [target["expr"] for panel in board["panels"] for target in panel.get("targets", [])]
+    for variable in board["templating"]["list"]:
+        if variable["type"] == "query":
+            exprs.append(variable["definition"])
+    return exprs
+
+
+def used_metrics(board: dict[str, Any]) -> set[str]:
+    return {name for expr in expressions(board) for name in METRIC.findall(expr)}
+
+
+def test_dashboard_is_a_grafana_dashboard() -> None:
+    board = dashboard()
+    assert board["uid"] and board["title"] and board["schemaVersion"] >= 36
+    ids = [panel["id"] for panel in board["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    for panel in board["panels"]:
+        grid = panel["gridPos"]
+        assert grid["x"] + grid["w"] <= 24 and grid["h"] > 0, panel["title"]
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+        assert panel["targets"], f"{panel['title']}: no query"
+        for target in panel["targets"]:
+            assert METRIC.search(target["expr"]), f"{panel['title']}: {target['expr']} names no metric"
+            assert target["expr"].count("(") == target["expr"].count(")"), target["expr"]
+    variables = {variable["name"]: variable for variable in board["templating"]["list"]}
+    assert variables["datasource"]["query"] == "prometheus"
+    assert set(REQUIRED_FAMILIES) <= used_metrics(board)
+
+
+def test_no_panel_overlaps_another() -> None:
+    cells: dict[tuple[int, int], str] = {}
+    for panel in dashboard()["panels"]:
+        grid = panel["gridPos"]
+        for x in range(grid["x"], grid["x"] + grid["w"]):
+            for y in range(grid["y"], grid["y"] + grid["h"]):
+                assert (x, y) not in cells, f"{panel['title']} overlaps {cells[x, y]}"
+                cells[x, y] = panel["title"]
+
+
+@pytest.fixture(scope="module")
+def helm() -> Helm:
+    return real_helm()
+
+
+def dashboard_configmaps(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [doc for doc in by_kind(docs, "ConfigMap") if doc["metadata"]["name"].endswith("-dashboard")]
+
+
+@pytest.mark.slow
+def test_no_dashboard_configmap_by_default(helm: Helm) -> None:
+    assert dashboard_configmaps(helm.render(standalone())) == []
+
+
+@pytest.mark.slow
+def test_dashboard_configmap_carries_the_sidecar_label_and_the_json(helm: Helm) -> None:
+    values = standalone(dashboards={"enabled": True, "annotations": {"grafana_folder": "LLM"}})
+    (configmap,) = dashboard_configmaps(helm.render(values))
+    kubernetes_validate.validate(configmap, kubernetes_validate.latest_version(), strict=True)
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert configmap["metadata"]["labels"]["app.kubernetes.io/instance"] == "rel"
+    assert configmap["metadata"]["annotations"] == {"grafana_folder": "LLM"}
+    assert configmap["metadata"]["namespace"] == "llm"
+    assert json.loads(configmap["data"]["kvgate.json"]) == dashboard()
+
+
+@pytest.mark.slow
+def test_dashboard_namespace_and_labels_are_configurable(helm: Helm) -> None:
+    values = standalone(
+        dashboards={"enabled": True, "namespace": "monitoring", "labels": {"dashboards": "kvgate"}}
+    )
+    (configmap,) = dashboard_configmaps(helm.render(values))
+    assert configmap["metadata"]["namespace"] == "monitoring"
+    assert configmap["metadata"]["labels"]["dashboards"] == "kvgate"
+
+
+@pytest.mark.slow
+def test_schema_rejects_an_unknown_dashboards_key(helm: Helm) -> None:
+    with pytest.raises(Exception, match="enable"):
+        helm.render(standalone(dashboards={"enable": True}))
+
+
+@pytest.fixture(scope="module")
+def gate_metrics(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The /metrics text of a real gate with a real agent on both pools, after a short and a long request
+    went through the real Envoy (so every counter, histogram and gauge has a sample)."""
+    tmp = tmp_path_factory.mktemp("dashboard")
+    ports = {name: free_port() for name in ("listener", "gate", "interactive", "long", "async", "admin")}
+    upstreams = Upstreams({pool: ports[pool] for pool in ("interactive", "long", "async")})
+    upstreams.start()
+    agent_port = free_port()
+    agent = agent_process(
+        tmp, "agent", agent_port, f"127.0.0.1:{ports['long']}", ["--capacity-tokens", "100000"]
+    )
+    envoy = envoy_process(render_envoy(ports, tmp / "envoy.yaml"), tmp, ports["admin"], ports["listener"])
+    agents = f"{{agents: ['127.0.0.1:{agent_port}']}}"
+    config = f"headroom: {agents}\ninteractive_headroom: {agents}\n"
+    try:
+        with gate_process(config, tmp, ports["gate"]) as gate:
+            deadline = time.monotonic() + 10
+            while True:
+                long_reply = post(ports["listener"], "/v1/chat/completions", chat("hi", max_tokens=8000))
+                if long_reply.status == 200 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)  # the gate's first headroom message is still on its way
+            assert long_reply.status == 200, long_reply.body
+            assert post(ports["listener"], "/v1/chat/completions", chat("hello")).status == 200
+            url = f"http://127.0.0.1:{gate.metrics_port}/metrics"
+            with urllib.request.urlopen(url, timeout=5) as response:
+                yield response.read().decode()
+    finally:
+        envoy.stop()
+        agent.stop()
+        upstreams.stop()
+
+
+def exported_series(text: str) -> set[str]:
+    return {line.split("{")[0].split()[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+@pytest.mark.slow
+def test_every_dashboard_metric_is_exported_by_a_running_gate(gate_metrics: str) -> None:
+    exported = exported_series(gate_metrics)
+    missing = used_metrics(dashboard()) - exported
+    assert not missing, f"the dashboard queries metrics the gate does not export: {sorted(missing)}"
+
+
+@pytest.mark.slow
+def test_every_gate_metric_family_is_on_the_dashboard(gate_metrics: str) -> None:
+    families = {line.split()[2] for line in gate_metrics.splitlines() if line.startswith("# TYPE kvgate_")}
+    used = used_metrics(dashboard())
+    unused = {f for f in families if not any(name.startswith(f) for name in used)}
+    assert not unused, f"gate metrics no panel shows: {sorted(unused)}"
+
+
+def test_metric_pattern_finds_names_and_skips_labels() -> None:
+    expr = 'sum by (le) (rate(kvgate_gate_decision_duration_seconds_bucket{job=~"$job"}[5m]))'
+    assert METRIC.findall(expr) == ["kvgate_gate_decision_duration_seconds_bucket"]
