@@ -53,6 +53,8 @@ def _agent(*flags: str) -> Iterator[tuple[str, int]]:
         "127.0.0.1:8000",
         "--period-ms",
         "100",
+        "--metrics-listen",
+        "off",
         *flags,
     ]
     proc = subprocess.Popen([sys.executable, "-c", LAUNCH, *argv], stdout=subprocess.PIPE, text=True)

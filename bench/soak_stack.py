@@ -190,7 +190,7 @@ class SoakStack:
             "agent",
             *("--listen", f"127.0.0.1:{port}", "--endpoint", f"127.0.0.1:{self.ports.long[index]}"),
             *("--engine-metrics", f"http://127.0.0.1:{self.ports.long[index]}/metrics"),
-            *("--nvml", "off", "--node-name", node),
+            *("--nvml", "off", "--node-name", node, "--metrics-listen", "off"),
         )
         agent = self._start(f"agent-{node}", argv)
         wait_for_port(port, timeout=60, process=agent.process)

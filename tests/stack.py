@@ -150,6 +150,7 @@ class Service:
 
     def __init__(self, name: str, argv: list[str], log_dir: Path) -> None:
         self.name = name
+        self.port = 0
         self.metrics_port = 0
         self.log_path = log_dir / f"{name}.log"
         self._log = self.log_path.open("wb")
@@ -228,6 +229,7 @@ def gate_process(config_text: str, tmp: Path, port: int, extra: list[str] | None
 
 
 def agent_process(tmp: Path, name: str, port: int, endpoint: str, extra: list[str]) -> Service:
+    metrics_port = free_port()
     agent = Service(
         name,
         [
@@ -241,10 +243,14 @@ def agent_process(tmp: Path, name: str, port: int, endpoint: str, extra: list[st
             "off",
             "--node-name",
             name,
+            "--metrics-listen",
+            f"127.0.0.1:{metrics_port}",
             *extra,
         ],
         tmp,
     )
+    agent.port = port
+    agent.metrics_port = metrics_port
     wait_for_port(port, process=agent.process)
     return agent
 

@@ -93,6 +93,8 @@ def start_agent(port: int, *extra: str) -> subprocess.Popen[str]:
         f"127.0.0.1:{port}",
         "--endpoint",
         "127.0.0.1:8000",
+        "--metrics-listen",
+        "off",
         "--period-ms",
         "50",
         *extra,

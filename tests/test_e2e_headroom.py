@@ -103,8 +103,8 @@ def pools() -> Iterator[tuple[dict[str, int], Upstreams]]:
         upstreams.stop()
 
 
-def node_with_40k_tokens(stack: ExitStack, tmp: Path, pool_ports: dict[str, int]) -> int:
-    """An agent for the long pool's node with 40,000 tokens of capacity, all admissible; its port."""
+def node_with_40k_tokens(stack: ExitStack, tmp: Path, pool_ports: dict[str, int]) -> Service:
+    """An agent for the long pool's node with 40,000 tokens of capacity, all admissible."""
     port = free_port()
     agent = agent_process(
         tmp,
@@ -114,7 +114,7 @@ def node_with_40k_tokens(stack: ExitStack, tmp: Path, pool_ports: dict[str, int]
         ["--capacity-tokens", "40000", "--safety-ratio", "1.0"],
     )
     stack.callback(agent.stop)
-    return port
+    return agent
 
 
 def front(stack: ExitStack, tmp: Path, pool_ports: dict[str, int], config: str, name: str) -> int:
@@ -133,11 +133,13 @@ def test_burst_admits_only_what_fits_and_loses_nothing(
 ) -> None:
     pool_ports, upstreams = pools
     with ExitStack() as stack:
-        agent_port = node_with_40k_tokens(stack, tmp_path, pool_ports)
+        agent = node_with_40k_tokens(stack, tmp_path, pool_ports)
+        agent_port = agent.port
         listener = front(
             stack, tmp_path, pool_ports, gate_config(sp_model_path, [agent_port], max_wait_s=0.3), "g1"
         )
         replies = burst(listener, long_body, 5, delay="1.5")
+        agent_metrics = post(agent.metrics_port, "/metrics", None).body.decode()  # type: ignore[arg-type]
     statuses = sorted(r.status for r in replies)
     assert len(replies) == 5, "every request gets an answer"
     assert statuses == [200, 200, 200, 429, 429], [r.body[:200] for r in replies]
@@ -146,6 +148,10 @@ def test_burst_admits_only_what_fits_and_loses_nothing(
         assert refused.headers["x-kvgate-reason"] == "no_capacity"
         assert int(refused.headers["retry-after"]) >= 1
         assert refused.json()["error"]["code"] == "no_capacity"
+    granted = [
+        line for line in agent_metrics.splitlines() if line.startswith("kvgate_agent_reservations_total{")
+    ]
+    assert any('event="granted"' in line and line.endswith(" 3.0") for line in granted), granted
     pinned = [r for r in upstreams.received if r.pool == "long"]
     assert all(r.headers["x-kvgate-endpoint"] == f"127.0.0.1:{pool_ports['long']}" for r in pinned)
 
@@ -155,7 +161,8 @@ def test_waiting_requests_are_admitted_as_capacity_frees(
 ) -> None:
     pool_ports, upstreams = pools
     with ExitStack() as stack:
-        agent_port = node_with_40k_tokens(stack, tmp_path, pool_ports)
+        agent = node_with_40k_tokens(stack, tmp_path, pool_ports)
+        agent_port = agent.port
         listener = front(
             stack, tmp_path, pool_ports, gate_config(sp_model_path, [agent_port], max_wait_s=5), "g1"
         )
@@ -173,7 +180,8 @@ def test_async_fallback(
 ) -> None:
     pool_ports, _ = pools
     with ExitStack() as stack:
-        agent_port = node_with_40k_tokens(stack, tmp_path, pool_ports)
+        agent = node_with_40k_tokens(stack, tmp_path, pool_ports)
+        agent_port = agent.port
         config = gate_config(sp_model_path, [agent_port], max_wait_s=0.2, async_fallback=True)
         listener = front(stack, tmp_path, pool_ports, config, "g1")
         replies = burst(listener, long_body, 5, delay="1.0")
@@ -186,7 +194,8 @@ def test_two_gates_cannot_over_admit_together(
 ) -> None:
     pool_ports, upstreams = pools
     with ExitStack() as stack:
-        agent_port = node_with_40k_tokens(stack, tmp_path, pool_ports)
+        agent = node_with_40k_tokens(stack, tmp_path, pool_ports)
+        agent_port = agent.port
         config = gate_config(sp_model_path, [agent_port], max_wait_s=0.2)
         listeners = [front(stack, tmp_path, pool_ports, config, f"g{i}") for i in range(2)]
         results: list[list[Reply]] = [[], []]
@@ -240,7 +249,8 @@ def test_client_abort_releases_the_reservation(
 ) -> None:
     pool_ports, _ = pools
     with ExitStack() as stack:
-        agent_port = node_with_40k_tokens(stack, tmp_path, pool_ports)
+        agent = node_with_40k_tokens(stack, tmp_path, pool_ports)
+        agent_port = agent.port
         listener = front(stack, tmp_path, pool_ports, gate_config(sp_model_path, [agent_port]), "g1")
         request = (
             f"POST {CHAT} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nx-test-delay: 10\r\n"

@@ -19,6 +19,7 @@ import yaml
 
 from kvgate.errors import ConfigError
 from kvgate.headroom.settings import HeadroomSettings
+from kvgate.tls import TlsConfig
 
 MiB = 1024 * 1024
 
@@ -119,6 +120,8 @@ class Config:
     interactive_headroom: HeadroomSettings = field(default_factory=HeadroomSettings)
     default_model: ModelConfig = ModelConfig()
     models: tuple[ModelConfig, ...] = ()
+    # TLS on the ext_proc listener (Envoy -> gate) and on the channels to agents; plaintext by default.
+    tls: TlsConfig = field(default_factory=TlsConfig)
     source: str = "<defaults>"
 
 

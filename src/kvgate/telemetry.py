@@ -30,6 +30,17 @@ POOL_BREAKER_OPEN = "kvgate.pool.breaker.state"
 NODE_HEADROOM = "kvgate.node.headroom"
 NODE_AGE = "kvgate.node.age"
 NODE_FRESH = "kvgate.node.fresh"
+AGENT_CAPACITY = "kvgate.agent.capacity"
+AGENT_HEADROOM = "kvgate.agent.headroom"
+AGENT_USED = "kvgate.agent.used"
+AGENT_RESERVED = "kvgate.agent.reserved"
+AGENT_RESERVATIONS_LIVE = "kvgate.agent.reservations.live"
+AGENT_RESERVATIONS = "kvgate.agent.reservations"
+AGENT_HEALTHY = "kvgate.agent.healthy"
+AGENT_SAMPLE_AGE = "kvgate.agent.sample.age"
+# OpenTelemetry hardware semantic conventions for GPUs.
+GPU_MEMORY_LIMIT = "hw.gpu.memory.limit"
+GPU_MEMORY_USAGE = "hw.gpu.memory.usage"
 
 # Token counts from a few hundred to far past any context window.
 _TOKEN_BUCKETS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
@@ -105,7 +116,7 @@ def observe(meter_: Meter, name: str, unit: str, description: str, read: Gauge) 
     meter_.create_observable_gauge(name, callbacks=[callback], unit=unit, description=description)
 
 
-class _Tally:
+class Tally:
     """Counts kept in a plain dict and read by the SDK at scrape time.
 
     An SDK counter.add costs about 10 µs; a dict increment about 0.2 µs. On a path that handles each
@@ -135,7 +146,7 @@ class GateMetrics:
 
     def __init__(self) -> None:
         m = meter("kvgate.gate")
-        self._decisions = _Tally(
+        self._decisions = Tally(
             m,
             DECISIONS,
             "{request}",
@@ -148,8 +159,8 @@ class GateMetrics:
         self._tokens = m.create_histogram(
             ESTIMATED_TOKENS, unit="{token}", description="Estimated total tokens (prompt + output budget)"
         )
-        self._messages = _Tally(m, ENVOY_MESSAGES, "{message}", "ext_proc messages by kind", ("kind",))
-        self._reservations = _Tally(
+        self._messages = Tally(m, ENVOY_MESSAGES, "{message}", "ext_proc messages by kind", ("kind",))
+        self._reservations = Tally(
             m,
             RESERVATIONS,
             "{reservation}",

@@ -105,6 +105,7 @@ def _start_agents(supervisor: Supervisor, long_nodes: list[Node], ports: Iterato
             kvgate_command(
                 "agent", "--listen", f"127.0.0.1:{port}", "--endpoint", node.address,
                 "--engine-metrics", node.metrics_url, "--nvml", "off", "--node-name", node.name,
+                "--metrics-listen", "off",
             ),
         )  # fmt: skip
     return agents

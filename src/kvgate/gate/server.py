@@ -20,6 +20,7 @@ from kvgate.config import Config
 from kvgate.gate.admission import Admission
 from kvgate.gate.pipeline import Pipeline, estimator_factory
 from kvgate.gate.processor import ExternalProcessor
+from kvgate.headroom.credentials import ChannelSecurity, add_port
 from kvgate.headroom.settings import HeadroomSettings
 from kvgate.headroom.view import HeadroomView
 from kvgate.telemetry import DecisionSpans, GateMetrics, start_otlp, start_prometheus
@@ -67,7 +68,7 @@ async def serve(
     external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(processor, server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    server.add_insecure_port(config.server.listen)
+    add_port(server, config.server.listen, config.tls.server, "tls.server")
     await server.start()
     for service in ("", EXT_PROC_SERVICE):
         await health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -92,7 +93,11 @@ def build_admission(config: Config, telemetry: GateMetrics) -> Admission | None:
     """Headroom admission when agents are configured; without them long requests go unchecked."""
 
     def view(settings: HeadroomSettings) -> HeadroomView | None:
-        return HeadroomView(settings) if settings.agents or settings.dns else None
+        if not settings.agents and not settings.dns:
+            return None
+        agents_tls = config.tls.agents
+        # One each: a ChannelSecurity reports a file change once, to the view that reconnects.
+        return HeadroomView(settings, security=ChannelSecurity(agents_tls) if agents_tls.enabled else None)
 
     long_view = view(config.headroom)
     interactive_view = view(config.interactive_headroom)
@@ -110,6 +115,7 @@ def run_gate(config: Config, metrics_listen: str | None, otlp_endpoint: str | No
 
     Worker i serves its metrics on the metrics port + i (Prometheus scrapes each worker).
     """
+    config.tls.check_files()
     if config.server.workers == 1:
         run_worker(config, metrics_listen, otlp_endpoint)
         return 0

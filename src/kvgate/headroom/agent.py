@@ -23,11 +23,14 @@ from grpc_health.v1.health import aio as health_aio
 from kvgate._proto.headroom.v1 import headroom_pb2 as pb
 from kvgate._proto.headroom.v1 import headroom_pb2_grpc as pb_grpc
 from kvgate.errors import HeadroomError
+from kvgate.headroom.agent_metrics import AgentMetrics
 from kvgate.headroom.broadcast import Broadcast
+from kvgate.headroom.credentials import add_port
 from kvgate.headroom.engine_metrics import EngineStats
 from kvgate.headroom.node import NodeSettings, NodeState
 from kvgate.headroom.snapshot import NodeHeadroom, NvmlReading
 from kvgate.headroom.wire import headroom_to_proto
+from kvgate.tls import ServerTls
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +73,20 @@ class Agent:
         self._healthy: bool | None = None
         self._server: grpc.aio.Server | None = None
         self._loop_task: asyncio.Task[None] | None = None
+        self._latest: NodeHeadroom | None = None
+        self.metrics = AgentMetrics(lambda: self._latest)
 
-    async def start(self, listen: str) -> int:
-        """Serve on `listen` (host:port, port 0 picks one) and start sampling; returns the bound port."""
+    async def start(self, listen: str, tls: ServerTls | None = None) -> int:
+        """Serve on `listen` (host:port, port 0 picks one) and start sampling; returns the bound port.
+
+        Plaintext without `tls`. With `tls.client_ca`, only clients holding a certificate from that CA
+        get past the handshake, so no unauthenticated gate can Reserve, Release or even Subscribe.
+        """
         server = grpc.aio.server()
         pb_grpc.add_AgentServicer_to_server(_AgentServicer(self), server)  # type: ignore[no-untyped-call]
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         try:
-            port = int(server.add_insecure_port(listen))
+            port = add_port(server, listen, tls, "agent TLS")
         except RuntimeError as exc:
             raise HeadroomError(f"agent cannot listen on {listen}: {exc}") from exc
         await server.start()
@@ -92,9 +101,10 @@ class Agent:
         await self.tick()
         self._loop_task = asyncio.create_task(self._run(), name="kvgate-agent-sampling")
         log.info(
-            "agent %s serving on port %d, engine endpoint %s",
+            "agent %s serving on port %d (%s), engine endpoint %s",
             self.settings.node,
             port,
+            _security(tls),
             self.settings.endpoint,
         )
         return port
@@ -123,6 +133,7 @@ class Agent:
         if self._nvml is not None:
             self.state.observe_nvml(self._nvml.latest())
         for lapsed in self.state.ledger.expire():
+            self.metrics.expired()
             # A lease that runs out means a gate never released: a lost end-of-request signal.
             log.warning(
                 "reservation %s (%d tokens) of %r expired unreleased",
@@ -131,6 +142,7 @@ class Agent:
                 lapsed.holder,
             )
         headroom = self.state.snapshot(self._wall_clock_ns())
+        self._latest = headroom
         self.stream.publish(headroom_to_proto(headroom))
         if headroom.healthy != self._healthy:
             self._healthy = headroom.healthy
@@ -172,6 +184,14 @@ class Agent:
             self.state.observe_engine(stats)
 
 
+def _security(tls: ServerTls | None) -> str:
+    if tls is None or not tls.enabled:
+        return "plaintext"
+    if tls.client_ca is not None:
+        return "mTLS: client certificates required"
+    return "TLS"
+
+
 class _AgentServicer(pb_grpc.AgentServicer):
     def __init__(self, agent: Agent) -> None:
         self._agent = agent
@@ -193,6 +213,7 @@ class _AgentServicer(pb_grpc.AgentServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise AssertionError("abort returns by raising") from exc
+        self._agent.metrics.reserve(result.granted, result.reason.value)
         log.debug(
             "reserve %s %d tokens by %r: %s",
             request.request_id,
@@ -212,6 +233,8 @@ class _AgentServicer(pb_grpc.AgentServicer):
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseResponse:
         released = self._agent.state.release(request.request_id)
+        if released:
+            self._agent.metrics.released()
         state = self._agent.state
         return pb.ReleaseResponse(
             released=released,

@@ -15,6 +15,8 @@ from kvgate.errors import ConfigError
 from kvgate.headroom.capacity import DTYPE_BYTES, ModelShape
 from kvgate.headroom.node import NodeSettings
 from kvgate.headroom.settings import join_host_port, split_host_port
+from kvgate.telemetry import start_prometheus
+from kvgate.tls import ServerTls
 
 if TYPE_CHECKING:
     from kvgate.headroom.agent import Agent
@@ -76,6 +78,21 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=1.0,
         help="engine figures older than this make the node unhealthy (default 1.0)",
     )
+    parser.add_argument(
+        "--metrics-listen",
+        default="127.0.0.1:9465",
+        help="HOST:PORT of the Prometheus /metrics endpoint; 'off' disables it (default 127.0.0.1:9465)",
+    )
+    tls = parser.add_argument_group(
+        "TLS (files are read again when they change; see docs/tls.md)",
+        "With --tls-client-ca, every RPC (Subscribe, Reserve, Release, health) needs a gate certificate "
+        "signed by that CA, checked at the handshake.",
+    )
+    tls.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate (chain)")
+    tls.add_argument("--tls-key", metavar="PEM", help="the certificate's private key (unencrypted)")
+    tls.add_argument(
+        "--tls-client-ca", metavar="PEM", help="accept only clients with a certificate from this CA (mTLS)"
+    )
     shape = parser.add_argument_group("static capacity from the model's shape (needs --nvml on or fake)")
     shape.add_argument("--kv-layers", type=int, help="attention layers")
     shape.add_argument("--kv-heads", type=int, default=0, help="KV heads (standard attention)")
@@ -134,6 +151,14 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
     )
 
 
+def tls_from_args(args: argparse.Namespace) -> ServerTls:
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ConfigError("--tls-cert and --tls-key go together")
+    if args.tls_client_ca is not None and args.tls_cert is None:
+        raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
+    return ServerTls(args.tls_cert, args.tls_key, args.tls_client_ca)
+
+
 def build_agent(args: argparse.Namespace) -> Agent:
     # Imported here, not at the top: `kvgate --help` registers every subcommand and should stay light.
     from kvgate.headroom.agent import Agent
@@ -161,19 +186,24 @@ def build_agent(args: argparse.Namespace) -> Agent:
 def run(args: argparse.Namespace) -> int:
     import uvloop
 
-    settings_from_args(args)  # flag errors surface before anything starts
+    # Flag and certificate file errors surface before anything starts.
+    settings_from_args(args)
+    tls = tls_from_args(args)
+    if tls.enabled:
+        tls.open_files("agent TLS")
     uvloop.run(_serve(args))
     return 0
 
 
 async def _serve(args: argparse.Namespace) -> None:
+    start_prometheus(None if args.metrics_listen == "off" else args.metrics_listen)
     agent = build_agent(args)
     listen: str = args.listen
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    port = await agent.start(listen)
+    port = await agent.start(listen, tls_from_args(args))
     host, _ = split_host_port(listen, "--listen", allow_port_zero=True)
     # On stdout, for whoever started the agent with port 0 (tests, the demo).
     print(f"kvgate agent listening on {join_host_port(host, port)}", flush=True)

@@ -12,6 +12,7 @@ import grpc
 from kvgate._proto.headroom.v1 import headroom_pb2 as pb
 from kvgate._proto.headroom.v1 import headroom_pb2_grpc as pb_grpc
 from kvgate.errors import HeadroomError
+from kvgate.headroom.credentials import ChannelSecurity, open_channel
 from kvgate.headroom.snapshot import NodeHeadroom, ReleaseOutcome, ReserveOutcome
 from kvgate.headroom.wire import headroom_from_proto
 
@@ -36,17 +37,33 @@ class HeadroomStream:
 
 
 class AgentClient:
-    def __init__(self, address: str, reconnect_initial_s: float, reconnect_max_s: float) -> None:
+    def __init__(
+        self,
+        address: str,
+        reconnect_initial_s: float,
+        reconnect_max_s: float,
+        security: ChannelSecurity | None = None,
+    ) -> None:
         self.address = address
-        self._channel = grpc.aio.insecure_channel(
-            address,
-            options=[
-                ("grpc.initial_reconnect_backoff_ms", max(1, int(reconnect_initial_s * 1000))),
-                ("grpc.min_reconnect_backoff_ms", max(1, int(reconnect_initial_s * 1000))),
-                ("grpc.max_reconnect_backoff_ms", max(1, int(reconnect_max_s * 1000))),
-            ],
-        )
+        self._options = [
+            ("grpc.initial_reconnect_backoff_ms", max(1, int(reconnect_initial_s * 1000))),
+            ("grpc.min_reconnect_backoff_ms", max(1, int(reconnect_initial_s * 1000))),
+            ("grpc.max_reconnect_backoff_ms", max(1, int(reconnect_max_s * 1000))),
+        ]
+        self._security = security
+        self._channel = open_channel(address, self._options, security)
         self._stub = pb_grpc.AgentStub(self._channel)  # type: ignore[no-untyped-call]
+
+    async def renew(self, grace_s: float) -> None:
+        """Reconnect with the security's current credentials (rotated files).
+
+        Calls made from now on use the new channel; calls in flight on the old one get `grace_s` to end
+        before it closes. Streams are the caller's to reopen: the old channel's close cancels them.
+        """
+        old = self._channel
+        self._channel = open_channel(self.address, self._options, self._security)
+        self._stub = pb_grpc.AgentStub(self._channel)  # type: ignore[no-untyped-call]
+        await old.close(grace_s)
 
     def subscribe(self, subscriber: str) -> HeadroomStream:
         return HeadroomStream(self.address, self._stub.Subscribe(pb.SubscribeRequest(subscriber=subscriber)))

@@ -4,7 +4,9 @@ The view holds data, not decisions: which node to choose, and what to do with a 
 one, is the policy's business. For each agent it keeps the latest NodeHeadroom, when it arrived
 (by the injected monotonic clock), and whether the stream is up. A stream that ends, fails or stays
 silent for `idle_timeout_s` is reopened after a jittered exponential backoff, so a restarted agent is
-found again and a fleet of gates does not reconnect in lock step.
+found again and a fleet of gates does not reconnect in lock step. With TLS (a ChannelSecurity) the view
+looks at the certificate files every `reload_interval_s` and, when they changed, reconnects to every
+agent with them.
 
 Failure channels: `reserve` returns a ReserveOutcome for every answer the agent gives, refusals
 included; it raises HeadroomError when it gets no answer (agent unknown, unreachable, or slower than
@@ -25,7 +27,8 @@ import time
 from collections.abc import Callable
 
 from kvgate.errors import HeadroomError
-from kvgate.headroom.client import AgentClient
+from kvgate.headroom.client import AgentClient, HeadroomStream
+from kvgate.headroom.credentials import ChannelSecurity
 from kvgate.headroom.resolve import Resolver, resolve_agents
 from kvgate.headroom.settings import HeadroomSettings, split_host_port
 from kvgate.headroom.snapshot import NodeHeadroom, NodeView, ReleaseOutcome, ReserveOutcome
@@ -52,14 +55,18 @@ class HeadroomView:
         resolver: Resolver = resolve_agents,
         rng: Callable[[], float] = random.random,
         subscriber: str | None = None,
+        *,
+        security: ChannelSecurity | None = None,
     ) -> None:
         self.settings = settings
+        self._security = security
         self._clock = clock
         self._resolver = resolver
         self._rng = rng
         self._subscriber = subscriber or f"{socket.gethostname()}:{os.getpid()}"
         self._links: dict[str, _Link] = {}
         self._resolve_task: asyncio.Task[None] | None = None
+        self._tls_task: asyncio.Task[None] | None = None
         self._update = asyncio.Event()
 
     async def start(self) -> None:
@@ -68,11 +75,14 @@ class HeadroomView:
         if self.settings.dns is not None:
             await self._resolve_once()
             self._resolve_task = asyncio.create_task(self._resolve_forever(), name="kvgate-headroom-dns")
+        if self._security is not None:
+            self._tls_task = asyncio.create_task(self._watch_tls(self._security), name="kvgate-headroom-tls")
 
     async def stop(self) -> None:
-        if self._resolve_task is not None:
-            self._resolve_task.cancel()
-            await asyncio.gather(self._resolve_task, return_exceptions=True)
+        for task in (self._tls_task, self._resolve_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         for address in list(self._links):
             await self._remove(address)
 
@@ -133,7 +143,11 @@ class HeadroomView:
     def _add(self, address: str) -> None:
         if address in self._links:
             return
-        link = _Link(AgentClient(address, self.settings.reconnect_initial_s, self.settings.reconnect_max_s))
+        link = _Link(
+            AgentClient(
+                address, self.settings.reconnect_initial_s, self.settings.reconnect_max_s, self._security
+            )
+        )
         link.task = asyncio.create_task(self._follow(address, link), name=f"kvgate-headroom-{address}")
         self._links[address] = link
         log.info("following agent %s", address)
@@ -151,9 +165,7 @@ class HeadroomView:
         while True:
             stream = link.client.subscribe(self._subscriber)
             try:
-                while (
-                    headroom := await asyncio.wait_for(stream.next(), self.settings.idle_timeout_s)
-                ) is not None:
+                while (headroom := await self._next(stream)) is not None:
                     link.latest = headroom
                     link.received_at = self._clock()
                     link.connected = True
@@ -172,6 +184,12 @@ class HeadroomView:
             await asyncio.sleep(self._backoff(failures))
             failures += 1
 
+    async def _next(self, stream: HeadroomStream) -> NodeHeadroom | None:
+        # Not asyncio.wait_for: on Python 3.11 it turns a cancel that meets a finished read into that
+        # read's result or error, and a cancelled follower would then reconnect forever.
+        async with asyncio.timeout(self.settings.idle_timeout_s):
+            return await stream.next()
+
     def _backoff(self, failures: int) -> float:
         ceiling = min(
             self.settings.reconnect_max_s, self.settings.reconnect_initial_s * 2.0 ** min(failures, 32)
@@ -181,6 +199,24 @@ class HeadroomView:
     def _notify(self) -> None:
         self._update.set()
         self._update = asyncio.Event()
+
+    async def _watch_tls(self, security: ChannelSecurity) -> None:
+        while True:
+            await asyncio.sleep(security.settings.reload_interval_s)
+            if security.refresh():
+                log.info("agent TLS files changed; reconnecting to %d agents", len(self._links))
+                await asyncio.gather(*(self._reconnect(a, link) for a, link in list(self._links.items())))
+
+    async def _reconnect(self, address: str, link: _Link) -> None:
+        """A new channel with the new credentials, and the stream reopened on it at once (no backoff)."""
+        if link.task is not None:
+            link.task.cancel()
+            await asyncio.gather(link.task, return_exceptions=True)
+        # Twice the deadline of any Reserve/Release in flight: they end with their own answer or
+        # timeout, never with a cancellation raised into the request that made them.
+        await link.client.renew(2 * self.settings.reserve_timeout_s)
+        if self._links.get(address) is link:
+            link.task = asyncio.create_task(self._follow(address, link), name=f"kvgate-headroom-{address}")
 
     async def _resolve_forever(self) -> None:
         while True:

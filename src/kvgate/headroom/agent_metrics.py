@@ -1,0 +1,104 @@
+"""The agent's metrics: what it last computed for its node, and what it did with reservations."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvgate.headroom.snapshot import NodeHeadroom
+from kvgate.telemetry import (
+    AGENT_CAPACITY,
+    AGENT_HEADROOM,
+    AGENT_HEALTHY,
+    AGENT_RESERVATIONS,
+    AGENT_RESERVATIONS_LIVE,
+    AGENT_RESERVED,
+    AGENT_USED,
+    GPU_MEMORY_LIMIT,
+    GPU_MEMORY_USAGE,
+    Tally,
+    meter,
+    observe,
+)
+
+Reading = list[tuple[float, dict[str, str]]]
+
+
+class AgentMetrics:
+    def __init__(self, latest: Callable[[], NodeHeadroom | None]) -> None:
+        m = meter("kvgate.agent")
+        self._reservations = Tally(
+            m,
+            AGENT_RESERVATIONS,
+            "{reservation}",
+            "Reservation events: granted, refused (by reason), released, expired",
+            ("event", "reason"),
+        )
+
+        def node_value(read: Callable[[NodeHeadroom], float | None]) -> Callable[[], Reading]:
+            def gauge() -> Reading:
+                headroom = latest()
+                if headroom is None:
+                    return []
+                value = read(headroom)
+                return [] if value is None else [(float(value), {"node": headroom.node})]
+
+            return gauge
+
+        def gpus(read: Callable[[int | None, int | None], int | None]) -> Callable[[], Reading]:
+            def gauge() -> Reading:
+                headroom = latest()
+                found: Reading = []
+                for gpu in headroom.gpus if headroom is not None else ():
+                    value = read(gpu.total_bytes, gpu.used_bytes)
+                    # Unknown stays absent: a missing series, never a zero.
+                    if value is not None:
+                        found.append((float(value), {"hw.id": gpu.uuid, "hw.name": gpu.name}))
+                return found
+
+            return gauge
+
+        observe(
+            m, AGENT_CAPACITY, "{token}", "KV capacity in tokens", node_value(lambda h: h.capacity_tokens)
+        )
+        observe(
+            m,
+            AGENT_HEADROOM,
+            "{token}",
+            "capacity x safety - max(used, reserved)",
+            node_value(lambda h: h.headroom_tokens),
+        )
+        observe(
+            m,
+            AGENT_USED,
+            "{token}",
+            "KV tokens the engine reports in use",
+            node_value(lambda h: h.used_tokens),
+        )
+        observe(
+            m,
+            AGENT_RESERVED,
+            "{token}",
+            "Tokens held by live reservations",
+            node_value(lambda h: h.reserved_tokens),
+        )
+        observe(
+            m,
+            AGENT_RESERVATIONS_LIVE,
+            "{reservation}",
+            "Live reservations",
+            node_value(lambda h: h.reservations),
+        )
+        observe(
+            m, AGENT_HEALTHY, "1", "1 when the node can take requests", node_value(lambda h: float(h.healthy))
+        )
+        observe(m, GPU_MEMORY_LIMIT, "By", "GPU memory size", gpus(lambda total, _used: total))
+        observe(m, GPU_MEMORY_USAGE, "By", "GPU memory in use", gpus(lambda _total, used: used))
+
+    def reserve(self, granted: bool, reason: str) -> None:
+        self._reservations.add("granted" if granted else "refused", reason)
+
+    def released(self) -> None:
+        self._reservations.add("released", "")
+
+    def expired(self) -> None:
+        self._reservations.add("expired", "")

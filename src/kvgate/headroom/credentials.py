@@ -1,0 +1,79 @@
+"""gRPC credentials from kvgate.tls's PEM files, for the gate's and the agents' listeners and the gate's
+channels to agents.
+
+Servers use grpc's dynamic SSL credentials: gRPC asks for a certificate configuration at every new
+connection's handshake, and the fetcher answers with the files read again when they changed (or None,
+"keep the current one"). Open connections keep the certificate they were made with.
+Client credentials cannot change under a channel, so ChannelSecurity rebuilds them when the files
+change and whoever owns the channels (the headroom view) reopens them.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from kvgate.tls import ClientTls, Pem, ServerTls
+
+
+def _server_configuration(pem: Pem) -> grpc.ServerCertificateConfiguration:
+    assert pem.cert is not None and pem.key is not None, "ServerTls pairs cert and key"
+    return grpc.ssl_server_certificate_configuration([(pem.key, pem.cert)], root_certificates=pem.ca)
+
+
+def server_credentials(tls: ServerTls, where: str) -> grpc.ServerCredentials:
+    """Credentials that re-read `tls`'s files on change; raises ConfigError when they are unusable now."""
+    files = tls.open_files(where)
+
+    def fetch() -> grpc.ServerCertificateConfiguration | None:
+        pem = files.refresh()
+        return None if pem is None else _server_configuration(pem)
+
+    return grpc.dynamic_ssl_server_credentials(
+        _server_configuration(files.current),
+        fetch,
+        require_client_authentication=tls.client_ca is not None,
+    )
+
+
+def add_port(server: grpc.aio.Server, listen: str, tls: ServerTls | None, where: str) -> int:
+    """Listen on `listen` with TLS when `tls` is enabled, in plaintext otherwise; returns the bound port."""
+    if tls is None or not tls.enabled:
+        return int(server.add_insecure_port(listen))
+    return int(server.add_secure_port(listen, server_credentials(tls, where)))
+
+
+class ChannelSecurity:
+    """Credentials for TLS channels to agents, rebuilt by `refresh` when their files changed."""
+
+    def __init__(self, tls: ClientTls, where: str = "tls.agents") -> None:
+        assert tls.enabled, "plaintext channels need no ChannelSecurity"
+        self.settings = tls
+        self._files = tls.open_files(where)
+        self.credentials = _channel_credentials(self._files.current)
+
+    def refresh(self) -> bool:
+        """True when the files changed and `credentials` now hold the new ones."""
+        pem = self._files.refresh()
+        if pem is None:
+            return False
+        self.credentials = _channel_credentials(pem)
+        return True
+
+    def options(self) -> list[tuple[str, str]]:
+        if self.settings.server_name is None:
+            return []
+        return [("grpc.ssl_target_name_override", self.settings.server_name)]
+
+
+def _channel_credentials(pem: Pem) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(
+        root_certificates=pem.ca, private_key=pem.key, certificate_chain=pem.cert
+    )
+
+
+def open_channel(
+    address: str, options: list[tuple[str, int]], security: ChannelSecurity | None
+) -> grpc.aio.Channel:
+    if security is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, security.credentials, options=[*options, *security.options()])
