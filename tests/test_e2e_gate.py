@@ -242,3 +242,4 @@ def test_metrics_show_decisions(stack: Stack, texts: dict[str, str]) -> None:
     assert metric_value(text, decisions, reason="too_long", target="413") >= 1
     assert metric_value(text, "kvgate_gate_decision_duration_seconds_count", method="fast") >= 1
     assert metric_value(text, "kvgate_gate_envoy_messages_total", kind="request_body") >= 2
+    assert metric_value(text, "kvgate_gate_exact_counts_pending") == 0

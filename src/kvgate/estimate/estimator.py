@@ -65,6 +65,11 @@ class Estimator:
         self._max_pending = max_pending
         self._pending = 0
 
+    @property
+    def pending(self) -> int:
+        """Exact counts waiting or running now (at most `max_pending`)."""
+        return self._pending
+
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)

@@ -95,10 +95,16 @@ class Pipeline:
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvgate-body")
         self._offload_slots = asyncio.Semaphore(offload_slots)
 
+    def exact_counts_pending(self) -> int:
+        return sum(e.pending for e in self._distinct_estimators())
+
+    def _distinct_estimators(self) -> list[Estimator]:
+        # Models share estimators (one per tokenizer and costs).
+        return list({id(e): e for e in self._estimators.values()}.values())
+
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-        # Models share estimators (one per tokenizer and costs): close each once.
-        for estimator in {id(e): e for e in self._estimators.values()}.values():
+        for estimator in self._distinct_estimators():
             estimator.close()
 
     def passthrough(self, reason: Reason) -> Decision:

@@ -23,7 +23,14 @@ from kvgate.gate.processor import ExternalProcessor
 from kvgate.headroom.credentials import ChannelSecurity, add_port
 from kvgate.headroom.settings import HeadroomSettings
 from kvgate.headroom.view import HeadroomView
-from kvgate.telemetry import DecisionSpans, GateMetrics, start_otlp, start_prometheus
+from kvgate.telemetry import (
+    EXACT_COUNTS_PENDING,
+    DecisionSpans,
+    GateMetrics,
+    observe,
+    start_otlp,
+    start_prometheus,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +64,13 @@ async def serve(
     if admission is not None:
         await admission.start()
     pipeline = Pipeline(config, estimator_factory(), admission)
+    observe(
+        telemetry.meter,
+        EXACT_COUNTS_PENDING,
+        "{request}",
+        "Exact token counts waiting or running",
+        lambda: [(pipeline.exact_counts_pending(), {})],
+    )
     server = grpc.aio.server(options=_grpc_options(config))
     processor = ExternalProcessor(
         pipeline,
