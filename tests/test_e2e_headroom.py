@@ -7,7 +7,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -90,17 +90,6 @@ def wait_reserved(agent_port: int, wanted: Callable[[int], bool], timeout_s: flo
             await view.stop()
 
     return asyncio.run(follow())
-
-
-@pytest.fixture
-def pools() -> Iterator[tuple[dict[str, int], Upstreams]]:
-    ports = {name: free_port() for name in ("interactive", "long", "async")}
-    upstreams = Upstreams(dict(ports))
-    upstreams.start()
-    try:
-        yield ports, upstreams
-    finally:
-        upstreams.stop()
 
 
 def node_with_40k_tokens(stack: ExitStack, tmp: Path, pool_ports: dict[str, int]) -> Service:

@@ -13,7 +13,7 @@ import logging
 import re
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import ExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -314,17 +314,6 @@ def test_envoy_tls_config_validates(pki: Pki) -> None:
         timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-
-
-@pytest.fixture
-def pools() -> Iterator[tuple[dict[str, int], Upstreams]]:
-    ports = {name: free_port() for name in ("interactive", "long", "async")}
-    upstreams = Upstreams(dict(ports))
-    upstreams.start()
-    try:
-        yield ports, upstreams
-    finally:
-        upstreams.stop()
 
 
 def health_check(port: int, credentials: grpc.ChannelCredentials | None) -> str:
