@@ -149,10 +149,6 @@ class Admission:
         )
         observe(m, NODE_FRESH, "1", "1 when the node's headroom is fresh", nodes(lambda n: float(n.fresh)))
 
-    @property
-    def waiting(self) -> int:
-        return len(self._queue)
-
     async def start(self) -> None:
         for view in (self._long_view, self._interactive_view):
             if view is not None:
@@ -265,10 +261,6 @@ class Admission:
             retry_after_s=self._config.retry_after_s,
             error_type="rate_limit_error" if status == 429 else "server_error",
         )
-
-    @property
-    def breaker_state(self) -> BreakerState:
-        return self._long.breaker.state
 
     async def _pump_updates(self, view: HeadroomView) -> None:
         while True:

@@ -57,6 +57,11 @@ async def serve(
     stop: asyncio.Event | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT (or `stop`), then drain in-flight streams for drain_seconds."""
+    # Handlers first: a SIGTERM that arrives as soon as the port opens still drains cleanly.
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
     start_prometheus(metrics_listen)
     start_otlp(otlp_endpoint, "kvgate-gate")
     telemetry = GateMetrics()
@@ -88,10 +93,6 @@ async def serve(
         await health.set(service, health_pb2.HealthCheckResponse.SERVING)
     log.info("gate listening on %s (config %s)", config.server.listen, config.source)
 
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
     await stop.wait()
     log.info("draining for up to %.0f s", config.server.drain_seconds)
     await health.enter_graceful_shutdown()

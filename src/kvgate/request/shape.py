@@ -33,7 +33,3 @@ class RequestShape:
     output_budget: int | None = None
     n: int = 1
     stream: bool = False
-
-    @property
-    def text_bytes(self) -> int:
-        return sum(len(t.encode("utf-8", "surrogatepass")) for t in self.texts)

@@ -120,14 +120,15 @@ async def _serve(config: EngineConfig, model_name: str, node_name: str, address:
     host, port = address
     runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()
+    # Handlers first: a SIGTERM that arrives as soon as the port opens still stops it cleanly.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
     try:
         site = web.TCPSite(runner, host, port)
         await site.start()
         log.info("simulated node %s serving on http://%s:%d", server.node_name, host, port)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, stop.set)
         await stop.wait()
     finally:
         await runner.cleanup()
