@@ -28,7 +28,7 @@ def test_burst_scenario_is_the_field_report_case() -> None:
 def test_unknown_keys_and_wrong_types_name_the_key() -> None:
     with pytest.raises(ConfigError, match=r"bursts\.sise_max: unknown key"):
         parse_scenario("bursts: {sise_max: 4}")
-    with pytest.raises(ConfigError, match=r"short\.rate_per_s: expected float"):
+    with pytest.raises(ConfigError, match=r"short\.rate_per_s: expected a number"):
         parse_scenario("short: {rate_per_s: fast}")
     with pytest.raises(ConfigError, match=r"node\.on_exhaustion: must be one of crash, preempt"):
         parse_scenario("node: {on_exhaustion: explode}")

@@ -7,15 +7,12 @@ keys are errors naming the key, so a typo never silently falls back to a default
 
 from __future__ import annotations
 
-import dataclasses
 import random
-import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import yaml
-
+from kvgate.config import parse_yaml_as
 from kvgate.errors import ConfigError
 
 
@@ -99,38 +96,6 @@ class Planned:
     index: int
 
 
-def _build(cls: type[Any], data: object, where: str) -> Any:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where or 'scenario'}: expected a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    values: dict[str, Any] = {}
-    for key, value in data.items():
-        path = f"{where}.{key}" if where else str(key)
-        if key not in names:
-            raise ConfigError(f"{path}: unknown key (known keys: {', '.join(sorted(names))})")
-        hint = hints[key]
-        if dataclasses.is_dataclass(hint):
-            values[key] = _build(hint, value, path)  # type: ignore[arg-type]
-        else:
-            values[key] = _scalar(hint, value, path)
-    return cls(**values)
-
-
-def _scalar(hint: Any, value: object, where: str) -> object:
-    if typing.get_origin(hint) is Literal:
-        if value not in typing.get_args(hint):
-            raise ConfigError(f"{where}: must be one of {', '.join(typing.get_args(hint))}, got {value!r}")
-        return value
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, hint) or isinstance(value, bool):
-        raise ConfigError(f"{where}: expected {hint.__name__}, got {value!r}")
-    if isinstance(value, int | float) and value < 0:
-        raise ConfigError(f"{where}: must be >= 0, got {value!r}")
-    return value
-
-
 def _check(s: Scenario) -> None:
     problems = []
     if s.short.prompt_tokens_min > s.short.prompt_tokens_max or s.bursts.size_min > s.bursts.size_max:
@@ -150,14 +115,7 @@ def _check(s: Scenario) -> None:
 
 
 def parse_scenario(text: str, source: str = "<string>") -> Scenario:
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: not valid YAML: {exc}") from exc
-    try:
-        scenario: Scenario = _build(Scenario, data or {}, "")
-    except ConfigError as exc:
-        raise ConfigError(f"{source}: {exc}") from exc
+    scenario = parse_yaml_as(Scenario, text, source, default_min=0)
     _check(scenario)
     return scenario
 
