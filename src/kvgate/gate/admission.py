@@ -89,6 +89,7 @@ class Admission:
         self._interactive = _PoolState(config)
         self._ranks = {name: rank for rank, name in enumerate(config.priorities)}
         self._pump: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
         self._metrics = telemetry or GateMetrics()
         self._observe_gauges()
 
@@ -222,12 +223,22 @@ class Admission:
         assert self._long_view is not None
         try:
             outcome = await self._long_view.reserve(agent, request_id, tokens)
+        except asyncio.CancelledError:
+            # The stream went away mid-Reserve (client abort, Envoy timeout): the agent may have granted
+            # already, so give it back now rather than hold the capacity until the lease runs out.
+            self._release_later(Ticket(agent, request_id, tokens))
+            raise
         except HeadroomError as error:
             log.warning("reserve on %s failed: %s", agent, error)
             self._metrics.reservation("error")
             return None
         self._metrics.reservation("granted" if outcome.granted else "refused")
         return Ticket(agent, request_id, tokens) if outcome.granted else None
+
+    def _release_later(self, ticket: Ticket) -> None:
+        task = asyncio.create_task(self.release(ticket))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def release(self, ticket: Ticket) -> None:
         assert self._long_view is not None
