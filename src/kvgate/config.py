@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import yaml
 
+from kvgate.bounds import at_least
 from kvgate.errors import ConfigError
 from kvgate.headroom.settings import HeadroomSettings
 from kvgate.tls import TlsConfig
@@ -24,17 +25,13 @@ from kvgate.tls import TlsConfig
 MiB = 1024 * 1024
 
 
-def _at_least(minimum: float) -> dict[str, float]:
-    return {"min": minimum}
-
-
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     listen: str = "127.0.0.1:9002"
-    workers: int = field(default=1, metadata=_at_least(1))
+    workers: int = field(default=1, metadata=at_least(1))
     # Envoy can buffer this much body; gRPC's 4 MiB default would refuse big prompts.
-    max_message_bytes: int = field(default=64 * MiB, metadata=_at_least(1 * MiB))
-    drain_seconds: float = field(default=30.0, metadata=_at_least(0))
+    max_message_bytes: int = field(default=64 * MiB, metadata=at_least(1 * MiB))
+    drain_seconds: float = field(default=30.0, metadata=at_least(0))
     # Envoy dynamic-metadata namespace of the decision (pool, tokens, reason, endpoint, model); it
     # must be listed in the ext_proc filter's metadata_options.receiving_namespaces.untyped.
     metadata_namespace: str = "kvgate"
@@ -54,23 +51,23 @@ class ModelConfig:
     match: str = "*"
     tokenizer: str | None = None
     # A request fits the interactive pool when prompt + output budget fits its max-model-len.
-    interactive_max_tokens: int = field(default=4096, metadata=_at_least(1))
-    max_total_tokens: int = field(default=16384, metadata=_at_least(1))
+    interactive_max_tokens: int = field(default=4096, metadata=at_least(1))
+    max_total_tokens: int = field(default=16384, metadata=at_least(1))
     # Budget charged when the client names none: charging the whole context would starve concurrency.
-    default_output_tokens: int = field(default=1024, metadata=_at_least(0))
-    image_tokens: int = field(default=1024, metadata=_at_least(0))
-    message_overhead_tokens: int = field(default=4, metadata=_at_least(0))
+    default_output_tokens: int = field(default=1024, metadata=at_least(0))
+    image_tokens: int = field(default=1024, metadata=at_least(0))
+    message_overhead_tokens: int = field(default=4, metadata=at_least(0))
     pools: PoolNames = PoolNames()
 
 
 @dataclass(frozen=True, slots=True)
 class RequestConfig:
-    max_body_bytes: int = field(default=32 * MiB, metadata=_at_least(1))
+    max_body_bytes: int = field(default=32 * MiB, metadata=at_least(1))
     # Cap on a gzip body once inflated: a zip bomb gets a 413 instead of exhausting memory.
-    max_decompressed_bytes: int = field(default=64 * MiB, metadata=_at_least(1))
-    max_messages: int = field(default=10_000, metadata=_at_least(1))
+    max_decompressed_bytes: int = field(default=64 * MiB, metadata=at_least(1))
+    max_messages: int = field(default=10_000, metadata=at_least(1))
     # Nesting allowed in tool schemas, response formats and tool arguments.
-    max_json_depth: int = field(default=64, metadata=_at_least(2))
+    max_json_depth: int = field(default=64, metadata=at_least(2))
     # What to do with bodies the gate does not understand (unknown paths, non-JSON content types).
     unparsed: Literal["passthrough", "reject"] = "passthrough"
 
@@ -80,13 +77,13 @@ class WaterThresholds:
     """Rising thresholds of a pool's water level; a level falls only `hysteresis` below them."""
 
     # Engine-reported KV usage over its whole capacity (reservations stop at capacity x safety ratio).
-    yellow_kv: float = field(default=0.85, metadata=_at_least(0))
-    red_kv: float = field(default=0.95, metadata=_at_least(0))
-    yellow_queue: float = field(default=0.25, metadata=_at_least(0))
-    red_queue: float = field(default=0.75, metadata=_at_least(0))
-    yellow_stale: float = field(default=0.25, metadata=_at_least(0))
-    red_stale: float = field(default=0.75, metadata=_at_least(0))
-    hysteresis: float = field(default=0.10, metadata=_at_least(0))
+    yellow_kv: float = field(default=0.85, metadata=at_least(0))
+    red_kv: float = field(default=0.95, metadata=at_least(0))
+    yellow_queue: float = field(default=0.25, metadata=at_least(0))
+    red_queue: float = field(default=0.75, metadata=at_least(0))
+    yellow_stale: float = field(default=0.25, metadata=at_least(0))
+    red_stale: float = field(default=0.75, metadata=at_least(0))
+    hysteresis: float = field(default=0.10, metadata=at_least(0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,16 +93,16 @@ class AdmissionConfig:
     priorities: tuple[str, ...] = ("high", "normal", "low")
     default_priority: str = "normal"
     # A long request that fits nowhere waits this long, in priority order, for a node to free up.
-    max_wait_s: float = field(default=2.0, metadata=_at_least(0))
-    queue_size: int = field(default=64, metadata=_at_least(1))
+    max_wait_s: float = field(default=2.0, metadata=at_least(0))
+    queue_size: int = field(default=64, metadata=at_least(1))
     # Nodes whose headroom stream is stale: `probe` still asks their agent (it grants atomically from its
     # own data) after every fresh node; `exclude` never does.
     stale_nodes: Literal["probe", "exclude"] = "probe"
     # After the wait: hand the request to the async pool instead of answering 429.
     async_fallback: bool = False
-    retry_after_s: int = field(default=2, metadata=_at_least(1))
-    breaker_open_s: float = field(default=2.0, metadata=_at_least(0))
-    breaker_probes: int = field(default=2, metadata=_at_least(1))
+    retry_after_s: int = field(default=2, metadata=at_least(1))
+    breaker_open_s: float = field(default=2.0, metadata=at_least(0))
+    breaker_probes: int = field(default=2, metadata=at_least(1))
     water: WaterThresholds = WaterThresholds()
 
 

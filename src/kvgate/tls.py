@@ -21,16 +21,13 @@ import os
 import ssl
 from dataclasses import dataclass, field
 
+from kvgate.bounds import at_least
 from kvgate.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 # (inode, size, mtime_ns) of each file, in a fixed order; None for a file that is not configured.
 Signature = tuple[tuple[int, int, int] | None, ...]
-
-
-def _at_least(minimum: float) -> dict[str, float]:
-    return {"min": minimum}
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +65,7 @@ class ClientTls:
     # Name the agents' certificates carry, when it is not the host of their address (agents found by IP).
     server_name: str | None = None
     # How often the gate looks at these files; a change reconnects every agent channel.
-    reload_interval_s: float = field(default=10.0, metadata=_at_least(0.01))
+    reload_interval_s: float = field(default=10.0, metadata=at_least(0.01))
 
     def __post_init__(self) -> None:
         if (self.cert is None) != (self.key is None):

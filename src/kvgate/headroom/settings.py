@@ -8,27 +8,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvgate.bounds import at_least
 from kvgate.errors import ConfigError
-
-
-def _at_least(minimum: float) -> dict[str, float]:
-    return {"min": minimum}
 
 
 @dataclass(frozen=True, slots=True)
 class HeadroomSettings:
     agents: tuple[str, ...] = ()
     dns: str | None = None
-    resolve_interval_s: float = field(default=10.0, metadata=_at_least(0.1))
+    resolve_interval_s: float = field(default=10.0, metadata=at_least(0.1))
     # A node whose last message is older than this is stale (3.5 periods of the default 100 ms).
-    stale_after_s: float = field(default=0.35, metadata=_at_least(0.01))
+    stale_after_s: float = field(default=0.35, metadata=at_least(0.01))
     # No message for this long on an open stream: the agent is hung; drop the stream and reconnect.
-    idle_timeout_s: float = field(default=1.0, metadata=_at_least(0.05))
-    reserve_timeout_s: float = field(default=0.05, metadata=_at_least(0.001))
+    idle_timeout_s: float = field(default=1.0, metadata=at_least(0.05))
+    reserve_timeout_s: float = field(default=0.05, metadata=at_least(0.001))
     # Safety net only: the gate releases at the end of the request; a lost release expires here.
-    lease_s: float = field(default=600.0, metadata=_at_least(1))
-    reconnect_initial_s: float = field(default=0.1, metadata=_at_least(0.001))
-    reconnect_max_s: float = field(default=5.0, metadata=_at_least(0.001))
+    lease_s: float = field(default=600.0, metadata=at_least(1))
+    reconnect_initial_s: float = field(default=0.1, metadata=at_least(0.001))
+    reconnect_max_s: float = field(default=5.0, metadata=at_least(0.001))
 
     def __post_init__(self) -> None:
         for i, agent in enumerate(self.agents):
