@@ -1,11 +1,13 @@
-"""The gate's cost through the real Envoy: no ext_proc vs a trivial ext_proc vs the kvgate gate.
+"""The gate's cost through the real Envoy: no ext_proc vs a trivial ext_proc vs the kvgate gate,
+with two round trips per request (envoy/envoy.yaml) and with one (envoy/envoy-one-trip.yaml).
 
-One Envoy serves three listeners with the same routes: (a) without the ext_proc filter, (b) with it
-pointed at bench/trivial_extproc.py, (c) with it pointed at `kvgate gate`. The same 2 KB short-chat
+One Envoy serves five listeners with the same routes: (a) without the ext_proc filter; (b) and (c)
+the shipped two-round-trip listener pointed at bench/trivial_extproc.py and at `kvgate gate`;
+(b1) and (c1) the one-round-trip listener pointed at the same two servers. The same 2 KB short-chat
 load goes through each: p50/p99 at 400 req/s (two interleaved rounds, so background load on the
-shared cores hits all three alike), the highest rate that keeps p99 under 10 ms, and the CPU each
-process spends per request. Targets (issue 2): the gate adds <= 0.5 ms p50 and <= 1.5 ms p99 over
-(a) at 400 req/s, and holds >= 90% of the trivial server's highest rate.
+shared cores hits all alike), the highest rate that keeps p99 under 10 ms, and the CPU each process
+spends per request. Targets (issue 2): the gate adds <= 0.5 ms p50 and <= 1.5 ms p99 over (a) at
+400 req/s, and holds >= 90% of the trivial server's highest rate.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 
 from bench.loadgen import LoadResult, http_request, percentile, run_load, serve_upstreams
 from bench.trivial_extproc import TrivialProcessor
+from kvgate.gate.processor import ATTRIBUTES_NAMESPACE
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -57,6 +60,7 @@ TARGET_P50_MS, TARGET_P99_MS, TARGET_RATE_RATIO = 0.5, 1.5, 0.9
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 BUSY_LOAD = 1.0
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+ONE_TRIP_YAML = ROOT / "envoy" / "envoy-one-trip.yaml"
 
 
 def chat_body(size: int = 2048) -> bytes:
@@ -115,11 +119,16 @@ def cpu_seconds(pid: int) -> float:
 
 
 def envoy_config(ports: dict[str, int], tmp: Path) -> Path:
-    """The shipped envoy.yaml with free ports, plus a trivial-ext_proc listener and a plain one."""
+    """The shipped envoy.yaml with free ports, plus the one-round-trip listener of
+    envoy-one-trip.yaml (same clusters), a trivial-ext_proc copy of each and a plain listener."""
     local = {name: port for name, port in ports.items() if name in LOCAL_PORTS}
     shipped = yaml.safe_load(render_envoy(local, tmp / "shipped.yaml", ENVOY_YAML).read_text())
+    one_trip = yaml.safe_load(render_envoy(local, tmp / "one-trip.yaml", ONE_TRIP_YAML).read_text())
     resources = shipped["static_resources"]
     gate_listener = resources["listeners"][0]
+    one_trip_listener = _listener_copy(
+        one_trip["static_resources"]["listeners"][0], "bench_one_trip", ports["listener1"]
+    )
     gate_cluster = next(c for c in resources["clusters"] if c["name"] == "kvgate_gate")
 
     trivial_cluster = copy.deepcopy(gate_cluster)
@@ -129,13 +138,15 @@ def envoy_config(ports: dict[str, int], tmp: Path) -> Path:
     resources["clusters"].append(trivial_cluster)
 
     trivial_listener = _listener_copy(gate_listener, "bench_trivial", ports["trivial_listener"])
-    for http_filter in _http_filters(trivial_listener):
-        if http_filter["name"] == EXT_PROC_FILTER:
-            http_filter["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] = "bench_trivial"
+    trivial_one_trip = _listener_copy(one_trip_listener, "bench_trivial_one_trip", ports["trivial_listener1"])
+    for listener in (trivial_listener, trivial_one_trip):
+        for http_filter in _http_filters(listener):
+            if http_filter["name"] == EXT_PROC_FILTER:
+                http_filter["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] = "bench_trivial"
     plain_listener = _listener_copy(gate_listener, "bench_plain", ports["plain_listener"])
     filters = _http_filters(plain_listener)
     filters[:] = [f for f in filters if f["name"] != EXT_PROC_FILTER]
-    resources["listeners"] += [trivial_listener, plain_listener]
+    resources["listeners"] += [trivial_listener, plain_listener, one_trip_listener, trivial_one_trip]
 
     path = tmp / "envoy.yaml"
     path.write_text(yaml.safe_dump(shipped))
@@ -169,7 +180,8 @@ def gate_config_text() -> str:
 @contextlib.contextmanager
 def running_stack(tmp: Path) -> Iterator[tuple[list[Variant], dict[str, int]]]:
     """Upstreams, the gate, the trivial server and one Envoy; yields the variants and process ids."""
-    names = ("listener", "trivial_listener", "plain_listener", "gate", "trivial", "admin")
+    names = ("listener", "listener1", "trivial_listener", "trivial_listener1", "plain_listener")
+    names += ("gate", "trivial", "admin")
     ports = {name: free_port() for name in (*names, "metrics", "interactive", "long", "async")}
     upstream = multiprocessing.get_context("spawn").Process(
         target=serve_upstreams, args=({p: ports[p] for p in ("interactive", "long", "async")},), daemon=True
@@ -194,12 +206,14 @@ def running_stack(tmp: Path) -> Iterator[tuple[list[Variant], dict[str, int]]]:
                 raise RuntimeError(
                     f"{service.name} did not start: {error}\n{service.log()[-2000:]}"
                 ) from error
-        for port in ("trivial_listener", "plain_listener", "interactive"):
+        for port in ("trivial_listener", "trivial_listener1", "plain_listener", "listener1", "interactive"):
             wait_for_port(ports[port])
         variants = [
             Variant("a", "(a) Envoy, no ext_proc", ports["plain_listener"], None),
-            Variant("b", "(b) + trivial ext_proc", ports["trivial_listener"], trivial.process.pid),
-            Variant("c", "(c) + kvgate gate", ports["listener"], gate.process.pid),
+            Variant("b", "(b) + trivial, 2 trips", ports["trivial_listener"], trivial.process.pid),
+            Variant("c", "(c) + kvgate, 2 trips", ports["listener"], gate.process.pid),
+            Variant("b1", "(b1) + trivial, 1 trip", ports["trivial_listener1"], trivial.process.pid),
+            Variant("c1", "(c1) + kvgate, 1 trip", ports["listener1"], gate.process.pid),
         ]
         pids = {"envoy": envoy.process.pid, "upstream": upstream.pid or 0, "loadgen": os.getpid()}
         yield variants, pids
@@ -281,8 +295,17 @@ async def holds(variant: Variant, payload: bytes, rate: int) -> tuple[bool, floa
     return False, p99_ms
 
 
-def envoy_messages(body: bytes) -> list[bytes]:
-    """The headers and body messages Envoy sends for one chat request, serialized."""
+def envoy_messages(body: bytes, round_trips: int) -> list[bytes]:
+    """The messages Envoy sends for one chat request, serialized: headers and body with two round
+    trips; with one, the body alone, carrying the request attributes envoy-one-trip.yaml asks for."""
+    if round_trips == 1:
+        message = ProcessingRequest(request_body=HttpBody(body=body, end_of_stream=True))
+        fields = message.attributes[ATTRIBUTES_NAMESPACE].fields
+        fields["request.path"].string_value = PATH
+        fields["request.method"].string_value = "POST"
+        fields["request.id"].string_value = "5f0c6a58-2d47-4d8e-9b3f-2f4f8d5f4b7e"
+        fields["request.headers['content-type']"].string_value = "application/json"
+        return [message.SerializeToString()]
     headers = {
         ":authority": "127.0.0.1:10000",
         ":path": PATH,
@@ -314,8 +337,8 @@ class Servicer(Protocol):
 async def _per_request_s(
     servicer: Servicer, messages: list[bytes], count: int = 50, batches: int = 40
 ) -> float:
-    """Seconds per request through `servicer.Process`: the best of many short batches, because other
-    processes on the shared cores only ever add time."""
+    """CPU seconds per request through `servicer.Process`: the best of many short batches, in this
+    process's CPU time, because other processes on the shared cores only ever add time."""
 
     async def stream() -> AsyncIterator[ProcessingRequest]:
         for raw in messages:
@@ -323,16 +346,17 @@ async def _per_request_s(
 
     best = math.inf
     for _ in range(batches):
-        started = time.perf_counter()
+        started = time.process_time()
         for _ in range(count):
             async for response in servicer.Process(stream(), None):
                 response.SerializeToString()
-        best = min(best, (time.perf_counter() - started) / count)
+        best = min(best, (time.process_time() - started) / count)
     return best
 
 
-def servicer_costs(body: bytes) -> tuple[float, float]:
-    """µs per request of the gate's and the trivial servicer, driven directly without gRPC.
+def servicer_costs(body: bytes) -> dict[str, float]:
+    """µs per request of the gate's and the trivial servicer with two round trips and with one,
+    driven directly without gRPC (keys: gate, trivial, gate1, trivial1).
 
     Runs in a child process: the gate's metrics (on, as `kvgate gate` runs by default) set the
     process-wide OpenTelemetry provider.
@@ -342,10 +366,9 @@ def servicer_costs(body: bytes) -> tuple[float, float]:
     from kvgate.gate.processor import ExternalProcessor
     from kvgate.telemetry import DecisionSpans, GateMetrics, start_prometheus
 
-    messages = envoy_messages(body)
     start_prometheus(f"127.0.0.1:{free_port()}")
 
-    async def both() -> tuple[float, float]:
+    async def measure() -> dict[str, float]:
         config = parse_config(gate_config_text())
         pipeline = Pipeline(config, estimator_factory())
         try:
@@ -357,13 +380,17 @@ def servicer_costs(body: bytes) -> tuple[float, float]:
                 DecisionSpans(),
                 config.server.metadata_namespace,
             )
-            trivial = TrivialProcessor()
-            return await _per_request_s(gate, messages), await _per_request_s(trivial, messages)
+            servers: dict[str, Servicer] = {"gate": gate, "trivial": TrivialProcessor()}
+            costs = {}
+            for trips, suffix in ((2, ""), (1, "1")):
+                messages = envoy_messages(body, trips)
+                for name, server in servers.items():
+                    costs[name + suffix] = await _per_request_s(server, messages) * 1e6
+            return costs
         finally:
             pipeline.close()
 
-    gate_s, trivial_s = uvloop.run(both())
-    return gate_s * 1e6, trivial_s * 1e6
+    return uvloop.run(measure())
 
 
 def print_report(variants: list[Variant], tallies: dict[str, Tally], rates: dict[str, int]) -> None:
@@ -383,24 +410,38 @@ def print_report(variants: list[Variant], tallies: dict[str, Tally], rates: dict
             f"{variant.label:<26}{tally.ms(50):9.2f}{tally.ms(99):9.2f}{extra_p50:+9.2f}{extra_p99:+9.2f}"
             f"{rates[variant.key]:>10}{cap:1}{ext_proc:>10}{tally.cpu_us_per_request('envoy'):8.0f}"
         )
-    gate, trivial = tallies["c"], tallies["b"]
-    added_p50, added_p99 = gate.ms(50) - base.ms(50), gate.ms(99) - base.ms(99)
-    ratio = rates["c"] / rates["b"] if rates["b"] else math.nan
-    cpu_gate, cpu_trivial = gate.cpu_us_per_request("ext_proc"), trivial.cpu_us_per_request("ext_proc")
-    met_p50, met_p99 = _verdict(added_p50 <= TARGET_P50_MS), _verdict(added_p99 <= TARGET_P99_MS)
-    print(f"gate adds p50 {added_p50:+.2f} ms (target <= {TARGET_P50_MS}): {met_p50}")
-    print(f"gate adds p99 {added_p99:+.2f} ms (target <= {TARGET_P99_MS}): {met_p99}")
-    met_rate = _verdict(ratio >= TARGET_RATE_RATIO)
+    for gate_key, trivial_key, trips in (("c", "b", "two round trips"), ("c1", "b1", "one round trip")):
+        _print_verdicts(tallies, rates, gate_key, trivial_key, trips)
     print(
-        f"max rate gate/trivial {rates['c']}/{rates['b']} = {ratio:.2f} "
-        f"(target >= {TARGET_RATE_RATIO}): {met_rate}"
+        f"one round trip vs two, max rate: gate {rates['c1']} vs {rates['c']}, "
+        f"trivial {rates['b1']} vs {rates['b']}; the one-trip gate (c1) holds "
+        f"{rates['c1'] / max(1, rates['b']):.2f}x the two-trip trivial server's (b)"
     )
     print(
+        f"per request also: load generator {base.cpu_us_per_request('loadgen'):.0f} µs, "
+        f"upstream {base.cpu_us_per_request('upstream'):.0f} µs; "
+        f"send lag p99 {max(t.lag_p99_s for t in tallies.values()) * 1000:.2f} ms"
+    )
+
+
+def _print_verdicts(
+    tallies: dict[str, Tally], rates: dict[str, int], gate_key: str, trivial_key: str, trips: str
+) -> None:
+    """Issue 2's targets for the gate in one set-up, against the trivial server in the same one."""
+    base, gate, trivial = tallies["a"], tallies[gate_key], tallies[trivial_key]
+    added_p50, added_p99 = gate.ms(50) - base.ms(50), gate.ms(99) - base.ms(99)
+    ratio = rates[gate_key] / rates[trivial_key] if rates[trivial_key] else math.nan
+    cpu_gate, cpu_trivial = gate.cpu_us_per_request("ext_proc"), trivial.cpu_us_per_request("ext_proc")
+    print(
+        f"{trips} ({gate_key} vs {trivial_key}): gate adds p50 {added_p50:+.2f} ms (target <= "
+        f"{TARGET_P50_MS}): {_verdict(added_p50 <= TARGET_P50_MS)}; p99 {added_p99:+.2f} ms "
+        f"(target <= {TARGET_P99_MS}): {_verdict(added_p99 <= TARGET_P99_MS)}"
+    )
+    print(
+        f"  max rate gate/trivial {rates[gate_key]}/{rates[trivial_key]} = {ratio:.2f} "
+        f"(target >= {TARGET_RATE_RATIO}): {_verdict(ratio >= TARGET_RATE_RATIO)}; "
         f"ext_proc CPU per request: gate {cpu_gate:.0f} µs vs trivial {cpu_trivial:.0f} µs "
-        f"= {cpu_gate / max(1.0, cpu_trivial):.2f}x; per request also: load generator "
-        f"{gate.cpu_us_per_request('loadgen'):.0f} µs, "
-        f"upstream {gate.cpu_us_per_request('upstream'):.0f} µs; "
-        f"send lag p99 {gate.lag_p99_s * 1000:.2f} ms"
+        f"= {cpu_gate / max(1.0, cpu_trivial):.2f}x"
     )
 
 
@@ -437,10 +478,11 @@ def main() -> None:
         )
         uvloop.run(_run(variants, pids, http_request(PATH, body)))
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        gate_us, trivial_us = pool.submit(servicer_costs, body).result()
+        costs = pool.submit(servicer_costs, body).result()
     print(
-        f"servicer work without gRPC (parse messages, Process, serialize): gate {gate_us:.0f} µs, "
-        f"trivial {trivial_us:.0f} µs per request"
+        "servicer work without gRPC (parse messages, Process, serialize), µs per request: "
+        f"two round trips gate {costs['gate']:.0f}, trivial {costs['trivial']:.0f}; "
+        f"one round trip gate {costs['gate1']:.0f}, trivial {costs['trivial1']:.0f}"
     )
     print(f"({time.monotonic() - started:.0f} s)")
 

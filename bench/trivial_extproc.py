@@ -1,9 +1,10 @@
 """The floor an ext_proc server in Python costs: grpc.aio on uvloop, parse the body, set the pool.
 
-It answers the same two messages as the gate under the shipped Envoy config (request headers SEND,
-body BUFFERED): headers continue untouched; the body is parsed with json.loads and answered with
-`x-kvgate-pool: interactive` and a cleared route cache. Whatever the gate costs beyond this server
-is the gate's own work.
+It answers the same messages as the gate under either shipped Envoy config: with two round trips
+(envoy/envoy.yaml) headers continue untouched; the body, the only message with one round trip
+(envoy/envoy-one-trip.yaml), is parsed with json.loads and answered with `x-kvgate-pool: interactive`,
+the same pool as dynamic metadata (what one-trip routes match) and a cleared route cache. Whatever
+the gate costs beyond this server is the gate's own work.
 
 Run: python -m bench.trivial_extproc --listen 127.0.0.1:9102
 """
@@ -28,6 +29,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     ProcessingRequest,
     ProcessingResponse,
 )
+from google.protobuf.struct_pb2 import Struct
 
 _MESSAGE_LIMIT = 64 * 1024 * 1024
 _CONTINUE_HEADERS = ProcessingResponse(request_headers=HeadersResponse())
@@ -41,7 +43,9 @@ def answer_body(body: bytes) -> ProcessingResponse:
         append_action=HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD,
     )
     common = CommonResponse(header_mutation=HeaderMutation(set_headers=[header]), clear_route_cache=True)
-    return ProcessingResponse(request_body=BodyResponse(response=common))
+    metadata = Struct()
+    metadata.fields["kvgate"].struct_value.fields["pool"].string_value = "interactive"
+    return ProcessingResponse(request_body=BodyResponse(response=common), dynamic_metadata=metadata)
 
 
 class TrivialProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):  # type: ignore[misc]

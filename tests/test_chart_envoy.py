@@ -14,6 +14,7 @@ import pytest
 import sentencepiece
 import yaml
 from envoy.config.bootstrap.v3 import bootstrap_pb2
+from envoy.extensions.filters.http.buffer.v3 import buffer_pb2  # noqa: F401  (Any types in the bootstrap)
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2  # noqa: F401  (Any types in the bootstrap)
 from envoy.extensions.filters.http.health_check.v3 import health_check_pb2  # noqa: F401
 from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
@@ -22,12 +23,13 @@ from envoy.extensions.http.early_header_mutation.header_mutation.v3 import heade
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
 from google.protobuf import json_format
 from stack import Upstreams, chat, envoy_process, free_port, gate_process, post
-from test_chart import Helm, one, real_helm, standalone
+from test_chart import Helm, HelmFailed, one, real_helm, standalone
 
 from kvgate.config import parse_config
 from kvgate.envoyconfig.cli import register
 from kvgate.envoyconfig.settings import HostPort, envoy_settings
 from kvgate.errors import ConfigError
+from kvgate.gate.processor import request_attributes
 
 ENVOY = Path(sys.executable).parent / "envoy"
 VALIDATE_TIMEOUT_S = 60
@@ -83,6 +85,13 @@ BOOTSTRAP_CASES: dict[str, dict[str, Any]] = {
         },
         envoy={"pools": {"long-big": {"address": "vllm-big.models.svc.cluster.local", "port": 8000}}},
     ),
+    "one-trip": standalone(
+        gate={"config": {"admission": {"priority_header": "X-Team-Priority"}}},
+        envoy={
+            "pools": {"async": {"address": "batch.models.svc.cluster.local", "port": 8080}},
+            "standalone": {"roundTrips": 1},
+        },
+    ),
 }
 
 
@@ -106,6 +115,7 @@ def python_bootstrap(values: dict[str, Any]) -> dict[str, Any]:
         message_timeout_ms=envoy.get("messageTimeoutMs", 5000),
         fail_open=envoy.get("failOpen", True),
         route_timeout_seconds=envoy.get("routeTimeoutSeconds", 0),
+        round_trips=envoy.get("standalone", {}).get("roundTrips", 2),
     )
     return render_bootstrap(settings)
 
@@ -116,8 +126,9 @@ def test_chart_and_envoy_config_render_the_same_bootstrap(helm: Helm, case: str)
     assert canonical(chart_bootstrap(helm, values)) == canonical(python_bootstrap(values))
 
 
-def test_envoy_config_bootstrap_passes_envoy_validate(tmp_path: Path) -> None:
-    envoy_validate(python_bootstrap(BOOTSTRAP_CASES["three-pools"]), tmp_path)
+@pytest.mark.parametrize("case", ["three-pools", "one-trip"])
+def test_envoy_config_bootstrap_passes_envoy_validate(case: str, tmp_path: Path) -> None:
+    envoy_validate(python_bootstrap(BOOTSTRAP_CASES[case]), tmp_path)
 
 
 def test_bootstrap_routes_pins_and_strips(helm: Helm) -> None:
@@ -155,6 +166,75 @@ def test_bootstrap_routes_pins_and_strips(helm: Helm) -> None:
         == "rel-kvgate-gate-headless.llm.svc.cluster.local"
     )
     assert clusters["kvgate_pinned"]["original_dst_lb_config"]["http_header_name"] == "x-kvgate-endpoint"
+
+
+def ingress_manager(bootstrap: dict[str, Any]) -> dict[str, Any]:
+    ingress = bootstrap["static_resources"]["listeners"][0]
+    manager: dict[str, Any] = ingress["filter_chains"][0]["filters"][0]["typed_config"]
+    return manager
+
+
+def test_one_trip_bootstrap_sends_the_body_alone_and_routes_on_metadata(helm: Helm) -> None:
+    manager = ingress_manager(chart_bootstrap(helm, BOOTSTRAP_CASES["one-trip"]))
+    assert [f["name"] for f in manager["http_filters"]] == [
+        "envoy.filters.http.ext_proc",
+        "envoy.filters.http.buffer",
+        "envoy.filters.http.router",
+    ]
+    ext_proc = manager["http_filters"][0]["typed_config"]
+    assert ext_proc["processing_mode"]["request_header_mode"] == "SKIP"
+    assert ext_proc["processing_mode"]["request_body_mode"] == "BUFFERED"
+    assert ext_proc["request_attributes"] == list(request_attributes("X-Team-Priority"))
+    assert "request.headers['x-team-priority']" in ext_proc["request_attributes"]
+    assert ext_proc["metadata_options"]["receiving_namespaces"]["untyped"] == ["kvgate"]
+    buffer = manager["http_filters"][1]["typed_config"]
+    assert buffer["max_request_bytes"] == 32 * 1024 * 1024 + 1024 * 1024
+    routes = manager["route_config"]["virtual_hosts"][0]["routes"]
+    pinned = routes[1]["match"]
+    assert routes[1]["route"]["cluster"] == "kvgate_pinned"
+    assert "headers" not in pinned
+    assert pinned["dynamic_metadata"] == [
+        {"filter": "kvgate", "path": [{"key": "pool"}], "value": {"string_match": {"exact": "long"}}},
+        {"filter": "kvgate", "path": [{"key": "endpoint"}], "value": {"present_match": True}},
+    ]
+    added = {
+        h["header"]["key"]: h["header"]["value"] for h in manager["route_config"]["request_headers_to_add"]
+    }
+    assert added == {
+        "x-kvgate-pool": "%DYNAMIC_METADATA(kvgate:pool)%",
+        "x-kvgate-endpoint": "%DYNAMIC_METADATA(kvgate:endpoint)%",
+        "x-kvgate-tokens": "%DYNAMIC_METADATA(kvgate:tokens)%",
+        "x-kvgate-reason": "%DYNAMIC_METADATA(kvgate:reason)%",
+    }
+    assert {h["append_action"] for h in manager["route_config"]["request_headers_to_add"]} == {
+        "OVERWRITE_IF_EXISTS_OR_ADD"
+    }
+
+
+@pytest.mark.parametrize("round_trips", [1, 2])
+def test_envoy_config_uses_the_gates_metadata_namespace(round_trips: int) -> None:
+    from kvgate.envoyconfig.bootstrap import render_bootstrap
+
+    config = parse_config("server: {metadata_namespace: acme.kvgate}\n")
+    pools = {"interactive": HostPort("a", 1), "long": HostPort("b", 2)}
+    settings = envoy_settings(config, pools, listen=HostPort("0.0.0.0", 10000), round_trips=round_trips)
+    manager = ingress_manager(render_bootstrap(settings))
+    ext_proc = manager["http_filters"][0]["typed_config"]
+    assert ext_proc["metadata_options"]["receiving_namespaces"]["untyped"] == ["acme.kvgate"]
+    pinned = manager["route_config"]["virtual_hosts"][0]["routes"][0]["match"]
+    if round_trips == 1:
+        assert {m["filter"] for m in pinned["dynamic_metadata"]} == {"acme.kvgate"}
+        added = manager["route_config"]["request_headers_to_add"][0]["header"]
+        assert added == {"key": "x-kvgate-pool", "value": "%DYNAMIC_METADATA(acme.kvgate:pool)%"}
+    else:
+        assert "dynamic_metadata" not in pinned
+        assert "request_headers_to_add" not in manager["route_config"]
+        assert "request_attributes" not in ext_proc
+
+
+def test_chart_schema_rejects_other_round_trips(helm: Helm) -> None:
+    with pytest.raises(HelmFailed, match=r"at '/envoy/standalone/roundTrips': value must be one of 1, 2"):
+        helm.render(standalone(envoy={"standalone": {"roundTrips": 3}}))
 
 
 # --- `kvgate envoy-config` ---------------------------------------------------------------------------------
@@ -205,6 +285,22 @@ def test_cli_writes_a_bootstrap_for_the_gates_config(tmp_path: Path) -> None:
 def test_cli_errors_name_the_flag(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         run_cli(argv)
+
+
+def test_cli_renders_one_round_trip(tmp_path: Path) -> None:
+    output = tmp_path / "envoy.yaml"
+    pools = ("--pool", "interactive=10.0.0.5:8000", "--pool", "long=10.0.0.6:8000")
+    assert run_cli([*pools, "--round-trips", "1", "--output", str(output)]) == 0
+    ext_proc = ingress_manager(yaml.safe_load(output.read_text()))["http_filters"][0]["typed_config"]
+    assert ext_proc["processing_mode"]["request_header_mode"] == "SKIP"
+    assert ext_proc["request_attributes"] == list(request_attributes("x-kvgate-priority"))
+
+
+def test_cli_refuses_other_round_trips(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(["--pool", "interactive=a:1", "--pool", "long=b:2", "--round-trips", "3"])
+    assert exit_info.value.code == 2
+    assert "argument --round-trips: invalid choice: 3" in capsys.readouterr().err
 
 
 def test_grpc_limit_below_the_body_limit_is_refused() -> None:

@@ -1,4 +1,5 @@
-"""End to end through the real Envoy binary: the shipped envoy/envoy.yaml, the gate, three upstreams."""
+"""End to end through the real Envoy binary, the gate and three upstreams, once with each shipped
+set-up: envoy/envoy.yaml (two round trips per request) and envoy/envoy-one-trip.yaml (one)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from stack import (
+    ROOT,
     Service,
     Upstreams,
     chat,
@@ -38,22 +40,26 @@ class Stack:
     tmp: Path
     config_text: str
     gate: Service
+    envoy_source: Path
 
     def send(self, body: bytes, path: str = CHAT, headers: dict[str, str] | None = None, timeout: float = 30):  # type: ignore[no-untyped-def]
         return post(self.ports["listener"], path, body, headers, timeout)
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, sp_model_path: Path) -> Iterator[Stack]:
+@pytest.fixture(scope="module", params=["envoy.yaml", "envoy-one-trip.yaml"])
+def stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, sp_model_path: Path
+) -> Iterator[Stack]:
+    source = ROOT / "envoy" / request.param
     tmp = tmp_path_factory.mktemp("e2e")
     ports = {name: free_port() for name in ("listener", "gate", "interactive", "long", "async", "admin")}
     upstreams = Upstreams({pool: ports[pool] for pool in ("interactive", "long", "async")})
     upstreams.start()
     config_text = f"server: {{drain_seconds: 10}}\ndefault_model: {{tokenizer: {sp_model_path}}}\n"
-    envoy = envoy_process(render_envoy(ports, tmp / "envoy.yaml"), tmp, ports["admin"], ports["listener"])
+    envoy = _envoy_for(ports, tmp, source)
     try:
         with gate_process(config_text, tmp, ports["gate"]) as gate:
-            yield Stack(ports, upstreams, envoy, tmp, config_text, gate)
+            yield Stack(ports, upstreams, envoy, tmp, config_text, gate, source)
     finally:
         envoy.stop()
         upstreams.stop()
@@ -177,7 +183,7 @@ def test_bodiless_and_unknown_paths_pass_through(stack: Stack) -> None:
 def test_gate_killed_fails_open_to_interactive(stack: Stack, texts: dict[str, str], tmp_path: Path) -> None:
     """Kill the gate mid-test: requests still flow, to interactive, and a forged header cannot pick long."""
     ports = dict(stack.ports, gate=free_port(), listener=free_port(), admin=free_port())
-    envoy = _envoy_for(ports, tmp_path)
+    envoy = _envoy_for(ports, tmp_path, stack.envoy_source)
     try:
         with gate_process(stack.config_text, tmp_path, ports["gate"]) as gate:
             assert post(ports["listener"], CHAT, chat(texts["8k"])).json()["pool"] == "long"
@@ -192,13 +198,14 @@ def test_gate_killed_fails_open_to_interactive(stack: Stack, texts: dict[str, st
         envoy.stop()
 
 
-def _envoy_for(ports: dict[str, int], tmp: Path) -> Service:
-    return envoy_process(render_envoy(ports, tmp / "envoy.yaml"), tmp, ports["admin"], ports["listener"])
+def _envoy_for(ports: dict[str, int], tmp: Path, source: Path) -> Service:
+    config = render_envoy(ports, tmp / "envoy.yaml", source)
+    return envoy_process(config, tmp, ports["admin"], ports["listener"])
 
 
 def test_sigterm_drains_in_flight_requests(stack: Stack, texts: dict[str, str], tmp_path: Path) -> None:
     ports = dict(stack.ports, gate=free_port(), listener=free_port(), admin=free_port())
-    envoy = _envoy_for(ports, tmp_path)
+    envoy = _envoy_for(ports, tmp_path, stack.envoy_source)
     results: list[int | str] = []
     try:
         with gate_process(stack.config_text, tmp_path, ports["gate"]) as gate:

@@ -32,6 +32,9 @@ from stack import (
     render_envoy,
 )
 
+from kvgate.config import Config
+from kvgate.gate.processor import request_attributes
+
 ACCESS_LOG_YAML = ROOT / "envoy" / "access-log.yaml"
 RATE_LIMIT_YAML = ROOT / "envoy" / "rate-limit.yaml"
 CHAT = "/v1/chat/completions"
@@ -45,7 +48,14 @@ def hcm(config: dict[str, Any]) -> dict[str, Any]:
     return manager
 
 
-@pytest.mark.parametrize("path", [ACCESS_LOG_YAML, RATE_LIMIT_YAML], ids=lambda p: p.name)
+# Every Envoy bootstrap shipped in envoy/ (envoy-tls.yaml names certificate files: tests/test_tls.py
+# validates it with real ones; kvgate.yaml is the gate's own config).
+BOOTSTRAPS = sorted(
+    p for p in (ROOT / "envoy").glob("*.yaml") if p.name not in {"envoy-tls.yaml", "kvgate.yaml"}
+)
+
+
+@pytest.mark.parametrize("path", BOOTSTRAPS, ids=lambda p: p.name)
 def test_example_passes_envoy_validate(path: Path) -> None:
     result = subprocess.run(
         [str(BIN / "envoy"), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
@@ -56,6 +66,16 @@ def test_example_passes_envoy_validate(path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK" in result.stdout + result.stderr
+
+
+def test_one_trip_example_sends_the_attributes_the_gate_reads() -> None:
+    config = yaml.safe_load((ROOT / "envoy" / "envoy-one-trip.yaml").read_text())
+    (ext_proc,) = (f for f in hcm(config)["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
+    processor = ext_proc["typed_config"]
+    assert tuple(processor["request_attributes"]) == request_attributes(Config().admission.priority_header)
+    assert processor["processing_mode"]["request_header_mode"] == "SKIP"
+    names = [f["name"] for f in hcm(config)["http_filters"]]
+    assert names.index("envoy.filters.http.buffer") == names.index("envoy.filters.http.router") - 1
 
 
 def test_access_log_example_is_envoy_yaml_plus_the_access_log() -> None:

@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from kvgate.config import Config, parse_config
 from kvgate.errors import RequestError
 from kvgate.gate.pipeline import Pipeline, estimator_factory, refusal_for
-from kvgate.gate.processor import ExternalProcessor
+from kvgate.gate.processor import ATTRIBUTES_NAMESPACE, ExternalProcessor, request_attributes
 from kvgate.telemetry import DecisionSpans, GateMetrics
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -39,6 +39,21 @@ def headers(path: str = "/v1/chat/completions", *, end: bool = False, **extra: s
 
 def body(data: bytes, end: bool = True) -> ProcessingRequest:
     return ProcessingRequest(request_body=HttpBody(body=data, end_of_stream=end))
+
+
+def one_trip_body(
+    data: bytes, path: str = "/v1/chat/completions", *, end: bool = True, **request_headers: str
+) -> ProcessingRequest:
+    """The only message of a one-round-trip stream: the body, with the attributes Envoy evaluates
+    from envoy-one-trip.yaml's request_attributes (a header the request lacks is left out)."""
+    message = body(data, end)
+    fields = message.attributes[ATTRIBUTES_NAMESPACE].fields
+    fields["request.path"].string_value = path
+    fields["request.method"].string_value = "POST"
+    fields["request.id"].string_value = "req-1"
+    for name, value in {"content-type": "application/json", **request_headers}.items():
+        fields[f"request.headers['{name}']"].string_value = value
+    return message
 
 
 def make_processor(config: Config | None = None, spans: DecisionSpans | None = None) -> ExternalProcessor:
@@ -155,6 +170,58 @@ def test_metadata_namespace_is_configurable() -> None:
     assert "llm.routing" in routed.dynamic_metadata.fields
 
 
+def test_one_trip_body_is_routed_by_its_attributes() -> None:
+    (routed,) = drive(make_processor(), [one_trip_body(chat("hello " * 3000, max_tokens=2000))])
+    metadata = routed.dynamic_metadata.fields["kvgate"].struct_value.fields
+    assert metadata["pool"].string_value == "long"
+    assert metadata["reason"].string_value == "long"
+    assert metadata["tokens"].number_value > 5000
+    assert metadata["method"].string_value == "fast"
+
+
+def test_one_trip_reads_encoding_priority_and_trace_from_attributes() -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    traceparent = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
+    message = one_trip_body(
+        gzip.compress(chat("word " * 20000)), **{"content-encoding": "gzip", "traceparent": traceparent}
+    )
+    (answer,) = drive(make_processor(spans=DecisionSpans(provider)), [message])
+    assert answer.immediate_response.status.code == 413
+    (span,) = exporter.get_finished_spans()
+    assert format(span.context.trace_id, "032x") == TRACE_ID
+
+
+def test_one_trip_decides_what_two_trips_decide_on_headers() -> None:
+    (plain,) = drive(make_processor(), [one_trip_body(b"hello", **{"content-type": "text/plain"})])
+    assert plain.dynamic_metadata.fields["kvgate"].struct_value.fields["reason"].string_value == "unparsed"
+    (unknown,) = drive(make_processor(), [one_trip_body(chat("hi"), "/v1/audio/speech")])
+    assert unknown.dynamic_metadata.fields["kvgate"].struct_value.fields["reason"].string_value == "unparsed"
+    assert not unknown.HasField("mode_override")
+
+
+def test_one_trip_chunked_body_is_collected_until_its_end() -> None:
+    data = chat("hello " * 3000, max_tokens=2000)
+    first, last = drive(make_processor(), [one_trip_body(data[:100], end=False), body(data[100:])])
+    assert first.WhichOneof("response") == "request_body"
+    assert not first.HasField("dynamic_metadata")
+    assert last.dynamic_metadata.fields["kvgate"].struct_value.fields["pool"].string_value == "long"
+
+
+def test_body_without_headers_or_attributes_continues_and_says_what_to_configure(caplog: Any) -> None:
+    (answer,) = drive(make_processor(), [body(chat("hi"))])
+    assert answer.WhichOneof("response") == "request_body"
+    assert not answer.HasField("dynamic_metadata")
+    assert "request.headers['x-kvgate-priority']" in caplog.text
+
+
+def test_request_attributes_follow_the_priority_header() -> None:
+    attributes = request_attributes("X-Tenant-Priority")
+    assert "request.headers['x-tenant-priority']" in attributes
+    assert attributes[:3] == ("request.path", "request.method", "request.id")
+
+
 header_values = st.text(max_size=40)
 messages = st.one_of(
     st.builds(
@@ -169,6 +236,12 @@ messages = st.one_of(
         st.booleans(),
     ),
     st.builds(body, st.binary(max_size=200), st.booleans()),
+    st.builds(
+        lambda data, path, end: one_trip_body(data, path, end=end),
+        st.binary(max_size=200),
+        st.sampled_from(["/v1/chat/completions", "/v1/responses", "/x", ""]),
+        st.booleans(),
+    ),
     st.builds(
         lambda d, end: body(gzip.compress(d)[: len(d) // 2 + 5], end), st.binary(max_size=100), st.booleans()
     ),

@@ -2,11 +2,18 @@
 The standalone Envoy bootstrap. `kvgate envoy-config` renders the same document from Python; a test
 keeps the two equal. An early header mutation strips the gate's headers from client requests (when
 ext_proc fails open the route must not follow a client's header), ext_proc asks the gate, the router
-routes on the x-kvgate-pool header the gate set.
+routes on its decision. envoy.standalone.roundTrips 2: the gate sees the headers, then the body, and
+routes match the x-kvgate-pool header it sets. 1: the gate sees the body alone, with the headers it
+reads as request attributes; it answers with dynamic metadata, a buffer filter holds the request until
+then, routes match the metadata and the route table copies it into the x-kvgate-* upstream headers.
 */}}
 {{- define "kvgate.envoy.bootstrap" -}}
 {{- $envoy := .Values.envoy -}}
 {{- $standalone := $envoy.standalone -}}
+{{- $oneTrip := eq (int $standalone.roundTrips) 1 -}}
+{{- /* The gate's server.metadata_namespace: the chart writes server itself and keeps the default. */ -}}
+{{- $namespace := "kvgate" -}}
+{{- $priorityHeader := dig "admission" "priority_header" "x-kvgate-priority" (.Values.gate.config | default dict) | lower -}}
 {{- $bufferLimit := include "kvgate.envoy.bufferLimitBytes" . | int -}}
 {{- $routeTimeout := printf "%ds" (int $envoy.routeTimeoutSeconds) -}}
 {{- $longPools := include "kvgate.longPools" . | splitList "," -}}
@@ -35,6 +42,17 @@ static_resources:
                   {{- include "kvgate.stripGateHeaders" . | nindent 18 }}
                 route_config:
                   name: pools
+                  {{- if $oneTrip }}
+                  # The gate's decision, from its metadata, for the upstream (and the pinned cluster,
+                  # which reads x-kvgate-endpoint). Absent metadata adds nothing.
+                  request_headers_to_add:
+                    {{- range $header := splitList "," (include "kvgate.gateHeaders" .) }}
+                    - header:
+                        key: {{ $header }}
+                        value: {{ printf "%%DYNAMIC_METADATA(%s:%s)%%" $namespace (trimPrefix "x-kvgate-" $header) | quote }}
+                      append_action: OVERWRITE_IF_EXISTS_OR_ADD
+                    {{- end }}
+                  {{- end }}
                   virtual_hosts:
                     - name: pools
                       domains: ["*"]
@@ -43,23 +61,13 @@ static_resources:
                         {{- if $name }}
                         {{- if has $name $longPools }}
                         - match:
-                            prefix: /
-                            headers:
-                              - name: x-kvgate-pool
-                                string_match:
-                                  exact: {{ $name }}
-                              - name: x-kvgate-endpoint
-                                present_match: true
+                            {{- include "kvgate.envoy.poolMatch" (dict "pool" $name "pinned" true "oneTrip" $oneTrip "namespace" $namespace) | nindent 28 }}
                           route:
                             cluster: kvgate_pinned
                             timeout: {{ $routeTimeout }}
                         {{- end }}
                         - match:
-                            prefix: /
-                            headers:
-                              - name: x-kvgate-pool
-                                string_match:
-                                  exact: {{ $name }}
+                            {{- include "kvgate.envoy.poolMatch" (dict "pool" $name "pinned" false "oneTrip" $oneTrip "namespace" $namespace) | nindent 28 }}
                           route:
                             cluster: {{ printf "pool_%s" $name }}
                             timeout: {{ $routeTimeout }}
@@ -78,15 +86,36 @@ static_resources:
                         envoy_grpc:
                           cluster_name: kvgate_gate
                       failure_mode_allow: {{ $envoy.failOpen }}
+                      {{- if $oneTrip }}
+                      # The headers the gate reads (kvgate.gate.processor.request_attributes), sent
+                      # with the body; a missing header is left out.
+                      request_attributes:
+                        - request.path
+                        - request.method
+                        - request.id
+                        {{- range $header := list "content-type" "content-encoding" $priorityHeader "traceparent" "tracestate" }}
+                        - {{ printf "request.headers['%s']" $header | quote }}
+                        {{- end }}
+                      {{- else }}
+                      # The gate skips the body of a request it decided on the headers alone.
                       allow_mode_override: true
+                      {{- end }}
                       message_timeout: {{ printf "%.3fs" (divf (int $envoy.messageTimeoutMs) 1000.0) }}
                       processing_mode:
-                        request_header_mode: SEND
+                        request_header_mode: {{ ternary "SKIP" "SEND" $oneTrip }}
                         request_body_mode: BUFFERED
                         response_header_mode: SKIP
                       metadata_options:
                         receiving_namespaces:
-                          untyped: [kvgate]
+                          untyped: [{{ $namespace }}]
+                  {{- if $oneTrip }}
+                  # Holds the request (headers included) until ext_proc has the gate's answer, so the
+                  # route is chosen on it.
+                  - name: envoy.filters.http.buffer
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer
+                      max_request_bytes: {{ $bufferLimit }}
+                  {{- end }}
                   - name: envoy.filters.http.router
                     typed_config:
                       "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
@@ -136,7 +165,8 @@ static_resources:
                       address: {{ $standalone.gateAddress | default (include "kvgate.gate.headlessHost" .) }}
                       port_value: {{ .Values.gate.port }}
     # The gate pins an admitted long request to the node holding its KV reservation, by address;
-    # the early header mutation guarantees the header comes from the gate.
+    # the early header mutation strips a client's header, so it comes from the gate (one round trip:
+    # from the route table, out of the gate's metadata).
     - name: kvgate_pinned
       type: ORIGINAL_DST
       lb_policy: CLUSTER_PROVIDED
@@ -162,4 +192,35 @@ static_resources:
                       port_value: {{ $pool.port }}
     {{- end }}
     {{- end }}
+{{- end -}}
+
+{{/* A pool route's match: on the headers the gate set (two round trips) or the metadata it wrote (one:
+the route table adds the headers only once a route is chosen). */}}
+{{- define "kvgate.envoy.poolMatch" -}}
+prefix: /
+{{- if .oneTrip }}
+dynamic_metadata:
+  - filter: {{ .namespace }}
+    path:
+      - key: pool
+    value:
+      string_match:
+        exact: {{ .pool }}
+  {{- if .pinned }}
+  - filter: {{ .namespace }}
+    path:
+      - key: endpoint
+    value:
+      present_match: true
+  {{- end }}
+{{- else }}
+headers:
+  - name: x-kvgate-pool
+    string_match:
+      exact: {{ .pool }}
+  {{- if .pinned }}
+  - name: x-kvgate-endpoint
+    present_match: true
+  {{- end }}
+{{- end }}
 {{- end -}}

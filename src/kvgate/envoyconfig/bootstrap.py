@@ -2,10 +2,16 @@
 
 On the ingress listener an early header mutation strips client copies of the gate's headers before
 the first route selection (so when ext_proc fails open, nothing the client sent picks the pool; the
-client's priority header is left for the gate), ext_proc hands headers and the buffered body to the
-gate, and the router routes on the x-kvgate-pool header the gate set (the gate clears the route
-cache). A long request the gate pinned to a node (x-kvgate-endpoint) goes to that address through an
-ORIGINAL_DST cluster.
+client's priority header is left for the gate). Then, by `EnvoySettings.round_trips`:
+- two: ext_proc hands the headers, then the buffered body, to the gate, and the router routes on the
+  x-kvgate-pool header the gate set (the gate clears the route cache);
+- one: ext_proc skips the headers and hands the buffered body to the gate with the headers it reads
+  as request attributes (`kvgate.gate.processor.request_attributes`, so the two cannot disagree). The
+  headers have gone on by then, so the gate answers with dynamic metadata: a buffer filter holds the
+  request until that answer, the routes match the metadata, and the route table copies it into the
+  x-kvgate-* upstream headers. A bodiless request never reaches the gate and takes the default pool.
+Either way a long request the gate pinned to a node (x-kvgate-endpoint) goes to that address through
+an ORIGINAL_DST cluster.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ with warnings.catch_warnings():
         Address,
         GrpcService,
         GrpcServiceEnvoyGrpc,
+        HeaderValue,
+        HeaderValueOption,
+        HeaderValueOptionHeaderAppendAction,
         Http2ProtocolOptions,
         SocketAddress,
         TypedExtensionConfig,
@@ -50,6 +59,7 @@ with warnings.catch_warnings():
         RouteMatch,
         VirtualHost,
     )
+    from envoy_data_plane.envoy.extensions.filters.http.buffer.v3 import Buffer
     from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
         ExternalProcessor,
         MetadataOptions,
@@ -71,19 +81,29 @@ with warnings.catch_warnings():
         HttpProtocolOptions,
         HttpProtocolOptionsExplicitHttpConfig,
     )
-    from envoy_data_plane.envoy.type.matcher.v3 import StringMatcher
+    from envoy_data_plane.envoy.type.matcher.v3 import (
+        MetadataMatcher,
+        MetadataMatcherPathSegment,
+        StringMatcher,
+        ValueMatcher,
+    )
     from envoy_data_plane.google.protobuf import Any as AnyMessage
 
 from kvgate.envoyconfig.settings import EnvoySettings, HostPort
+from kvgate.gate.processor import request_attributes
 
 GATE_CLUSTER = "kvgate_gate"
 PINNED_CLUSTER = "kvgate_pinned"
 POOL_HEADER = "x-kvgate-pool"
 ENDPOINT_HEADER = "x-kvgate-endpoint"
-# The headers the gate sets, and only those: the client's priority header must reach the gate.
-GATE_HEADERS = (POOL_HEADER, ENDPOINT_HEADER, "x-kvgate-tokens", "x-kvgate-reason")
-# The namespace the gate writes dynamic metadata into (the pool, for one-round-trip routing).
-METADATA_NAMESPACE = "kvgate"
+# The headers the gate sets, and only those (the client's priority header must reach the gate), each
+# with the key of the gate's dynamic metadata that carries the same value.
+GATE_HEADERS = {
+    POOL_HEADER: "pool",
+    ENDPOINT_HEADER: "endpoint",
+    "x-kvgate-tokens": "tokens",
+    "x-kvgate-reason": "reason",
+}
 HCM_NAME = "envoy.filters.network.http_connection_manager"
 
 
@@ -103,15 +123,29 @@ def _hcm_filter(manager: HttpConnectionManager) -> FilterChain:
     return FilterChain(filters=[Filter(name=HCM_NAME, typed_config=AnyMessage.pack(manager))])
 
 
-def _pool_match(pool: str, pinned: bool) -> RouteMatch:
-    headers = [HeaderMatcher(name=POOL_HEADER, string_match=StringMatcher(exact=pool))]
+def _metadata_of(settings: EnvoySettings, header: str, value: ValueMatcher) -> MetadataMatcher:
+    """Matches the dynamic metadata that carries the gate's `header`."""
+    path = [MetadataMatcherPathSegment(key=GATE_HEADERS[header])]
+    return MetadataMatcher(filter=settings.metadata_namespace, path=path, value=value)
+
+
+def _pool_match(settings: EnvoySettings, pool: str, pinned: bool) -> RouteMatch:
+    if settings.round_trips == 2:
+        headers = [HeaderMatcher(name=POOL_HEADER, string_match=StringMatcher(exact=pool))]
+        if pinned:
+            headers.append(HeaderMatcher(name=ENDPOINT_HEADER, present_match=True))
+        return RouteMatch(prefix="/", headers=headers)
+    # The route table adds the gate's headers only once a route is chosen, so the match reads the
+    # metadata they come from.
+    metadata = [_metadata_of(settings, POOL_HEADER, ValueMatcher(string_match=StringMatcher(exact=pool)))]
     if pinned:
-        headers.append(HeaderMatcher(name=ENDPOINT_HEADER, present_match=True))
-    return RouteMatch(prefix="/", headers=headers)
+        metadata.append(_metadata_of(settings, ENDPOINT_HEADER, ValueMatcher(present_match=True)))
+    return RouteMatch(prefix="/", dynamic_metadata=metadata)
 
 
 def routes(settings: EnvoySettings) -> list[Route]:
-    """Pool routes by header; the default pool's catch-all comes last because it matches everything."""
+    """Pool routes by the gate's decision; the default pool's catch-all comes last because it matches
+    everything."""
     timeout = datetime.timedelta(seconds=settings.route_timeout_seconds)
     result: list[Route] = []
     for name, _ in settings.pools:
@@ -120,12 +154,14 @@ def routes(settings: EnvoySettings) -> list[Route]:
         if name in settings.long_pools:
             result.append(
                 Route(
-                    match=_pool_match(name, True), route=RouteAction(cluster=PINNED_CLUSTER, timeout=timeout)
+                    match=_pool_match(settings, name, True),
+                    route=RouteAction(cluster=PINNED_CLUSTER, timeout=timeout),
                 )
             )
         result.append(
             Route(
-                match=_pool_match(name, False), route=RouteAction(cluster=pool_cluster(name), timeout=timeout)
+                match=_pool_match(settings, name, False),
+                route=RouteAction(cluster=pool_cluster(name), timeout=timeout),
             )
         )
     catch_all = RouteAction(cluster=pool_cluster(settings.default_pool), timeout=timeout)
@@ -133,23 +169,48 @@ def routes(settings: EnvoySettings) -> list[Route]:
     return result
 
 
+def _headers_from_metadata(settings: EnvoySettings) -> list[HeaderValueOption]:
+    """One round trip: the gate's decision, from its metadata, as upstream headers (the pinned cluster
+    reads x-kvgate-endpoint). Absent metadata formats empty, and an empty header is not added."""
+    return [
+        HeaderValueOption(
+            header=HeaderValue(key=header, value=f"%DYNAMIC_METADATA({settings.metadata_namespace}:{key})%"),
+            append_action=HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD,
+        )
+        for header, key in GATE_HEADERS.items()
+    ]
+
+
 def ext_proc_filter(settings: EnvoySettings) -> HttpFilter:
+    one_trip = settings.round_trips == 1
     processor = ExternalProcessor(
         grpc_service=GrpcService(envoy_grpc=GrpcServiceEnvoyGrpc(cluster_name=GATE_CLUSTER)),
         failure_mode_allow=settings.fail_open,
-        allow_mode_override=True,
+        # The gate skips the body of a request it decided on the headers alone with a mode override
+        # in its headers answer; one round trip has no headers answer.
+        allow_mode_override=not one_trip,
         # Envoy's 200 ms default is too short to ship a multi-megabyte body to the gate.
         message_timeout=datetime.timedelta(milliseconds=settings.message_timeout_ms),
+        request_attributes=list(request_attributes(settings.priority_header)) if one_trip else [],
         processing_mode=ProcessingMode(
-            request_header_mode=ProcessingModeHeaderSendMode.SEND,
+            request_header_mode=(
+                ProcessingModeHeaderSendMode.SKIP if one_trip else ProcessingModeHeaderSendMode.SEND
+            ),
             request_body_mode=ProcessingModeBodySendMode.BUFFERED,
             response_header_mode=ProcessingModeHeaderSendMode.SKIP,
         ),
         metadata_options=MetadataOptions(
-            receiving_namespaces=MetadataOptionsMetadataNamespaces(untyped=[METADATA_NAMESPACE])
+            receiving_namespaces=MetadataOptionsMetadataNamespaces(untyped=[settings.metadata_namespace])
         ),
     )
     return HttpFilter(name="envoy.filters.http.ext_proc", typed_config=AnyMessage.pack(processor))
+
+
+def _buffer(settings: EnvoySettings) -> HttpFilter:
+    """One round trip: holds the request, headers included, until ext_proc has the gate's answer, so
+    the route is chosen with its metadata in place."""
+    hold = Buffer(max_request_bytes=settings.buffer_limit_bytes)
+    return HttpFilter(name="envoy.filters.http.buffer", typed_config=AnyMessage.pack(hold))
 
 
 def _strip_client_headers() -> TypedExtensionConfig:
@@ -160,13 +221,16 @@ def _strip_client_headers() -> TypedExtensionConfig:
 
 
 def ingress_listener(settings: EnvoySettings) -> Listener:
+    one_trip = settings.round_trips == 1
     manager = HttpConnectionManager(
         stat_prefix="ingress",
         early_header_mutation_extensions=[_strip_client_headers()],
         route_config=RouteConfiguration(
-            name="pools", virtual_hosts=[VirtualHost(name="pools", domains=["*"], routes=routes(settings))]
+            name="pools",
+            virtual_hosts=[VirtualHost(name="pools", domains=["*"], routes=routes(settings))],
+            request_headers_to_add=_headers_from_metadata(settings) if one_trip else [],
         ),
-        http_filters=[ext_proc_filter(settings), _router()],
+        http_filters=[ext_proc_filter(settings), *([_buffer(settings)] if one_trip else []), _router()],
     )
     return Listener(
         name="ingress",

@@ -20,8 +20,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description=(
             "Write a static Envoy bootstrap (YAML) that strips client copies of the gate's headers, "
             "sends each request's headers and buffered body to the gate over ext_proc, and routes on the "
-            "x-kvgate-pool header the gate sets. Buffer limits and pool names come from the gate's config; "
-            "pool addresses from --pool. The Helm chart's standalone mode renders the same bootstrap."
+            "gate's decision (--round-trips). Buffer limits, pool names, the priority header and the "
+            "metadata namespace come from the gate's config; pool addresses from --pool. The Helm "
+            "chart's standalone mode renders the same bootstrap."
         ),
         epilog=(
             "example: kvgate envoy-config --config kvgate.yaml --pool interactive=10.0.0.5:8000 "
@@ -65,6 +66,20 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=_non_negative_int,
         default=0,
         help="upstream request timeout, 0 = none (default 0)",
+    )
+    parser.add_argument(
+        "--round-trips",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help=(
+            "ext_proc round trips per request (default 2: the headers, then the body; routes follow the "
+            "x-kvgate-pool header the gate sets). 1 sends the body alone, with the headers the gate reads "
+            "as request attributes: about half the gRPC cost per request, but bodiless requests never "
+            "reach the gate (they take the default pool), a buffer filter holds each request until "
+            "the gate answers, and the upstream x-kvgate-* headers are copied from the gate's dynamic "
+            "metadata"
+        ),
     )
     parser.add_argument("--output", type=Path, help="write here instead of standard output")
     parser.set_defaults(func=run)
@@ -111,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
         message_timeout_ms=args.message_timeout_ms,
         fail_open=not args.fail_closed,
         route_timeout_seconds=args.route_timeout_seconds,
+        round_trips=args.round_trips,
     )
     text = yaml.safe_dump(render_bootstrap(settings), sort_keys=False)
     if args.output:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 from kvgate.config import Config, MiB
 from kvgate.errors import ConfigError
@@ -13,6 +14,10 @@ from kvgate.headroom.settings import split_host_port
 # one that refuses an oversized request rather than Envoy's bare 413.
 BUFFER_MARGIN_BYTES = 1 * MiB
 _ANY_HOST = ("", "0.0.0.0", "::", "[::]")
+# Two: ext_proc sees the headers, then the body, and routes follow the headers the gate sets. One: the
+# body alone, with the headers the gate reads as request attributes, and routes follow the gate's
+# dynamic metadata (about half the gRPC cost per request).
+RoundTrips = Literal[1, 2]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +43,11 @@ class EnvoySettings:
     # Pools whose requests the gate may pin to one node with x-kvgate-endpoint.
     long_pools: tuple[str, ...]
     buffer_limit_bytes: int
+    # The gate's server.metadata_namespace: where its decision lands in Envoy's dynamic metadata.
+    metadata_namespace: str
+    # The gate's admission.priority_header, one of the headers one round trip sends as an attribute.
+    priority_header: str
+    round_trips: RoundTrips = 2
     message_timeout_ms: int = 5000
     fail_open: bool = True
     # 0 disables the upstream timeout: long generations stream for minutes.
@@ -61,6 +71,7 @@ def envoy_settings(
     message_timeout_ms: int = 2000,
     fail_open: bool = True,
     route_timeout_seconds: int = 0,
+    round_trips: RoundTrips = 2,
 ) -> EnvoySettings:
     """Check the pools against every pool name the gate can set, and size Envoy's buffers to the gate."""
     interactive, long = _referenced_pools(config)
@@ -94,6 +105,9 @@ def envoy_settings(
         default_pool=default,
         long_pools=tuple(sorted(long)),
         buffer_limit_bytes=buffer_limit,
+        metadata_namespace=config.server.metadata_namespace,
+        priority_header=config.admission.priority_header,
+        round_trips=round_trips,
         message_timeout_ms=message_timeout_ms,
         fail_open=fail_open,
         route_timeout_seconds=route_timeout_seconds,

@@ -118,17 +118,37 @@ _STRIDE = 32  # > number of class codes, so a pair (a, b) is the single number a
 _Bytes = np.ndarray[tuple[int], np.dtype[np.uint8]]
 _Sliceable = TypeVar("_Sliceable", str, bytes)
 _Counts = np.ndarray[tuple[int, ...], np.dtype[np.intp]]
+Pairs = np.ndarray[tuple[int], np.dtype[np.intp]]
 # Every 12th byte: the same byte of each character in a run of 1-, 2-, 3- or 4-byte characters.
 _PROBE_STEP = 12
 _BLOB, _RUN = 1, 2
 _SPACE_BYTE = ord(" ")
 _END = _STRIDE - 1  # a class code no byte has: what follows the last byte
-_RUN_CLASS = np.array([CLASSES.index(name) for name in RUNS])
 _CODES = {name: code for code, name in enumerate((*CLASSES, "continuation"))}
-_PAIR_INDEX = np.array([_CODES[a] * _STRIDE + _CODES[b] for a, b in PAIRS])
+
+
+def _pairs_to_features() -> np.ndarray[tuple[int, int], np.dtype[np.float64]]:
+    """The matrix that turns a histogram of class pairs into FEATURES counts (features = M @ pairs).
+
+    Each byte is the first of exactly one pair (the last one's pair ends in a sentinel), so a class's
+    count is its row of pairs; a run of class c starts wherever c follows anything but c."""
+    matrix = np.zeros((len(FEATURES), _STRIDE * _STRIDE))
+    for code in range(len(CLASSES)):
+        matrix[code, code * _STRIDE : (code + 1) * _STRIDE] = 1.0
+    for row, name in enumerate(RUNS, start=len(CLASSES)):
+        code = _CODES[name]
+        matrix[row, code * _STRIDE : (code + 1) * _STRIDE] = 1.0
+        matrix[row, code * _STRIDE + code] = 0.0
+    for row, (first, second) in enumerate(PAIRS, start=len(CLASSES) + len(RUNS)):
+        matrix[row, _CODES[first] * _STRIDE + _CODES[second]] = 1.0
+    return matrix
+
+
+PAIRS_TO_FEATURES = _pairs_to_features()
 # Up to this size the trap windows are found with bytes methods, past it with numpy.
 _SMALL_TEXT_BYTES = 16 * WINDOW_BYTES
-_NOT_WHITESPACE = bytes(range(_SPACE_BYTE + 1, 256))
+# 1 for space, newline, tab and control characters (none of them occurs in a blob), 0 for the rest.
+_WHITESPACE_ONES = bytes(int(byte <= _SPACE_BYTE) for byte in range(256))
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,12 +196,8 @@ def _windows(sequence: _Sliceable) -> list[_Sliceable]:
 
 def _features(data: bytes, size: float, min_size: int, max_size: int) -> Sample:
     raw = np.frombuffer(data, dtype=np.uint8)
-    classes = np.frombuffer(data.translate(_TABLE), dtype=np.uint8)
-    # Pair codes: class of each byte * _STRIDE + class of the next (a trailing sentinel for the last).
-    codes = np.left_shift(classes, 5, dtype=np.uint16)
-    codes[:-1] += classes[1:]
-    codes[-1] += _END
-    trap_kind = _trap_windows(raw) if len(data) > _SMALL_TEXT_BYTES else _trap_windows_small(data)
+    codes = _pair_codes(data)
+    trap_kind = _trap_kinds(data)
     blob_bytes = run_bytes = 0
     if trap_kind.any():
         # The partial window at the end goes with the last whole one: a run or a blob that reaches the
@@ -197,33 +213,61 @@ def _features(data: bytes, size: float, min_size: int, max_size: int) -> Sample:
         run_bytes = int(np.count_nonzero(trap_kind == _RUN)) * WINDOW_BYTES + (
             tail if tail_kind == _RUN else 0
         )
-    pairs = np.bincount(codes, minlength=_STRIDE * _STRIDE)
-    # Each byte is the first of exactly one pair (the last one's pair ends in the sentinel).
-    singles = pairs.reshape(_STRIDE, _STRIDE).sum(axis=1)[: len(CLASSES)]
-    # A run of class c starts wherever c follows anything but c.
-    runs = singles[_RUN_CLASS] - pairs[_RUN_CLASS * (_STRIDE + 1)]
     scale = size / len(raw)
-    counts = np.concatenate((singles, runs, pairs[_PAIR_INDEX])) * scale
+    counts = PAIRS_TO_FEATURES @ np.bincount(codes, minlength=_STRIDE * _STRIDE) * scale
     return Sample(size, min_size, max_size, tuple(counts.tolist()), blob_bytes * scale, run_bytes * scale)
 
 
-def _trap_windows_small(data: bytes) -> _Counts:
+def plain_pairs(data: bytes) -> Pairs | None:
+    """The class-pair histogram of a text read whole, or None when it has a trap window (which
+    `sample` prices apart). The estimator's shortcut for the common case: with the weights folded
+    into PAIRS_TO_FEATURES, the histogram gives an estimate with one dot product."""
+    if len(data) > FULL_SCAN_BYTES or _has_trap(data):
+        return None
+    return np.bincount(_pair_codes(data), minlength=_STRIDE * _STRIDE)
+
+
+def _pair_codes(data: bytes) -> np.ndarray[tuple[int], np.dtype[np.uint16]]:
+    """Per byte: its class * _STRIDE + the next byte's class (a sentinel after the last byte)."""
+    classes = np.frombuffer(data.translate(_TABLE), dtype=np.uint8)
+    codes = np.left_shift(classes, 5, dtype=np.uint16)
+    codes[:-1] += classes[1:]
+    codes[-1] += _END
+    return codes
+
+
+def _trap_kinds(data: bytes) -> _Counts:
+    """Per whole window of `data`: 0, _BLOB or _RUN (see `_trap_windows`)."""
+    if len(data) > _SMALL_TEXT_BYTES:
+        return _trap_windows(np.frombuffer(data, dtype=np.uint8))
+    return np.array(_trap_windows_small(data), dtype=np.intp)
+
+
+def _has_trap(data: bytes) -> bool:
+    if len(data) > _SMALL_TEXT_BYTES:
+        return bool(_trap_windows(np.frombuffer(data, dtype=np.uint8)).any())
+    return any(_trap_windows_small(data))
+
+
+def _trap_windows_small(data: bytes) -> list[int]:
     """`_trap_windows` for a few windows, with bytes methods: a dozen numpy calls on small arrays cost
     more than the work itself (about 40 µs for a 2 KB chat message against about 5 µs here)."""
+    whitespace = data.translate(_WHITESPACE_ONES)
+    ascii_text = data.isascii()
     kinds = []
     for start in range(0, len(data) - WINDOW_BYTES + 1, WINDOW_BYTES):
-        window = data[start : start + WINDOW_BYTES]
-        probes = window[::_PROBE_STEP]
-        probes_per_window = len(probes)
-        middle = probes[probes_per_window // 2 : probes_per_window // 2 + 1]
-        whitespace = len(window.translate(None, _NOT_WHITESPACE))
-        if probes.count(middle) * 4 >= probes_per_window * 3:
+        end = start + WINDOW_BYTES
+        probes = data[start:end:_PROBE_STEP]
+        middle = probes[len(probes) // 2]
+        if probes.count(middle) * 4 >= len(probes) * 3:
             kinds.append(_RUN)
-        elif window.isascii() and whitespace * TRAP_BYTES_PER_SPACE < WINDOW_BYTES:
+        elif whitespace.count(1, start, end) * TRAP_BYTES_PER_SPACE < WINDOW_BYTES and (
+            ascii_text or data[start:end].isascii()
+        ):
             kinds.append(_BLOB)
         else:
             kinds.append(0)
-    return np.array(kinds, dtype=np.intp)
+    return kinds
 
 
 def _trap_windows(raw: _Bytes) -> _Counts:

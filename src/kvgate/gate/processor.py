@@ -1,8 +1,16 @@
 """The ext_proc adapter: Envoy's ProcessingRequest stream in, ProcessingResponses out.
 
-Envoy is configured with request headers SEND and request body BUFFERED, so each stream sees the
-headers, then (for requests that have one) the whole body in one message. Everything between those
-two messages and the answer is the Pipeline's business; this module only translates.
+Two Envoy set-ups are understood, told apart by the first message of a stream:
+- two round trips (`envoy/envoy.yaml`): request headers SEND, body BUFFERED. The stream sees the
+  headers, then (for requests that have one) the whole body in one message; the answer's headers
+  choose the route.
+- one round trip (`envoy/envoy-one-trip.yaml`): headers SKIPPED, body BUFFERED, and the few headers
+  the gate reads sent along with the body as `request_attributes` (CEL expressions such as
+  `request.headers['content-type']`). Envoy has already passed the headers on, so the answer's
+  header mutation is not applied: routes match the dynamic metadata instead, and Envoy copies it
+  into the upstream headers. About half the gRPC and asyncio cost per request.
+Everything between the messages and the answer is the Pipeline's business; this module only
+translates.
 """
 
 from __future__ import annotations
@@ -19,7 +27,6 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
     BodyResponse,
     HeadersResponse,
-    HttpBody,
     HttpHeaders,
     ProcessingRequest,
     ProcessingResponse,
@@ -46,16 +53,18 @@ _PASS_THROUGH = {
 class _Stream:
     """Per-request state between the headers and the body message."""
 
-    __slots__ = ("body", "forged", "head", "ticket")
+    __slots__ = ("body", "decided", "forged", "head", "ticket")
 
     def __init__(self) -> None:
         self.head: RequestHead | None = None
+        self.decided: Decision | None = None
         self.forged: list[str] = []
         self.body = bytearray()
         self.ticket: Ticket | None = None
 
 
-_TRACE_HEADERS = frozenset({"traceparent", "tracestate"})
+_TRACE_HEADERS = ("traceparent", "tracestate")
+ATTRIBUTES_NAMESPACE = "envoy.filters.http.ext_proc"
 
 
 def _value(header: HeaderValue) -> str:
@@ -96,6 +105,50 @@ def read_head(message: HttpHeaders, stream: _Stream, priority_header: str) -> Re
     )
 
 
+def header_attribute(name: str) -> str:
+    """The `request_attributes` entry (a CEL expression) that sends one request header's value."""
+    return f"request.headers['{name.lower()}']"
+
+
+_CONTENT_TYPE = header_attribute("content-type")
+_CONTENT_ENCODING = header_attribute("content-encoding")
+_TRACE_ATTRIBUTES = tuple((name, header_attribute(name)) for name in _TRACE_HEADERS)
+
+
+def request_attributes(priority_header: str) -> tuple[str, ...]:
+    """What Envoy must send with the body for the one-round-trip set-up: the same facts `read_head`
+    takes from the headers message. Absent headers are simply missing from what Envoy sends."""
+    headers = (_CONTENT_TYPE, _CONTENT_ENCODING, header_attribute(priority_header))
+    return ("request.path", "request.method", "request.id", *headers, *(key for _, key in _TRACE_ATTRIBUTES))
+
+
+def head_from_attributes(message: ProcessingRequest, priority_attribute: str) -> RequestHead | None:
+    """The RequestHead of a one-round-trip stream; None when Envoy sent no request path (its
+    ext_proc filter lacks the `request_attributes` of `request_attributes()`)."""
+    if ATTRIBUTES_NAMESPACE not in message.attributes:
+        return None
+    fields = message.attributes[ATTRIBUTES_NAMESPACE].fields
+    if "request.path" not in fields:
+        return None
+
+    def read(key: str) -> str | None:
+        return fields[key].string_value if key in fields else None
+
+    priority = read(priority_attribute)
+    return RequestHead(
+        fields["request.path"].string_value,
+        read("request.method") or "",
+        read(_CONTENT_TYPE),
+        read(_CONTENT_ENCODING),
+        has_body=True,
+        priority=priority.strip().lower() if priority is not None else None,
+        request_id=read("request.id") or uuid.uuid4().hex,
+        trace_context=tuple(
+            (name, fields[key].string_value) for name, key in _TRACE_ATTRIBUTES if key in fields
+        ),
+    )
+
+
 class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(
         self,
@@ -110,6 +163,7 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
         self._spans = spans or DecisionSpans()
         self._namespace = metadata_namespace
         self._priority_header = priority_header.lower()
+        self._priority_attribute = header_attribute(priority_header)
         self._releases: set[asyncio.Task[None]] = set()
 
     async def Process(
@@ -123,7 +177,7 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
                 if kind == "request_headers":
                     yield self._on_headers(message.request_headers, stream)
                 elif kind == "request_body":
-                    yield await self._on_body(message.request_body, stream)
+                    yield await self._on_body(message, stream)
                 elif kind in _PASS_THROUGH:
                     yield _PASS_THROUGH[kind]
         finally:
@@ -158,37 +212,61 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
         else:
             self._metrics.decision(decision.pool, decision.reason.value, method, decision.tokens, seconds)
 
-    async def _on_body(self, message: HttpBody, stream: _Stream) -> ProcessingResponse:
+    async def _on_body(self, request: ProcessingRequest, stream: _Stream) -> ProcessingResponse:
+        message = request.request_body
         if stream.head is None:
-            log.warning("body without headers: is the ext_proc filter's request_header_mode SEND?")
-            return responses.CONTINUE_BODY
+            head = head_from_attributes(request, self._priority_attribute)
+            if head is None:
+                log.warning(
+                    "a body came without headers or request attributes: set the ext_proc filter's "
+                    "request_header_mode to SEND, or its request_attributes to %s",
+                    list(request_attributes(self._priority_header)),
+                )
+                return responses.CONTINUE_BODY
+            stream.head = head
+            # One round trip: what two would decide on the headers message alone (paths and content
+            # types the gate does not read) is decided now.
+            stream.decided = self._pipeline.on_headers(head)
         if not message.end_of_stream:
             # Only BUFFERED mode is supported; a chunked body is collected until its last piece.
             stream.body += message.body
             return responses.CONTINUE_BODY
-        body = bytes(stream.body) + message.body if stream.body else message.body
+        if stream.decided is not None:
+            self._record(stream.decided, "none", 0.0)
+            return self._answer_body(stream.decided, stream, {})
+        return await self._decide_on_body(stream.head, stream, message.body)
+
+    async def _decide_on_body(
+        self, head: RequestHead, stream: _Stream, last_piece: bytes
+    ) -> ProcessingResponse:
+        body = bytes(stream.body) + last_piece if stream.body else last_piece
         started_ns = time.time_ns()
         started = time.perf_counter()
-        outcome = await self._pipeline.on_body(stream.head, body)
+        outcome = await self._pipeline.on_body(head, body)
         stream.ticket = outcome.ticket
         decision = outcome.decision
         method = outcome.estimate.method if outcome.estimate is not None else "none"
         self._record(decision, method, time.perf_counter() - started)
         if self._spans.enabled:
             self._spans.record(
-                dict(stream.head.trace_context),
+                dict(head.trace_context),
                 started_ns,
                 time.time_ns(),
                 _span_attributes(outcome, len(body)),
             )
-        if isinstance(decision, Refusal):
-            return responses.refuse(decision)
         extra: dict[str, str | float] = {}
         if outcome.estimate is not None:
             extra["method"] = outcome.estimate.method
             extra["prompt_tokens"] = outcome.estimate.prompt_tokens
         if outcome.shape is not None and outcome.shape.model:
             extra["model"] = outcome.shape.model
+        return self._answer_body(decision, stream, extra)
+
+    def _answer_body(
+        self, decision: Decision, stream: _Stream, extra: dict[str, str | float]
+    ) -> ProcessingResponse:
+        if isinstance(decision, Refusal):
+            return responses.refuse(decision)
         return responses.route_after_body(decision, stream.forged, extra, self._namespace)
 
 
