@@ -75,7 +75,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help=(
             "ext_proc round trips per request (default 2: the headers, then the body; routes follow the "
             "x-kvgate-pool header the gate sets). 1 sends the body alone, with the headers the gate reads "
-            "as request attributes: about half the gRPC cost per request, but bodiless requests never "
+            "as request attributes: one gRPC message each way instead of two, but bodiless requests never "
             "reach the gate (they take the default pool), a buffer filter holds each request until "
             "the gate answers, and the upstream x-kvgate-* headers are copied from the gate's dynamic "
             "metadata"
