@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from stack import (
+    ROOT,
     Reply,
     Service,
     Upstreams,
@@ -32,6 +33,9 @@ from kvgate.headroom.view import HeadroomView
 pytestmark = pytest.mark.slow
 
 CHAT = "/v1/chat/completions"
+# Reservations hold and release the same way with either shipped set-up; the tests that pin, wait
+# and release run with both.
+ENVOY_FILES = pytest.mark.parametrize("envoy_file", ["envoy.yaml", "envoy-one-trip.yaml"])
 
 
 @pytest.fixture(scope="module")
@@ -106,27 +110,40 @@ def node_with_40k_tokens(stack: ExitStack, tmp: Path, pool_ports: dict[str, int]
     return agent
 
 
-def front(stack: ExitStack, tmp: Path, pool_ports: dict[str, int], config: str, name: str) -> int:
+def front(
+    stack: ExitStack,
+    tmp: Path,
+    pool_ports: dict[str, int],
+    config: str,
+    name: str,
+    *,
+    envoy_file: str = "envoy.yaml",
+) -> int:
     """An Envoy + gate pair sharing the upstream pools; returns the Envoy listener port."""
     ports = dict(pool_ports, listener=free_port(), gate=free_port(), admin=free_port())
     sub = tmp / name
     sub.mkdir()
-    envoy = envoy_process(render_envoy(ports, sub / "envoy.yaml"), sub, ports["admin"], ports["listener"])
+    config_path = render_envoy(ports, sub / "envoy.yaml", ROOT / "envoy" / envoy_file)
+    envoy = envoy_process(config_path, sub, ports["admin"], ports["listener"])
     stack.callback(envoy.stop)
     stack.enter_context(gate_process(config, sub, ports["gate"]))
     return ports["listener"]
 
 
+@ENVOY_FILES
 def test_burst_admits_only_what_fits_and_loses_nothing(
-    tmp_path: Path, sp_model_path: Path, long_body: bytes, pools: tuple[dict[str, int], Upstreams]
+    tmp_path: Path,
+    sp_model_path: Path,
+    long_body: bytes,
+    pools: tuple[dict[str, int], Upstreams],
+    envoy_file: str,
 ) -> None:
     pool_ports, upstreams = pools
     with ExitStack() as stack:
         agent = node_with_40k_tokens(stack, tmp_path, pool_ports)
         agent_port = agent.port
-        listener = front(
-            stack, tmp_path, pool_ports, gate_config(sp_model_path, [agent_port], max_wait_s=0.3), "g1"
-        )
+        config = gate_config(sp_model_path, [agent_port], max_wait_s=0.3)
+        listener = front(stack, tmp_path, pool_ports, config, "g1", envoy_file=envoy_file)
         replies = burst(listener, long_body, 5, delay="1.5")
         agent_metrics = post(agent.metrics_port, "/metrics", None).body.decode()  # type: ignore[arg-type]
     statuses = sorted(r.status for r in replies)
@@ -145,16 +162,20 @@ def test_burst_admits_only_what_fits_and_loses_nothing(
     assert all(r.headers["x-kvgate-endpoint"] == f"127.0.0.1:{pool_ports['long']}" for r in pinned)
 
 
+@ENVOY_FILES
 def test_waiting_requests_are_admitted_as_capacity_frees(
-    tmp_path: Path, sp_model_path: Path, long_body: bytes, pools: tuple[dict[str, int], Upstreams]
+    tmp_path: Path,
+    sp_model_path: Path,
+    long_body: bytes,
+    pools: tuple[dict[str, int], Upstreams],
+    envoy_file: str,
 ) -> None:
     pool_ports, upstreams = pools
     with ExitStack() as stack:
         agent = node_with_40k_tokens(stack, tmp_path, pool_ports)
         agent_port = agent.port
-        listener = front(
-            stack, tmp_path, pool_ports, gate_config(sp_model_path, [agent_port], max_wait_s=5), "g1"
-        )
+        config = gate_config(sp_model_path, [agent_port], max_wait_s=5)
+        listener = front(stack, tmp_path, pool_ports, config, "g1", envoy_file=envoy_file)
         started = time.monotonic()
         replies = burst(listener, long_body, 5, delay="1.0")
         elapsed = time.monotonic() - started
@@ -233,14 +254,20 @@ def test_no_healthy_node_is_503_and_agent_restart_recovers(
             time.sleep(0.3)
 
 
+@ENVOY_FILES
 def test_client_abort_releases_the_reservation(
-    tmp_path: Path, sp_model_path: Path, long_body: bytes, pools: tuple[dict[str, int], Upstreams]
+    tmp_path: Path,
+    sp_model_path: Path,
+    long_body: bytes,
+    pools: tuple[dict[str, int], Upstreams],
+    envoy_file: str,
 ) -> None:
     pool_ports, _ = pools
     with ExitStack() as stack:
         agent = node_with_40k_tokens(stack, tmp_path, pool_ports)
         agent_port = agent.port
-        listener = front(stack, tmp_path, pool_ports, gate_config(sp_model_path, [agent_port]), "g1")
+        config = gate_config(sp_model_path, [agent_port])
+        listener = front(stack, tmp_path, pool_ports, config, "g1", envoy_file=envoy_file)
         request = (
             f"POST {CHAT} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nx-test-delay: 10\r\n"
             f"content-length: {len(long_body)}\r\n\r\n"
