@@ -1,11 +1,13 @@
 """Metrics: every name in one place, OpenTelemetry instruments, a Prometheus endpoint.
 
 Names follow OpenTelemetry conventions (dotted, with units); the Prometheus exporter renders them as
-`kvgate_gate_decisions_total`, `kvgate_gate_decision_duration_seconds`, … Label values are bounded:
-pools and reasons come from fixed sets, nodes from the configured agents.
+`kvgate_gate_decisions_total`, `kvgate_gate_envoy_messages_total`, … The two histograms recorded on
+every request are kept by kvgate itself and named as that exporter would name them. Label values are
+bounded: pools and reasons come from fixed sets, nodes from the configured agents.
 
-Telemetry never breaks the host: with metrics disabled every instrument is OpenTelemetry's no-op, and
-an exporter that fails to start is logged, not raised into the serving path.
+Telemetry never breaks the host: with metrics disabled every instrument is OpenTelemetry's no-op (the
+local histograms still count, unread), and an exporter that fails to start is logged, not raised
+into the serving path.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ log = logging.getLogger(__name__)
 
 DECISIONS = "kvgate.gate.decisions"
 # The two per-request histograms are kept locally (see Histogram), under their Prometheus names.
-DECISION_DURATION_SECONDS = "kvgate_gate_decision_duration_seconds"
-ESTIMATED_TOKENS_PROMETHEUS = "kvgate_gate_estimated_tokens"
+DECISION_DURATION = "kvgate_gate_decision_duration_seconds"
+ESTIMATED_TOKENS = "kvgate_gate_estimated_tokens"
 ENVOY_MESSAGES = "kvgate.gate.envoy.messages"
 RESERVATIONS = "kvgate.gate.reservations"
 ADMISSION_WAITING = "kvgate.gate.admission.waiting"
@@ -160,6 +162,8 @@ class Histogram:
         series[-1] += value
 
     def family(self) -> HistogramMetricFamily:
+        # Runs on the scrape thread while the event loop records: list reads are atomic under the
+        # GIL, so at worst a bucket and the sum are one request apart.
         family = HistogramMetricFamily(self.name, self._description, labels=[self._label])
         for label_value, series in list(self._series.items()):
             buckets, cumulative = [], 0.0
@@ -203,13 +207,13 @@ class GateMetrics:
             ("target", "reason", "method"),
         )
         self._duration = histogram(
-            DECISION_DURATION_SECONDS,
+            DECISION_DURATION,
             "Time from the body's arrival to the gate's answer",
             "method",
             _SECONDS_BUCKETS,
         )
         self._tokens = histogram(
-            ESTIMATED_TOKENS_PROMETHEUS,
+            ESTIMATED_TOKENS,
             "Estimated total tokens (prompt + output budget)",
             "method",
             _TOKEN_BUCKETS,
