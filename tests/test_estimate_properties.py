@@ -11,9 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvgate.config import ModelConfig
-from kvgate.estimate import PromptCosts, local_estimator
+from kvgate.estimate import PromptCosts, calibration, local_estimator
 from kvgate.estimate.estimator import Estimator
 from kvgate.estimate.exact import TokenCounter, TokenizerFile, load_counter
+from kvgate.estimate.fast import EMPTY, FastEstimator
+from kvgate.estimate.features import sample
 from kvgate.policy.classify import thresholds
 from kvgate.request.shape import Api, RequestShape
 
@@ -119,3 +121,21 @@ def test_traps_never_make_a_too_long_request_look_short(
             assert auto.total > limit, (limit, exact_total, auto)
     band = estimator.fast_band(request)
     assert band.high >= counter.count(body)
+
+
+@SETTINGS
+@given(st.one_of(trap_texts(), ANY_TEXT), st.integers(1, 5))
+def test_the_direct_read_of_short_texts_gives_the_feature_tuple_band(body: str, parts: int) -> None:
+    """The fast path (class-pair histogram times folded weights) and the feature tuple agree; only
+    the order of a float sum differs, so a rounding step apart at most."""
+    fast = FastEstimator(calibration.default())
+    step = max(1, len(body) // parts)
+    pieces = [body[i : i + step] for i in range(0, len(body), step)]
+    direct = fast.estimate_all(pieces)
+    via_features = fast.band(sample(body), len(pieces)) if body else EMPTY
+    for ours, theirs in zip(
+        (direct.tokens, direct.low, direct.high),
+        (via_features.tokens, via_features.low, via_features.high),
+        strict=True,
+    ):
+        assert abs(ours - theirs) <= 1, (direct, via_features)

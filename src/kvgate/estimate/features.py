@@ -244,9 +244,10 @@ def _trap_kinds(data: bytes) -> _Counts:
 
 
 def _has_trap(data: bytes) -> bool:
-    if len(data) > _SMALL_TEXT_BYTES:
-        return bool(_trap_windows(np.frombuffer(data, dtype=np.uint8)).any())
-    return any(_trap_windows_small(data))
+    """Whether any whole window of `data` is a trap (a short text's without building an array)."""
+    if len(data) <= _SMALL_TEXT_BYTES:
+        return any(_trap_windows_small(data))
+    return bool(_trap_kinds(data).any())
 
 
 def _trap_windows_small(data: bytes) -> list[int]:
