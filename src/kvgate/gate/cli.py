@@ -17,8 +17,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="run the Envoy ext_proc server",
         description=(
             "Serve envoy.service.ext_proc.v3.ExternalProcessor: read each request's body, estimate its "
-            "tokens and set x-kvgate-pool (or answer 400/413/429/503 itself). Also serves the standard "
-            "gRPC health service on the same port. SIGTERM drains in-flight requests."
+            "tokens and set x-kvgate-pool (or answer 400/413/429/503 itself). Either Envoy set-up works "
+            "unchanged: two round trips (headers, then body: envoy/envoy.yaml) or one (the body with "
+            "request attributes, routes on the gate's dynamic metadata: envoy/envoy-one-trip.yaml). "
+            "Also serves the standard gRPC health service on the same port. SIGTERM drains in-flight "
+            "requests."
         ),
     )
     parser.add_argument("--config", type=Path, help="kvgate YAML file (default: built-in defaults)")
