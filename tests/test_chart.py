@@ -637,9 +637,10 @@ def _minimum(field: dataclasses.Field[Any]) -> dict[str, Any]:
 
 
 def gate_config_schema() -> dict[str, Any]:
-    """Every section of kvgate.yaml but `server`, which the chart writes from gate.* values."""
+    """Every section of kvgate.yaml but `server` and `tls`, which the chart writes from gate.* and tls.*."""
     schema = config_schema(Config)
     del schema["properties"]["server"]
+    del schema["properties"]["tls"]
     schema["properties"]["models"]["items"]["required"] = ["match"]
     return schema
 

@@ -17,6 +17,13 @@ then, routes match the metadata and the route table copies it into the x-kvgate-
 {{- $bufferLimit := include "kvgate.envoy.bufferLimitBytes" . | int -}}
 {{- $routeTimeout := printf "%ds" (int $envoy.routeTimeoutSeconds) -}}
 {{- $longPools := include "kvgate.longPools" . | splitList "," -}}
+{{- $gateTls := .Values.tls.gate -}}
+{{- if $gateTls.enabled -}}
+# File-based SDS (the gate's certificates below) needs a node identity; no management server uses it.
+node:
+  id: {{ include "kvgate.envoy.fullname" . }}
+  cluster: {{ include "kvgate.envoy.fullname" . }}
+{{ end -}}
 admin:
   address:
     socket_address:
@@ -155,6 +162,39 @@ static_resources:
           "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
           explicit_http_config:
             http2_protocol_options: {}
+      {{- if $gateTls.enabled }}
+      # As envoy/envoy-tls.yaml, with the files delivered by file-based SDS: Envoy reloads them when the
+      # Secret volume changes, where `filename` sources are read once at start.
+      transport_socket:
+        name: envoy.transport_sockets.tls
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+          sni: {{ $gateTls.serverName }}
+          common_tls_context:
+            # gRPC over TLS negotiates HTTP/2 by ALPN.
+            alpn_protocols: [h2]
+            {{- if $gateTls.clientAuth }}
+            tls_certificate_sds_secret_configs:
+              - name: kvgate_gate_client
+                sds_config:
+                  path_config_source:
+                    path: /etc/envoy/gate-client-certificate.yaml
+                  resource_api_version: V3
+            {{- end }}
+            combined_validation_context:
+              default_validation_context:
+                # Without a name to match, any certificate from the CA would pass for the gate.
+                match_typed_subject_alt_names:
+                  - san_type: DNS
+                    matcher:
+                      exact: {{ $gateTls.serverName }}
+              validation_context_sds_secret_config:
+                name: kvgate_gate_ca
+                sds_config:
+                  path_config_source:
+                    path: /etc/envoy/gate-ca.yaml
+                  resource_api_version: V3
+      {{- end }}
       load_assignment:
         cluster_name: kvgate_gate
         endpoints:
@@ -192,6 +232,37 @@ static_resources:
                       port_value: {{ $pool.port }}
     {{- end }}
     {{- end }}
+{{- end -}}
+
+{{/*
+The file-based SDS resources the bootstrap's gate cluster names, by ConfigMap key (under /etc/envoy).
+Each watches the Secret volume's directory: the kubelet updates it by renaming its ..data link, and
+Envoy reads the files again on that rename.
+*/}}
+{{- define "kvgate.envoy.sdsFiles" -}}
+{{- $dir := include "kvgate.tls.dir" "gate" -}}
+gate-ca.yaml: |
+  resources:
+    - "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret
+      name: kvgate_gate_ca
+      validation_context:
+        trusted_ca:
+          filename: {{ $dir }}/ca.crt
+        watched_directory:
+          path: {{ $dir }}
+{{- if .Values.tls.gate.clientAuth }}
+gate-client-certificate.yaml: |
+  resources:
+    - "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret
+      name: kvgate_gate_client
+      tls_certificate:
+        certificate_chain:
+          filename: {{ $dir }}/tls.crt
+        private_key:
+          filename: {{ $dir }}/tls.key
+        watched_directory:
+          path: {{ $dir }}
+{{- end }}
 {{- end -}}
 
 {{/* A pool route's match: on the headers the gate set (two round trips) or the metadata it wrote (one:
