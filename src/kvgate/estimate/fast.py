@@ -29,13 +29,14 @@ from kvgate.estimate.features import (
     WINDOW_BYTES,
     WINDOWS,
     Sample,
-    plain_pairs,
+    pair_index_table,
+    plain_pair_index,
     sample,
 )
 
 _FOURBYTE = FEATURES.index("fourbyte")
 # Texts up to this many characters are encoded whole and, when they hold no trap, estimated straight
-# from their class-pair histogram: a chat turn costs a few numpy calls instead of a feature tuple.
+# from their class pairs: a chat turn costs three numpy calls instead of a feature tuple.
 _DIRECT_CHARS = FULL_SCAN_BYTES // UTF8_MAX_BYTES
 
 
@@ -55,14 +56,12 @@ EMPTY = TextBand(0, 0, 0)
 
 
 class FastEstimator:
-    __slots__ = ("_pair_weights", "calibration")
+    __slots__ = ("_pair_tokens", "calibration")
 
     def __init__(self, calibration: Calibration) -> None:
         self.calibration = calibration
-        # Row 0 folds the weights into the pair histogram (the linear estimate), row 1 counts emoji.
-        self._pair_weights = np.stack(
-            (np.array(calibration.weights) @ PAIRS_TO_FEATURES, PAIRS_TO_FEATURES[_FOURBYTE])
-        )
+        # What each class pair adds to the linear estimate: the weights folded into the features.
+        self._pair_tokens = pair_index_table(np.array(calibration.weights) @ PAIRS_TO_FEATURES)
 
     def estimate(self, text: str) -> TextBand:
         return self.estimate_all((text,))
@@ -81,10 +80,13 @@ class FastEstimator:
         """The band of `texts` texts joined into `text`."""
         if len(text) <= _DIRECT_CHARS:
             data = text.encode("utf-8", "surrogatepass")
-            pairs = plain_pairs(data)
+            pairs = plain_pair_index(data)
             if pairs is not None:
-                linear, emoji = (self._pair_weights @ pairs).tolist()
-                return self._band(linear, emoji, texts, Sample(len(data), len(data), len(data), (), 0, 0))
+                index, classes = pairs
+                weighted = float(self._pair_tokens.take(index).sum())
+                # Class codes come first in FEATURES: the emoji count is the fourbyte class's bytes.
+                emoji = classes.count(_FOURBYTE)
+                return self._band(weighted, emoji, texts, Sample(len(data), len(data), len(data), (), 0, 0))
         return self.band(sample(text), texts)
 
     def band(self, features: Sample, texts: int = 1) -> TextBand:

@@ -118,12 +118,14 @@ _STRIDE = 32  # > number of class codes, so a pair (a, b) is the single number a
 _Bytes = np.ndarray[tuple[int], np.dtype[np.uint8]]
 _Sliceable = TypeVar("_Sliceable", str, bytes)
 _Counts = np.ndarray[tuple[int, ...], np.dtype[np.intp]]
-Pairs = np.ndarray[tuple[int], np.dtype[np.intp]]
+PairIndex = np.ndarray[tuple[int], np.dtype[np.uint16]]
+PairTable = np.ndarray[tuple[int], np.dtype[np.float64]]
 # Every 12th byte: the same byte of each character in a run of 1-, 2-, 3- or 4-byte characters.
 _PROBE_STEP = 12
 _BLOB, _RUN = 1, 2
 _SPACE_BYTE = ord(" ")
 _END = _STRIDE - 1  # a class code no byte has: what follows the last byte
+_END_BYTE = bytes((_END,))
 _CODES = {name: code for code, name in enumerate((*CLASSES, "continuation"))}
 
 
@@ -218,13 +220,24 @@ def _features(data: bytes, size: float, min_size: int, max_size: int) -> Sample:
     return Sample(size, min_size, max_size, tuple(counts.tolist()), blob_bytes * scale, run_bytes * scale)
 
 
-def plain_pairs(data: bytes) -> Pairs | None:
-    """The class-pair histogram of a text read whole, or None when it has a trap window (which
-    `sample` prices apart). The estimator's shortcut for the common case: with the weights folded
-    into PAIRS_TO_FEATURES, the histogram gives an estimate with one dot product."""
+def pair_index_table(per_pair: np.ndarray[tuple[int], np.dtype[np.float64]]) -> PairTable:
+    """A value per class pair (indexed first class * _STRIDE + second, as PAIRS_TO_FEATURES' columns)
+    laid out for `plain_pair_index`: first class * 256 + second."""
+    table = np.zeros(len(_CODES) * 256)
+    for first in range(len(_CODES)):
+        table[first * 256 : first * 256 + _STRIDE] = per_pair[first * _STRIDE : (first + 1) * _STRIDE]
+    return table
+
+
+def plain_pair_index(data: bytes) -> tuple[PairIndex, bytes] | None:
+    """A text's class pairs, for the estimator's shortcut, or None when the text has a trap window
+    (which `sample` prices apart) or is too long to read whole. Returns the pair index of every byte
+    (its class * 256 + the next byte's class: the class bytes read as overlapping big-endian 16-bit
+    numbers, so numpy does no arithmetic per byte) and the class bytes themselves."""
     if len(data) > FULL_SCAN_BYTES or _has_trap(data):
         return None
-    return np.bincount(_pair_codes(data), minlength=_STRIDE * _STRIDE)
+    classes = data.translate(_TABLE) + _END_BYTE
+    return np.ndarray((len(data),), dtype=">u2", buffer=classes, strides=(1,)), classes
 
 
 def _pair_codes(data: bytes) -> np.ndarray[tuple[int], np.dtype[np.uint16]]:
