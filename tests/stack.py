@@ -197,6 +197,17 @@ def post(
         conn.close()
 
 
+def post_until_admitted(port: int, body: bytes, timeout: float = 10.0) -> Reply:
+    """POST a chat until it is answered 200 or `timeout` s pass; the last reply. A gate's first
+    Subscribe to its agents may still be in its (TLS) handshake: 429/503 until it sees them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        reply = post(port, "/v1/chat/completions", body)
+        if reply.status == 200 or time.monotonic() > deadline:
+            return reply
+        time.sleep(0.2)
+
+
 def chat(text: str, **extra: Any) -> bytes:
     return json.dumps(
         {"model": "test-model", "messages": [{"role": "user", "content": text}], **extra}

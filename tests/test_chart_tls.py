@@ -24,7 +24,16 @@ from typing import Any
 import pytest
 import yaml
 from pki import Authority
-from stack import Upstreams, agent_process, chat, envoy_process, free_port, gate_process, post
+from stack import (
+    Upstreams,
+    agent_process,
+    chat,
+    envoy_process,
+    free_port,
+    gate_process,
+    post,
+    post_until_admitted,
+)
 from test_chart import (
     CHART,
     Helm,
@@ -573,13 +582,7 @@ def test_rendered_wiring_carries_requests_over_mtls_on_both_links(
         assert upstreams.received[-1].headers.get("x-kvgate-pool") == "interactive", (envoy.log(), gate.log())
 
         long_body = chat(text_with_tokens(sp_model_path, 8_000), max_tokens=1000)
-        deadline = time.monotonic() + 10
-        while True:
-            reply = post(ports["listener"], "/v1/chat/completions", long_body)
-            # The gate's first Subscribe may still be in its handshake: a 429/503 until the agent is seen.
-            if reply.status == 200 or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+        reply = post_until_admitted(ports["listener"], long_body)
         assert reply.status == 200, (reply.status, reply.body, agent.log(), gate.log())
         assert upstreams.received[-1].pool == "long"
         assert upstreams.received[-1].headers["x-kvgate-endpoint"] == f"127.0.0.1:{pool_ports['long']}"

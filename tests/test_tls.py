@@ -34,6 +34,7 @@ from stack import (
     free_port,
     gate_process,
     post,
+    post_until_admitted,
     render_envoy,
 )
 from texts import text_with_tokens
@@ -391,13 +392,7 @@ def test_gate_over_mtls_behind_envoy_reserving_on_an_mtls_agent(
         assert handshakes is not None and int(handshakes.group(1)) >= 1
 
         long_body = chat(text_with_tokens(sp_model_path, 8_000), max_tokens=1000)
-        deadline = time.monotonic() + 10
-        while True:
-            reply = post(ports["listener"], "/v1/chat/completions", long_body)
-            # The gate's first Subscribe may still be in its handshake: a 429/503 until the agent is seen.
-            if reply.status == 200 or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+        reply = post_until_admitted(ports["listener"], long_body)
         assert reply.status == 200, (reply.status, reply.headers, agent.log())
         received = upstreams.received[-1]
         assert received.pool == "long"
