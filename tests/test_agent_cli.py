@@ -79,6 +79,7 @@ def test_flags_build_node_settings() -> None:
         (("--nvml", "fake", "--kv-layers", "32"), "model shape"),
         (("--capacity-tokens", "5", "--default-lease-s", "600", "--max-lease-s", "60"), "leases"),
         (("--capacity-tokens", "5", "--gpu-memory-utilization", "0"), "gpu-memory-utilization"),
+        (("--engine-metrics", "https://127.0.0.1:8000/metrics"), "--engine-metrics must be an http://"),
     ],
 )
 def test_bad_flags_are_config_errors(argv: tuple[str, ...], message: str) -> None:

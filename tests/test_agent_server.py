@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -12,17 +13,21 @@ from contextlib import asynccontextmanager
 
 import grpc
 import pytest
+from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvgate._proto.headroom.v1 import headroom_pb2 as pb
 from kvgate.errors import HeadroomError
+from kvgate.headroom import wire
 from kvgate.headroom.agent import SERVICE_NAME, Agent
 from kvgate.headroom.client import AgentClient
 from kvgate.headroom.fake_engine import FakeEngineMetrics
 from kvgate.headroom.fake_nvml import FakeNvml, make_gpus
-from kvgate.headroom.node import NodeSettings
+from kvgate.headroom.node import NodeSettings, NodeState
 from kvgate.headroom.nvml import NvmlPoller, NvmlSampler
 from kvgate.headroom.scrape import EngineScraper
-from kvgate.headroom.snapshot import NodeHeadroom
+from kvgate.headroom.snapshot import GpuReading, NodeHeadroom
+from kvgate.headroom.wire import HeadroomEncoder, headroom_from_proto
 
 
 @asynccontextmanager
@@ -178,6 +183,61 @@ def test_stream_pushes_every_period_with_increasing_seq() -> None:
                 20,
                 900,
             )
+
+    run(scenario)
+
+
+def test_snapshots_are_encoded_once_and_the_gpu_list_only_when_it_changed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    encoded: list[GpuReading] = []
+    gpu_to_proto = wire._gpu_to_proto
+
+    def counting(gpu: GpuReading) -> pb.GpuInfo:
+        encoded.append(gpu)
+        return gpu_to_proto(gpu)
+
+    monkeypatch.setattr(wire, "_gpu_to_proto", counting)
+    state = NodeState(NodeSettings("n1", "e:1", capacity_tokens=1000), time.monotonic, False, True)
+    state.observe_nvml(NvmlSampler(FakeNvml(make_gpus(2)), time.monotonic).read())
+    first = state.snapshot(1)
+    encoder = HeadroomEncoder()
+
+    def decoded(h: NodeHeadroom) -> NodeHeadroom:
+        return headroom_from_proto(pb.NodeHeadroom.FromString(encoder.encode(h)))
+
+    assert decoded(first) == first and len(encoded) == 2
+    later = state.snapshot(2)  # the same NVML reading: its GPU list is not encoded again
+    assert later.gpus is first.gpus and decoded(later) == later and len(encoded) == 2
+    one_gpu = dataclasses.replace(later, gpus=later.gpus[:1])
+    assert decoded(one_gpu) == one_gpu and len(encoded) == 3
+    no_gpus = dataclasses.replace(later, gpus=())
+    assert decoded(no_gpus) == no_gpus
+
+
+def test_every_rpc_of_the_agent_service_is_served() -> None:
+    async def scenario() -> None:
+        service = pb.DESCRIPTOR.services_by_name["Agent"]
+        async with (
+            running_agent(NodeSettings("n1", "e:1", capacity_tokens=1000)) as (_, address),
+            grpc.aio.insecure_channel(address) as channel,
+        ):
+            for method in service.methods:
+                reply_type = GetMessageClass(method.output_type)
+                open_call = channel.unary_stream if method.server_streaming else channel.unary_unary
+                call = open_call(
+                    f"/{service.full_name}/{method.name}",
+                    request_serializer=lambda m: m.SerializeToString(),
+                    response_deserializer=reply_type.FromString,
+                )(GetMessageClass(method.input_type)(), timeout=1.0)
+                try:
+                    reply = await (call.read() if method.server_streaming else call)
+                except grpc.aio.AioRpcError as exc:
+                    assert exc.code() != grpc.StatusCode.UNIMPLEMENTED, method.name
+                else:
+                    assert isinstance(reply, reply_type), method.name
+                finally:
+                    call.cancel()
 
     run(scenario)
 

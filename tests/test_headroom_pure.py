@@ -133,6 +133,28 @@ def test_ledger_leases_expire_on_the_injected_clock() -> None:
     assert not ledger.release("capped")
 
 
+def test_ledger_expires_every_lease_once_at_its_end_through_renewals_and_releases() -> None:
+    clock = Clock()
+    start = clock.now
+    ledger = ReservationLedger(clock, default_lease_s=60, max_lease_s=600)
+    for request_id, lease_s in (("a", 10), ("b", 20), ("c", 30)):
+        ledger.reserve(request_id, 1_000, lease_s, budget())
+    clock.now = start + 5
+    ledger.reserve("a", 1_000, 40, budget())  # renewed: ends at 45 instead of 10
+    ledger.release("b")
+    clock.now = start + 29.9
+    assert ledger.expire() == []
+    clock.now = start + 30
+    assert [r.request_id for r in ledger.expire()] == ["c"]
+    assert ledger.expire() == []
+    clock.now = start + 45
+    assert [r.request_id for r in ledger.expire()] == ["a"]
+    assert (ledger.count, ledger.reserved_tokens) == (0, 0)
+    ledger.reserve("d", 1_000, 1, budget())
+    clock.now = start + 46
+    assert [r.request_id for r in ledger.expire()] == ["d"]
+
+
 def test_ledger_refuses_on_unhealthy_or_unknown_capacity_and_rejects_misuse() -> None:
     ledger = ReservationLedger(Clock(), 60, 600)
     assert ledger.reserve("a", 1, 0, budget(healthy=False)).reason is ReserveReason.UNHEALTHY

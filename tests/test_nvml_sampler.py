@@ -49,6 +49,25 @@ def test_reads_every_gpu_by_uuid_with_the_v2_call() -> None:
     assert "nvmlDeviceGetMemoryInfo" not in fake.calls
 
 
+def test_an_unchanged_node_gives_back_the_same_reading() -> None:
+    clock = Clock()
+    fake = FakeNvml(make_gpus(2))
+    sampler = NvmlSampler(fake, clock, initial_backoff_s=1.0)
+    first = sampler.read()
+    assert sampler.read() is first  # the agent encodes the GPU list again only when this changes
+    fake.gpus[1].used_bytes = 30 * GiB
+    changed = sampler.read()
+    assert changed is not first and changed.gpus[1].used_bytes == 30 * GiB
+    assert changed.gpus[0] is first.gpus[0]
+    fake.gpus[1].lost = True
+    assert not sampler.read().healthy
+    fake.gpus[1].lost = False
+    clock.now += 1.0
+    recovered = sampler.read()  # re-initialised: a fresh healthy reading, not the failed one again
+    assert recovered.healthy and recovered.gpus[1].used_bytes == 30 * GiB
+    assert sampler.read() is recovered
+
+
 def test_falls_back_to_v1_once_when_the_driver_lacks_v2() -> None:
     fake = FakeNvml(make_gpus(1), v2_supported=False)
     sampler = NvmlSampler(fake, Clock())

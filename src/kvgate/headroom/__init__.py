@@ -9,7 +9,7 @@ Pure (no gRPC, no I/O; the policy may import these):
     settings        HeadroomSettings, the gate's `headroom:` config section
 Adapters:
     nvml, fake_nvml             GPU sampling through nvidia-ml-py on its own thread; a scriptable fake
-    scrape, fake_engine         the engine's /metrics over aiohttp; a fake /metrics to test against
+    scrape, fake_engine         the engine's /metrics over kept-alive HTTP/1.1; a fake /metrics to test
     agent, cli, broadcast       the agent's gRPC server and `kvgate agent`
     client, view, resolve       the gate's subscriptions, Reserve and Release
     wire, protogen              protobuf conversion and code generation

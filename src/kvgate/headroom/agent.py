@@ -29,7 +29,7 @@ from kvgate.headroom.credentials import add_port
 from kvgate.headroom.engine_metrics import EngineStats
 from kvgate.headroom.node import NodeSettings, NodeState
 from kvgate.headroom.snapshot import NodeHeadroom, NvmlReading
-from kvgate.headroom.wire import headroom_to_proto
+from kvgate.headroom.wire import HeadroomEncoder
 from kvgate.tls import ServerTls
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,9 @@ class Agent:
     ) -> None:
         self.settings = settings
         self.state = NodeState(settings, clock, uses_engine=engine is not None, uses_nvml=nvml is not None)
-        self.stream: Broadcast[pb.NodeHeadroom] = Broadcast()
+        # Serialized NodeHeadroom messages: encoded once per period, whatever the number of subscribers.
+        self.stream: Broadcast[bytes] = Broadcast()
+        self._encoder = HeadroomEncoder()
         self._engine = engine
         self._nvml = nvml
         self._wall_clock_ns = wall_clock_ns
@@ -83,7 +85,7 @@ class Agent:
         get past the handshake, so no unauthenticated gate can Reserve, Release or even Subscribe.
         """
         server = grpc.aio.server()
-        pb_grpc.add_AgentServicer_to_server(_AgentServicer(self), server)  # type: ignore[no-untyped-call]
+        _add_agent_service(_AgentServicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         try:
             port = add_port(server, listen, tls, "agent TLS")
@@ -143,7 +145,7 @@ class Agent:
             )
         headroom = self.state.snapshot(self._wall_clock_ns())
         self._latest = headroom
-        self.stream.publish(headroom_to_proto(headroom))
+        self.stream.publish(self._encoder.encode(headroom))
         if headroom.healthy != self._healthy:
             self._healthy = headroom.healthy
             status = (
@@ -198,7 +200,7 @@ class _AgentServicer(pb_grpc.AgentServicer):
 
     async def Subscribe(
         self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.NodeHeadroom]:
+    ) -> AsyncIterator[bytes]:
         log.info("subscriber %r (%s) connected", request.subscriber, context.peer())
         async for message in self._agent.stream.listen():
             yield message
@@ -241,3 +243,25 @@ class _AgentServicer(pb_grpc.AgentServicer):
             headroom_tokens=state.ledger.headroom(state.budget()),
             reserved_tokens=state.ledger.reserved_tokens,
         )
+
+
+def _add_agent_service(servicer: _AgentServicer, server: grpc.aio.Server) -> None:
+    """What the generated add_AgentServicer_to_server does, except that Subscribe's messages go out as
+    the bytes they already are (see Agent.stream)."""
+    handlers = {
+        "Subscribe": grpc.unary_stream_rpc_method_handler(
+            servicer.Subscribe, request_deserializer=pb.SubscribeRequest.FromString
+        ),
+        "Reserve": grpc.unary_unary_rpc_method_handler(
+            servicer.Reserve,
+            request_deserializer=pb.ReserveRequest.FromString,
+            response_serializer=pb.ReserveResponse.SerializeToString,
+        ),
+        "Release": grpc.unary_unary_rpc_method_handler(
+            servicer.Release,
+            request_deserializer=pb.ReleaseRequest.FromString,
+            response_serializer=pb.ReleaseResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)

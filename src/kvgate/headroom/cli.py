@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from kvgate.errors import ConfigError
 from kvgate.headroom.capacity import DTYPE_BYTES, ModelShape
 from kvgate.headroom.node import NodeSettings
+from kvgate.headroom.scrape import metrics_url
 from kvgate.headroom.settings import join_host_port, split_host_port
 from kvgate.telemetry import start_prometheus
 from kvgate.tls import ServerTls
@@ -46,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--engine-metrics",
         metavar="URL",
-        help="the engine's Prometheus URL, e.g. http://127.0.0.1:8000/metrics",
+        help="the engine's Prometheus URL (http://), e.g. http://127.0.0.1:8000/metrics",
     )
     parser.add_argument(
         "--nvml", choices=["on", "off", "fake"], default="on", help="GPU sampling; fake simulates GPUs"
@@ -107,6 +108,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def settings_from_args(args: argparse.Namespace) -> NodeSettings:
     split_host_port(args.listen, "--listen", allow_port_zero=True)
     split_host_port(args.endpoint, "--endpoint")
+    if args.engine_metrics is not None:
+        metrics_url(args.engine_metrics, "--engine-metrics")
     if args.period_ms < 10:
         raise ConfigError(f"--period-ms must be >= 10, got {args.period_ms}")
     if not 0 < args.safety_ratio <= 1:

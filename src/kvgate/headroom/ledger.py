@@ -8,6 +8,7 @@ caller misuse (ValueError).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -63,6 +64,9 @@ class ReservationLedger:
         self._max_lease_s = max_lease_s
         self._live: dict[str, Reservation] = {}
         self._reserved = 0
+        # No lease ends before this (renewals may leave it early, never late): until then `expire`,
+        # called on every snapshot and reservation, has nothing to scan for.
+        self._next_expiry = math.inf
 
     @property
     def reserved_tokens(self) -> int:
@@ -76,9 +80,12 @@ class ReservationLedger:
 
     def expire(self) -> list[Reservation]:
         now = self._clock()
+        if now < self._next_expiry:
+            return []
         expired = [r for r in self._live.values() if r.expires_at <= now]
         for reservation in expired:
             self._drop(reservation.request_id)
+        self._next_expiry = min((r.expires_at for r in self._live.values()), default=math.inf)
         return expired
 
     def headroom(self, budget: Budget) -> int:
@@ -98,7 +105,7 @@ class ReservationLedger:
         if existing is not None:
             if existing.tokens != tokens:
                 return self._result(False, ReserveReason.REQUEST_ID_CONFLICT, budget, 0.0)
-            self._live[request_id] = Reservation(request_id, tokens, self._clock() + lease, holder)
+            self._hold(Reservation(request_id, tokens, self._clock() + lease, holder))
             return self._result(True, ReserveReason.ALREADY_RESERVED, budget, lease)
         if not budget.healthy:
             return self._result(False, ReserveReason.UNHEALTHY, budget, 0.0)
@@ -106,13 +113,17 @@ class ReservationLedger:
             return self._result(False, ReserveReason.NO_CAPACITY, budget, 0.0)
         if tokens > self.headroom(budget):
             return self._result(False, ReserveReason.INSUFFICIENT_HEADROOM, budget, 0.0)
-        self._live[request_id] = Reservation(request_id, tokens, self._clock() + lease, holder)
+        self._hold(Reservation(request_id, tokens, self._clock() + lease, holder))
         self._reserved += tokens
         return self._result(True, ReserveReason.GRANTED, budget, lease)
 
     def release(self, request_id: str) -> bool:
         self.expire()
         return self._drop(request_id)
+
+    def _hold(self, reservation: Reservation) -> None:
+        self._live[reservation.request_id] = reservation
+        self._next_expiry = min(self._next_expiry, reservation.expires_at)
 
     def _drop(self, request_id: str) -> bool:
         reservation = self._live.pop(request_id, None)

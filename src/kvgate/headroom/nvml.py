@@ -10,6 +10,7 @@ it on `NvmlPoller`'s thread so a hung driver call cannot stall the stream.
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
 from collections.abc import Callable
@@ -45,12 +46,14 @@ class NvmlModule(Protocol):
     def nvmlDeviceGetMemoryInfo(self, handle: Any, version: int | None = None) -> Any: ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Device:
     index: int
     uuid: str
     name: str
     handle: Any
+    # The latest healthy reading, handed out again while the device's memory figures stay the same.
+    last: GpuReading | None = None
 
 
 class NvmlSampler:
@@ -80,6 +83,11 @@ class NvmlSampler:
             gpus = tuple(self._read_device(device) for device in self._devices)
         except _LIBRARY_ERRORS as exc:
             return self._fail(f"nvml: {exc}", ())
+        last = self._last
+        # An engine preallocates its memory, so most readings repeat the last one exactly: hand back
+        # the same object, which the agent then encodes only once (a failed reading is never healthy).
+        if last.healthy and len(gpus) == len(last.gpus) and all(map(operator.is_, gpus, last.gpus)):
+            return last
         lost = [gpu for gpu in gpus if gpu.reason == "gpu_lost"]
         if lost:
             return self._fail(f"gpu_lost: {', '.join(g.uuid or str(g.index) for g in lost)}", gpus)
@@ -121,7 +129,7 @@ class NvmlSampler:
 
     def _read_device(self, device: _Device) -> GpuReading:
         try:
-            memory = self._memory(device)
+            total, used, free, reserved = self._memory(device)
         except pynvml.NVMLError_GpuIsLost:
             return _unknown(device, healthy=False, reason="gpu_lost")
         except pynvml.NVMLError_NotSupported:
@@ -130,25 +138,39 @@ class NvmlSampler:
             raise
         except pynvml.NVMLError as exc:
             return _unknown(device, healthy=False, reason=f"nvml: {exc}")
-        return GpuReading(
+        last = device.last
+        if (
+            last is not None
+            and last.used_bytes == used
+            and last.free_bytes == free
+            and last.total_bytes == total
+            and last.reserved_bytes == reserved
+        ):
+            return last
+        device.last = GpuReading(
             uuid=device.uuid,
             index=device.index,
             name=device.name,
-            total_bytes=int(memory.total),
-            used_bytes=int(memory.used),
-            free_bytes=int(memory.free),
-            reserved_bytes=int(memory.reserved) if hasattr(memory, "reserved") else None,
+            total_bytes=total,
+            used_bytes=used,
+            free_bytes=free,
+            reserved_bytes=reserved,
             healthy=True,
         )
+        return device.last
 
-    def _memory(self, device: _Device) -> Any:
+    def _memory(self, device: _Device) -> tuple[int, int, int, int | None]:
+        """Total, used, free and the driver's reserved bytes (None from the v1 call)."""
         if device.uuid not in self._v1_only:
             try:
-                return self._nvml.nvmlDeviceGetMemoryInfo(device.handle, version=pynvml.nvmlMemory_v2)
+                v2 = self._nvml.nvmlDeviceGetMemoryInfo(device.handle, version=pynvml.nvmlMemory_v2)
             except _NO_V2:
                 log.info("GPU %s: no v2 memory info in this driver, using v1", device.uuid)
                 self._v1_only.add(device.uuid)
-        return self._nvml.nvmlDeviceGetMemoryInfo(device.handle)
+            else:
+                return int(v2.total), int(v2.used), int(v2.free), int(v2.reserved)
+        v1 = self._nvml.nvmlDeviceGetMemoryInfo(device.handle)
+        return int(v1.total), int(v1.used), int(v1.free), None
 
     def _fail(self, reason: str, gpus: tuple[GpuReading, ...], shutdown: bool = True) -> NvmlReading:
         """Mark NVML unusable until the backoff passes; the next read re-initialises it."""

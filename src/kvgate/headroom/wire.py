@@ -10,8 +10,28 @@ from kvgate._proto.headroom.v1 import headroom_pb2 as pb
 from kvgate.headroom.snapshot import CapacitySource, GpuReading, NodeHeadroom
 
 
-def headroom_to_proto(h: NodeHeadroom) -> pb.NodeHeadroom:
-    message = pb.NodeHeadroom(
+class HeadroomEncoder:
+    """Each NodeHeadroom to its serialized message, once for every subscriber.
+
+    The GPU list is encoded again only when it changed: the NVML sampler hands back the same tuple while
+    the figures stay the same, and the encoded list is appended to the rest of the message as it is.
+    Concatenated protobuf messages parse as their merge, and the first part leaves `gpus` unset.
+    """
+
+    def __init__(self) -> None:
+        self._gpus: tuple[GpuReading, ...] = ()
+        self._encoded_gpus = b""
+
+    def encode(self, h: NodeHeadroom) -> bytes:
+        if h.gpus is not self._gpus:
+            self._gpus = h.gpus
+            self._encoded_gpus = pb.NodeHeadroom(gpus=[_gpu_to_proto(g) for g in h.gpus]).SerializeToString()
+        scalars: bytes = _scalars_to_proto(h).SerializeToString()
+        return scalars + self._encoded_gpus
+
+
+def _scalars_to_proto(h: NodeHeadroom) -> pb.NodeHeadroom:
+    return pb.NodeHeadroom(
         node=h.node,
         endpoint=h.endpoint,
         seq=h.seq,
@@ -31,8 +51,6 @@ def headroom_to_proto(h: NodeHeadroom) -> pb.NodeHeadroom:
         preemptions_total=h.preemptions_total,
         period_ms=h.period_ms,
     )
-    message.gpus.extend(_gpu_to_proto(gpu) for gpu in h.gpus)
-    return message
 
 
 def headroom_from_proto(m: pb.NodeHeadroom) -> NodeHeadroom:
