@@ -321,9 +321,9 @@ def text_of_about(model: Path, tokens: int) -> str:
     return SENTENCE * (tokens // per_sentence)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=[2, 1], ids=["two-trips", "one-trip"])
 def chart_stack(
-    helm: Helm, tmp_path_factory: pytest.TempPathFactory, sp_model_path: Path
+    request: pytest.FixtureRequest, helm: Helm, tmp_path_factory: pytest.TempPathFactory, sp_model_path: Path
 ) -> Iterator[dict[str, int]]:
     tmp = tmp_path_factory.mktemp("chart-e2e")
     ports = {
@@ -342,6 +342,7 @@ def chart_stack(
                 "readyPort": ports["ready"],
                 "adminPort": ports["admin"],
                 "gateAddress": "127.0.0.1",
+                "roundTrips": request.param,
             },
         },
     }
