@@ -438,6 +438,11 @@ def _print_verdicts(
         f"{TARGET_P50_MS}): {_verdict(added_p50 <= TARGET_P50_MS)}; p99 {added_p99:+.2f} ms "
         f"(target <= {TARGET_P99_MS}): {_verdict(added_p99 <= TARGET_P99_MS)}"
     )
+    # What the gate's own work adds on top of the floor the trivial server measures.
+    print(
+        f"  over the trivial server: p50 {gate.ms(50) - trivial.ms(50):+.2f} ms, "
+        f"p99 {gate.ms(99) - trivial.ms(99):+.2f} ms"
+    )
     print(
         f"  max rate gate/trivial {rates[gate_key]}/{rates[trivial_key]} = {ratio:.2f} "
         f"(target >= {TARGET_RATE_RATIO}): {_verdict(ratio >= TARGET_RATE_RATIO)}; "
