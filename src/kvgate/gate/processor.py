@@ -74,35 +74,23 @@ def _value(header: HeaderValue) -> str:
 
 def read_head(message: HttpHeaders, stream: _Stream, priority_header: str) -> RequestHead:
     """The headers the gate reads; only those are decoded (a request carries twenty or more)."""
-    wanted: dict[str, str | None] = {
-        ":path": "",
-        ":method": "",
-        "content-type": None,
-        "content-encoding": None,
-        "x-request-id": "",
-    }
-    priority = None
-    trace_context: list[tuple[str, str]] = []
-    for header in message.headers.headers:
-        key = header.key
-        if key in wanted:
-            wanted[key] = _value(header)
-        elif key in _TRACE_HEADERS:
-            trace_context.append((key, _value(header)))
-        if key == priority_header:
-            priority = _value(header).strip().lower()
-        if key.startswith(responses.HEADER_PREFIX):
-            stream.forged.append(key)
-    path, method, content_type, content_encoding, request_id = wanted.values()
+    headers = {header.key: header for header in message.headers.headers}
+    stream.forged.extend(key for key in headers if key.startswith(responses.HEADER_PREFIX))
+
+    def read(key: str) -> str | None:
+        header = headers.get(key)
+        return _value(header) if header is not None else None
+
+    priority = read(priority_header)
     return RequestHead(
-        path or "",
-        method or "",
-        content_type,
-        content_encoding,
+        read(":path") or "",
+        read(":method") or "",
+        read("content-type"),
+        read("content-encoding"),
         has_body=not message.end_of_stream,
-        priority=priority,
-        request_id=request_id or uuid.uuid4().hex,
-        trace_context=tuple(trace_context),
+        priority=priority.strip().lower() if priority is not None else None,
+        request_id=read("x-request-id") or uuid.uuid4().hex,
+        trace_context=tuple((name, value) for name in _TRACE_HEADERS if (value := read(name)) is not None),
     )
 
 
