@@ -11,7 +11,7 @@ client's priority header is left for the gate). Then, by `EnvoySettings.round_tr
   request until that answer, the routes match the metadata, and the route table copies it into the
   x-kvgate-* upstream headers. A bodiless request never reaches the gate and takes the default pool.
 Either way a long request the gate pinned to a node (x-kvgate-endpoint) goes to that address through
-an ORIGINAL_DST cluster.
+an ORIGINAL_DST cluster. With `EnvoySettings.gate_tls` Envoy talks TLS (or mTLS) to the gate.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ with warnings.catch_warnings():
     from envoy_data_plane.envoy.config.common.mutation_rules.v3 import HeaderMutation
     from envoy_data_plane.envoy.config.core.v3 import (
         Address,
+        DataSource,
         GrpcService,
         GrpcServiceEnvoyGrpc,
         HeaderValue,
@@ -42,6 +43,7 @@ with warnings.catch_warnings():
         HeaderValueOptionHeaderAppendAction,
         Http2ProtocolOptions,
         SocketAddress,
+        TransportSocket,
         TypedExtensionConfig,
     )
     from envoy_data_plane.envoy.config.endpoint.v3 import (
@@ -77,6 +79,14 @@ with warnings.catch_warnings():
     from envoy_data_plane.envoy.extensions.http.early_header_mutation.header_mutation.v3 import (
         HeaderMutation as EarlyHeaderMutation,
     )
+    from envoy_data_plane.envoy.extensions.transport_sockets.tls.v3 import (
+        CertificateValidationContext,
+        CommonTlsContext,
+        SubjectAltNameMatcher,
+        SubjectAltNameMatcherSanType,
+        TlsCertificate,
+        UpstreamTlsContext,
+    )
     from envoy_data_plane.envoy.extensions.upstreams.http.v3 import (
         HttpProtocolOptions,
         HttpProtocolOptionsExplicitHttpConfig,
@@ -89,7 +99,7 @@ with warnings.catch_warnings():
     )
     from envoy_data_plane.google.protobuf import Any as AnyMessage
 
-from kvgate.envoyconfig.settings import EnvoySettings, HostPort
+from kvgate.envoyconfig.settings import EnvoySettings, GateTls, HostPort
 from kvgate.gate.processor import request_attributes
 
 GATE_CLUSTER = "kvgate_gate"
@@ -277,6 +287,37 @@ def _dns_cluster(
     )
 
 
+def _gate_tls_socket(tls: GateTls) -> TransportSocket:
+    """The UpstreamTlsContext of envoy/envoy-tls.yaml. `filename` sources are read once, at start: the
+    chart's file-based SDS reloads them, but needs SDS files beside the bootstrap, on Envoy's machine."""
+    certificates = []
+    if tls.cert is not None and tls.key is not None:
+        certificates.append(
+            TlsCertificate(
+                certificate_chain=DataSource(filename=tls.cert), private_key=DataSource(filename=tls.key)
+            )
+        )
+    context = UpstreamTlsContext(
+        sni=tls.server_name,
+        common_tls_context=CommonTlsContext(
+            # gRPC over TLS negotiates HTTP/2 by ALPN.
+            alpn_protocols=["h2"],
+            tls_certificates=certificates,
+            validation_context=CertificateValidationContext(
+                trusted_ca=DataSource(filename=tls.ca),
+                # Without a name to match, any certificate from the CA would pass for the gate.
+                match_typed_subject_alt_names=[
+                    SubjectAltNameMatcher(
+                        san_type=SubjectAltNameMatcherSanType.DNS,
+                        matcher=StringMatcher(exact=tls.server_name),
+                    )
+                ],
+            ),
+        ),
+    )
+    return TransportSocket(name="envoy.transport_sockets.tls", typed_config=AnyMessage.pack(context))
+
+
 def clusters(settings: EnvoySettings) -> list[Cluster]:
     gate = _dns_cluster(
         GATE_CLUSTER, settings.gate, datetime.timedelta(seconds=1), settings.buffer_limit_bytes
@@ -289,6 +330,8 @@ def clusters(settings: EnvoySettings) -> list[Cluster]:
     gate.typed_extension_protocol_options = {
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": AnyMessage.pack(http2)
     }
+    if settings.gate_tls is not None:
+        gate.transport_socket = _gate_tls_socket(settings.gate_tls)
     pinned = Cluster(
         name=PINNED_CLUSTER,
         type=ClusterDiscoveryType.ORIGINAL_DST,

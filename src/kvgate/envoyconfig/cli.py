@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from kvgate.config import Config, load_config
-from kvgate.envoyconfig.settings import HostPort, envoy_settings, parse_host_port
+from kvgate.envoyconfig.settings import GateTls, HostPort, envoy_settings, parse_host_port
 from kvgate.errors import ConfigError
 
 
@@ -82,6 +82,38 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         ),
     )
     parser.add_argument("--output", type=Path, help="write here instead of standard output")
+    tls = parser.add_argument_group(
+        "TLS to the gate (see docs/tls.md)",
+        "Paths are where Envoy will find the files: they are not read or checked here, since the "
+        "bootstrap is often rendered on one machine for another. Envoy reads them once, at start, so a "
+        "renewed certificate takes an Envoy restart (or hot restart); the Helm chart's standalone Envoy "
+        "reloads them through file-based SDS instead. The gate's config must agree: with tls.server "
+        "these flags are required, and with tls.server.client_ca so are --gate-tls-cert and --gate-tls-key.",
+    )
+    tls.add_argument(
+        "--gate-tls-ca",
+        type=_non_empty,
+        metavar="PEM",
+        help="talk TLS to the gate, whose certificate must come from this CA (default: plaintext)",
+    )
+    tls.add_argument(
+        "--gate-server-name",
+        type=_non_empty,
+        metavar="NAME",
+        help=(
+            "required with --gate-tls-ca: the DNS name the gate's certificate must carry, also sent as "
+            "SNI. Without a name to match, any certificate from the CA would pass for the gate"
+        ),
+    )
+    tls.add_argument(
+        "--gate-tls-cert",
+        type=_non_empty,
+        metavar="PEM",
+        help="Envoy's client certificate (chain), for a gate with tls.server.client_ca (mTLS)",
+    )
+    tls.add_argument(
+        "--gate-tls-key", type=_non_empty, metavar="PEM", help="that certificate's private key (unencrypted)"
+    )
     parser.set_defaults(func=run)
 
 
@@ -95,6 +127,28 @@ def parse_pools(items: list[str]) -> dict[str, HostPort]:
             raise ConfigError(f"--pool: pool {name!r} given twice")
         pools[name] = parse_host_port(address, f"--pool {name}")
     return pools
+
+
+def gate_tls_from_args(args: argparse.Namespace) -> GateTls | None:
+    if (args.gate_tls_cert is None) != (args.gate_tls_key is None):
+        raise ConfigError("--gate-tls-cert and --gate-tls-key go together")
+    if args.gate_tls_ca is None:
+        if args.gate_server_name is not None or args.gate_tls_cert is not None:
+            flag = "--gate-server-name" if args.gate_server_name is not None else "--gate-tls-cert"
+            raise ConfigError(f"{flag} needs --gate-tls-ca: without it Envoy talks plaintext to the gate")
+        return None
+    if args.gate_server_name is None:
+        raise ConfigError(
+            "--gate-tls-ca needs --gate-server-name: without a name to match, any certificate from the CA "
+            "would pass for the gate"
+        )
+    return GateTls(args.gate_tls_ca, args.gate_server_name, args.gate_tls_cert, args.gate_tls_key)
+
+
+def _non_empty(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
 
 
 def _positive_int(text: str) -> int:
@@ -114,6 +168,7 @@ def _non_negative_int(text: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from kvgate.envoyconfig.bootstrap import render_bootstrap
 
+    gate_tls = gate_tls_from_args(args)
     config = load_config(args.config) if args.config else Config()
     settings = envoy_settings(
         config,
@@ -127,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
         fail_open=not args.fail_closed,
         route_timeout_seconds=args.route_timeout_seconds,
         round_trips=args.round_trips,
+        gate_tls=gate_tls,
     )
     text = yaml.safe_dump(render_bootstrap(settings), sort_keys=False)
     if args.output:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -10,6 +11,7 @@ from kvgate.config import Config, MiB
 from kvgate.errors import ConfigError
 from kvgate.headroom.settings import split_host_port
 
+log = logging.getLogger(__name__)
 # Envoy buffers a little more than the gate accepts, so the gate, with its clear error body, is the
 # one that refuses an oversized request rather than Envoy's bare 413.
 BUFFER_MARGIN_BYTES = 1 * MiB
@@ -29,6 +31,19 @@ class HostPort:
 def parse_host_port(text: str, what: str) -> HostPort:
     """`host:port` or `[v6]:port`; raises ConfigError naming `what`."""
     return HostPort(*split_host_port(text, what))
+
+
+@dataclass(frozen=True, slots=True)
+class GateTls:
+    """TLS from Envoy to the gate's ext_proc port. The paths are where Envoy will find the files: the
+    bootstrap is often rendered on one machine for another, so nothing here reads them."""
+
+    ca: str
+    # The DNS name the gate's certificate must carry, also sent as SNI.
+    server_name: str
+    # Envoy's client certificate, for a gate with tls.server.client_ca (mTLS).
+    cert: str | None = None
+    key: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +67,8 @@ class EnvoySettings:
     fail_open: bool = True
     # 0 disables the upstream timeout: long generations stream for minutes.
     route_timeout_seconds: int = 0
+    # None: plaintext to the gate.
+    gate_tls: GateTls | None = None
 
 
 def _referenced_pools(config: Config) -> tuple[set[str], set[str]]:
@@ -72,6 +89,7 @@ def envoy_settings(
     fail_open: bool = True,
     route_timeout_seconds: int = 0,
     round_trips: RoundTrips = 2,
+    gate_tls: GateTls | None = None,
 ) -> EnvoySettings:
     """Check the pools against every pool name the gate can set, and size Envoy's buffers to the gate."""
     interactive, long = _referenced_pools(config)
@@ -93,6 +111,7 @@ def envoy_settings(
             f"request.max_body_bytes + 1 MiB ({buffer_limit}): a buffered body reaches the gate in one "
             "gRPC message"
         )
+    _check_gate_tls(config, gate_tls)
     if gate is None:
         listen_on = parse_host_port(config.server.listen, "server.listen")
         gate = HostPort("127.0.0.1", listen_on.port) if listen_on.host in _ANY_HOST else listen_on
@@ -111,4 +130,31 @@ def envoy_settings(
         message_timeout_ms=message_timeout_ms,
         fail_open=fail_open,
         route_timeout_seconds=route_timeout_seconds,
+        gate_tls=gate_tls,
     )
+
+
+def _check_gate_tls(config: Config, gate_tls: GateTls | None) -> None:
+    """A TLS mismatch between Envoy and the gate fails every handshake, and ext_proc then fails open
+    on every request (or, failing closed, answers 500)."""
+    server = config.tls.server
+    if gate_tls is None:
+        if server.enabled:
+            raise ConfigError(
+                f"{config.source}: the gate serves only TLS (tls.server) but no --gate-tls-ca was given: "
+                "Envoy's plaintext connections to it would fail"
+            )
+        return
+    if not server.enabled:
+        # Only a warning: the file rendered from is not always the gate's whole config (the Helm chart
+        # writes the gate's tls section itself and refuses gate.config.tls).
+        log.warning(
+            "--gate-tls-ca: %s has no tls.server; if the gate runs with this config it serves plaintext "
+            "and Envoy's TLS handshakes with it will fail",
+            config.source,
+        )
+    elif server.client_ca is not None and gate_tls.cert is None:
+        raise ConfigError(
+            f"{config.source}: tls.server.client_ca is set, so the gate will refuse Envoy's handshake "
+            "without a client certificate: add --gate-tls-cert and --gate-tls-key"
+        )
