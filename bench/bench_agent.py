@@ -13,7 +13,6 @@ import asyncio
 import itertools
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from kvgate.headroom.client import AgentClient
 from kvgate.headroom.fake_engine import FakeEngineMetrics
 from kvgate.headroom.settings import HeadroomSettings
 from kvgate.headroom.view import HeadroomView
+from kvgate.localports import free_port
 
 PERIOD_S = 0.1
 LAUNCH = (
@@ -36,15 +36,9 @@ LAUNCH = (
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def _agent(*flags: str) -> Iterator[tuple[str, int]]:
-    port = _free_port()
+    port = free_port()
     argv = [
         "agent",
         "--listen",

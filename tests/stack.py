@@ -20,6 +20,8 @@ from typing import Any
 import yaml
 from aiohttp import web
 
+from kvgate.localports import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 ENVOY_YAML = ROOT / "envoy" / "envoy.yaml"
@@ -31,12 +33,6 @@ LOCAL_PORTS = {
     "async": 8003,
     "admin": 9901,
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_for_port(port: int, timeout: float = 15.0, process: subprocess.Popen[bytes] | None = None) -> None:
@@ -262,7 +258,7 @@ def agent_process(tmp: Path, name: str, port: int, endpoint: str, extra: list[st
     )
     agent.port = port
     agent.metrics_port = metrics_port
-    wait_for_port(port, process=agent.process)
+    _started(agent, port)
     return agent
 
 
@@ -272,6 +268,16 @@ def envoy_process(config: Path, tmp: Path, admin_port: int, listener_port: int) 
         [str(BIN / "envoy"), "-c", str(config), "--disable-hot-restart", "--log-level", "warning"],
         tmp,
     )
-    wait_for_port(admin_port, process=envoy.process)
-    wait_for_port(listener_port, process=envoy.process)
+    _started(envoy, admin_port, listener_port)
     return envoy
+
+
+def _started(service: Service, *ports: int) -> None:
+    """Wait until `service` listens on every port; a service that fails to start is stopped (its log
+    closed) and its log's tail is in the error."""
+    try:
+        for port in ports:
+            wait_for_port(port, process=service.process)
+    except (RuntimeError, TimeoutError) as error:
+        service.stop()
+        raise RuntimeError(f"{service.name} did not start: {error}\n{service.log()[-2000:]}") from error

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from kvgate.headroom.cli import register, settings_from_args
 from kvgate.headroom.settings import HeadroomSettings
 from kvgate.headroom.snapshot import CapacitySource
 from kvgate.headroom.view import HeadroomView
+from kvgate.localports import free_port
 
 # The agent subcommand through its own parser, as kvgate.cli will call it once registered.
 LAUNCH = (
@@ -30,12 +30,6 @@ def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
     return parser.parse_args(["agent", "--listen", "127.0.0.1:0", "--endpoint", "127.0.0.1:8000", *argv])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_flags_build_node_settings() -> None:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.demo.processes import DemoError, Supervisor, find_envoy, free_ports
+from kvgate.demo.processes import DemoError, Supervisor, find_envoy
+from kvgate.localports import free_ports
 
 
 def test_a_child_that_exits_early_fails_with_its_log(tmp_path: Path) -> None:
@@ -43,11 +44,6 @@ def test_children_are_ready_when_listening_and_stopped_on_exit(tmp_path: Path) -
     started = time.monotonic()
     asyncio.run(case())
     assert time.monotonic() - started < 20
-
-
-def test_free_ports_are_distinct() -> None:
-    ports = free_ports(20)
-    assert len(set(ports)) == 20
 
 
 def test_envoy_binary_is_found() -> None:

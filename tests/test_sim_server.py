@@ -20,6 +20,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from kvgate.localports import free_port
 from kvgate.sim.engine import EngineConfig
 from kvgate.sim.server import NODE_HEADER, SimServer
 from kvgate.sim.tokens import make_prompt
@@ -208,13 +209,6 @@ def test_crash_fails_in_flight_streams_and_cuts_connections_until_restart() -> N
         assert metric(text, "kvgate_sim_peak_kv_tokens") > 1024
 
     run(case)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @pytest.mark.slow

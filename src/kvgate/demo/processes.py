@@ -7,10 +7,8 @@ end of that log, so a broken Envoy config or a missing subcommand is reported, n
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,18 +22,6 @@ _STOP_GRACE_S = 5.0
 
 class DemoError(KvgateError):
     """The demo could not set up or run its stack (a child failed, a binary is missing)."""
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` distinct ports nothing listens on now (held together while picked, so no repeats);
-    the children bind them a moment later."""
-    with contextlib.ExitStack() as stack:
-        sockets = [
-            stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(count)
-        ]
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in sockets]
 
 
 def find_envoy() -> Path:

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from kvgate.demo.envoy_config import baseline_bootstrap, kvgate_bootstrap, write_yaml
-from kvgate.demo.processes import Supervisor, find_envoy, free_ports, kvgate_command, sim_command
+from kvgate.demo.processes import Supervisor, find_envoy, kvgate_command, sim_command
 from kvgate.demo.scenario import Scenario
 from kvgate.demo.scrape import Node
+from kvgate.localports import free_ports
 
 
 @dataclass(frozen=True, slots=True)
