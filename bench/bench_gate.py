@@ -42,7 +42,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 
 from bench.loadgen import LoadResult, http_request, percentile, run_load, serve_upstreams
 from bench.trivial_extproc import TrivialProcessor
-from kvgate.gate.processor import ATTRIBUTES_NAMESPACE
+from kvgate.gate.processor import ATTRIBUTES_NAMESPACE, header_attribute
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -305,7 +305,7 @@ def envoy_messages(body: bytes, round_trips: int) -> list[bytes]:
         fields["request.path"].string_value = PATH
         fields["request.method"].string_value = "POST"
         fields["request.id"].string_value = "5f0c6a58-2d47-4d8e-9b3f-2f4f8d5f4b7e"
-        fields["request.headers['content-type']"].string_value = "application/json"
+        fields[header_attribute("content-type")].string_value = "application/json"
         return [message.SerializeToString()]
     headers = {
         ":authority": "127.0.0.1:10000",

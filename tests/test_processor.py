@@ -25,7 +25,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from kvgate.config import Config, parse_config
 from kvgate.errors import RequestError
 from kvgate.gate.pipeline import Pipeline, estimator_factory, refusal_for
-from kvgate.gate.processor import ATTRIBUTES_NAMESPACE, ExternalProcessor, request_attributes
+from kvgate.gate.processor import (
+    ATTRIBUTES_NAMESPACE,
+    ExternalProcessor,
+    header_attribute,
+    request_attributes,
+)
 from kvgate.telemetry import DecisionSpans, GateMetrics
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -52,7 +57,7 @@ def one_trip_body(
     fields["request.method"].string_value = "POST"
     fields["request.id"].string_value = "req-1"
     for name, value in {"content-type": "application/json", **request_headers}.items():
-        fields[f"request.headers['{name}']"].string_value = value
+        fields[header_attribute(name)].string_value = value
     return message
 
 
