@@ -6,8 +6,7 @@ import random
 
 import pytest
 
-from kvgate.errors import RequestError
-from kvgate.sim.api import check_context, error_body, parse_request
+from kvgate.sim.api import EngineError, check_context, error_body, parse_request
 from kvgate.sim.tokens import count_text_tokens, make_prompt
 
 
@@ -72,7 +71,7 @@ def test_completions_accept_text_and_token_ids_and_default_to_16_tokens() -> Non
     ],
 )
 def test_malformed_requests_are_400(api: str, body: object) -> None:
-    with pytest.raises(RequestError) as info:
+    with pytest.raises(EngineError) as info:
         parse_request(api, body)  # type: ignore[arg-type]
     assert info.value.status == 400
 
@@ -80,7 +79,7 @@ def test_malformed_requests_are_400(api: str, body: object) -> None:
 def test_prompt_plus_max_tokens_over_the_model_len_is_vllms_400() -> None:
     request = parse_request("chat", {"messages": [{"role": "user", "content": "w" * 4000}], "max_tokens": 97})
     check_context(request, max_model_len=1097)
-    with pytest.raises(RequestError) as info:
+    with pytest.raises(EngineError) as info:
         check_context(request, max_model_len=1096)
     assert error_body(info.value) == {
         "error": {
@@ -99,5 +98,5 @@ def test_prompt_plus_max_tokens_over_the_model_len_is_vllms_400() -> None:
 def test_prompt_alone_at_the_model_len_is_400_when_no_max_tokens() -> None:
     request = parse_request("chat", {"messages": [{"role": "user", "content": "w" * 400}]})
     check_context(request, max_model_len=101)
-    with pytest.raises(RequestError, match="your request has 100 input tokens"):
+    with pytest.raises(EngineError, match="your request has 100 input tokens"):
         check_context(request, max_model_len=100)

@@ -1,6 +1,6 @@
 """The OpenAI-compatible surface of the simulator, as vLLM's server shapes it (pure; no I/O).
 
-Requests are read into a `CompletionRequest`; a request vLLM would refuse raises `RequestError`
+Requests are read into a `CompletionRequest`; a request vLLM would refuse raises `EngineError`
 with the status and message vLLM uses, and `error_body` renders it as vLLM's error JSON.
 Prompt tokens follow `kvgate.sim.tokens`: ceil(UTF-8 bytes / 4) per text part, summed; image parts
 are not charged; a completions prompt given as token ids counts one token per id.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvgate.errors import RequestError
+from kvgate.errors import KvgateError
 from kvgate.sim.tokens import count_text_tokens
 
 Api = Literal["chat", "completion"]
@@ -30,11 +30,21 @@ class CompletionRequest:
     include_usage: bool
 
 
-def _bad(message: str) -> RequestError:
-    return RequestError(400, "BadRequestError", message, "BadRequestError")
+class EngineError(KvgateError):
+    """A request the simulated engine refuses, with vLLM's status and error type (`BadRequestError`, …)."""
+
+    def __init__(self, status: int, error_type: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.error_type = error_type
+        self.message = message
 
 
-def error_body(error: RequestError) -> dict[str, Any]:
+def bad_request(message: str) -> EngineError:
+    return EngineError(400, "BadRequestError", message)
+
+
+def error_body(error: EngineError) -> dict[str, Any]:
     return {
         "error": {"message": error.message, "type": error.error_type, "param": None, "code": error.status}
     }
@@ -42,10 +52,10 @@ def error_body(error: RequestError) -> dict[str, Any]:
 
 def parse_request(api: Api, body: object) -> CompletionRequest:
     if not isinstance(body, dict):
-        raise _bad("the request body must be a JSON object")
+        raise bad_request("the request body must be a JSON object")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise _bad("'model' must be a string")
+        raise bad_request("'model' must be a string")
     if api == "chat":
         prompt_tokens = _chat_prompt_tokens(body.get("messages"))
         max_tokens = _positive_int(body, "max_completion_tokens")
@@ -58,7 +68,7 @@ def parse_request(api: Api, body: object) -> CompletionRequest:
             max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise _bad("'stream' must be true or false")
+        raise bad_request("'stream' must be true or false")
     options = body.get("stream_options") or {}
     include_usage = isinstance(options, dict) and options.get("include_usage") is True
     return CompletionRequest(api, model, prompt_tokens, max_tokens, stream, include_usage)
@@ -69,7 +79,7 @@ def check_context(request: CompletionRequest, max_model_len: int) -> None:
     prompt = request.prompt_tokens
     if request.max_tokens is None:
         if prompt >= max_model_len:
-            raise _bad(
+            raise bad_request(
                 f"This model's maximum context length is {max_model_len} tokens. However, your request has "
                 f"{prompt} input tokens. Please reduce the length of the input messages."
             )
@@ -77,7 +87,7 @@ def check_context(request: CompletionRequest, max_model_len: int) -> None:
     total = prompt + request.max_tokens
     if total > max_model_len:
         where = "messages" if request.api == "chat" else "prompt"
-        raise _bad(
+        raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{total} tokens ({prompt} in the {where}, {request.max_tokens} in the completion). "
             f"Please reduce the length of the {where} or completion."
@@ -89,17 +99,17 @@ def _positive_int(body: dict[str, Any], key: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _bad(f"'{key}' must be a positive integer, got {value!r}")
+        raise bad_request(f"'{key}' must be a positive integer, got {value!r}")
     return value
 
 
 def _chat_prompt_tokens(messages: object) -> int:
     if not isinstance(messages, list) or not messages:
-        raise _bad("'messages' must be a non-empty list")
+        raise bad_request("'messages' must be a non-empty list")
     total = 0
     for message in messages:
         if not isinstance(message, dict):
-            raise _bad("each message must be an object")
+            raise bad_request("each message must be an object")
         content = message.get("content")
         if isinstance(content, str):
             total += count_text_tokens(content)
@@ -112,7 +122,7 @@ def _chat_prompt_tokens(messages: object) -> int:
                 ):
                     total += count_text_tokens(part["text"])
         elif content is not None:
-            raise _bad("a message's 'content' must be a string or a list of parts")
+            raise bad_request("a message's 'content' must be a string or a list of parts")
     return max(total, 1)
 
 
@@ -127,7 +137,7 @@ def _completion_prompt_tokens(prompt: object) -> int:
         and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     ):
         return len(prompt)
-    raise _bad("'prompt' must be a string, a list of one string, or a list of token ids")
+    raise bad_request("'prompt' must be a string, a list of one string, or a list of token ids")
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -17,7 +17,6 @@ from typing import Any
 
 from aiohttp import web
 
-from kvgate.errors import RequestError
 from kvgate.sim import api
 from kvgate.sim.engine import Engine, EngineConfig, TokenEvent
 from kvgate.sim.metrics import render_metrics
@@ -116,17 +115,15 @@ class SimServer:
         try:
             body = json.loads(raw)
         except ValueError:
-            return _error(
-                RequestError(400, "BadRequestError", "the request body is not valid JSON", "BadRequestError")
-            )
+            return _error(api.bad_request("the request body is not valid JSON"))
         try:
             parsed = api.parse_request(kind, body)
             api.check_context(parsed, self.engine.config.max_model_len)
-        except RequestError as exc:
+        except api.EngineError as exc:
             return _error(exc)
         if parsed.model is not None and parsed.model != self.model_name:
             message = f"The model `{parsed.model}` does not exist."
-            return _error(RequestError(404, "NotFoundError", message, "NotFoundError"))
+            return _error(api.EngineError(404, "NotFoundError", message))
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         request_id = f"{prefix}-{self.node_name}-{next(self._ids)}"
         queue: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
@@ -220,7 +217,7 @@ async def _send(response: web.StreamResponse, chunk: dict[str, Any]) -> None:
     await response.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
 
 
-def _error(error: RequestError) -> web.Response:
+def _error(error: api.EngineError) -> web.Response:
     return web.json_response(api.error_body(error), status=error.status)
 
 
