@@ -1,16 +1,285 @@
-"""Admission against a headroom view, driven in-process: the cases end-to-end tests cannot time."""
+"""Admission driven in-process against FakeHeadroom: every branch, in seconds, with no processes.
+
+FakeHeadroom's nodes grant through the agent's own ReservationLedger, and its clock is a ManualClock,
+so staleness and the breaker's timing are set by the test; only admission's bounded wait for
+capacity runs on the event loop's real clock (a few tens of milliseconds here).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from test_water import node
 
 from kvgate.config import AdmissionConfig, ModelConfig
-from kvgate.gate.admission import Admission
+from kvgate.gate.admission import Admission, Admitted
+from kvgate.headroom.fake_source import FakeHeadroom, ManualClock
 from kvgate.headroom.snapshot import NodeView, ReleaseOutcome
-from kvgate.policy import Reason, Route
+from kvgate.policy import Reason, Refusal, Route
+from kvgate.policy.water import BreakerState, Level
+
+MODEL = ModelConfig()
+T = TypeVar("T")
+
+
+def run(scenario: Callable[[], Awaitable[T]]) -> T:
+    return asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
+def long_route(tokens: int) -> Route:
+    return Route("long", Reason.LONG, tokens)
+
+
+def setup(
+    *nodes: tuple[str, int], stale_after_s: float = 0.5, **config: object
+) -> tuple[FakeHeadroom, ManualClock, Admission]:
+    clock = ManualClock()
+    source = FakeHeadroom(clock, stale_after_s=stale_after_s)
+    for name, capacity in nodes:
+        source.add_node(name, capacity)
+    settings = AdmissionConfig(**{"max_wait_s": 0.05, **config})  # type: ignore[arg-type]
+    return source, clock, Admission(settings, source, clock=clock)
+
+
+async def admit(admission: Admission, tokens: int, request_id: str, priority: str | None = None) -> Admitted:
+    return await admission.admit(long_route(tokens), MODEL, priority, request_id)
+
+
+def refused(admitted: Admitted) -> Reason:
+    assert isinstance(admitted.decision, Refusal), admitted.decision
+    return admitted.decision.reason
+
+
+def test_a_long_request_is_pinned_to_the_node_that_reserved_it() -> None:
+    async def scenario() -> None:
+        source, _, admission = setup(("a", 20000), ("b", 40000))
+        admitted = await admit(admission, 10000, "r1")
+        assert admitted.decision == Route("long", Reason.LONG, 10000, "b.engine:8000"), "most headroom first"
+        assert admitted.ticket is not None and admitted.ticket.agent == "b"
+        assert source.reserved_tokens("b") == 10000
+        await admission.release(admitted.ticket)
+        assert source.reserved_tokens("b") == 0
+
+    run(scenario)
+
+
+def test_a_burst_inside_one_sampling_period_cannot_over_admit() -> None:
+    async def scenario() -> None:
+        _, _, admission = setup(("a", 40000), max_wait_s=0.2)
+        results = await asyncio.gather(*(admit(admission, 12000, f"r{i}") for i in range(5)))
+        admitted = [r for r in results if r.ticket is not None]
+        assert len(admitted) == 3, "the agent's ledger charges each grant before the next"
+        assert [refused(r) for r in results if r.ticket is None] == [Reason.NO_CAPACITY] * 2
+
+    run(scenario)
+
+
+def test_waits_in_the_queue_then_takes_capacity_that_frees() -> None:
+    async def scenario() -> None:
+        source, _, admission = setup(("a", 20000), max_wait_s=5.0)
+        await admission.start()
+        first = await admit(admission, 15000, "first")
+        assert first.ticket is not None
+        waiting = asyncio.create_task(admit(admission, 15000, "second"))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        assert admission.gauges().waiting == 1
+        await admission.release(first.ticket)
+        second = await waiting
+        assert second.ticket is not None and source.reserved_tokens("a") == 15000
+        await admission.stop()
+
+    run(scenario)
+
+
+def test_an_agent_update_wakes_the_waiting_head() -> None:
+    async def scenario() -> None:
+        source, _, admission = setup(("a", 20000), max_wait_s=5.0)
+        source.update("a", used_tokens=15000)
+        await admission.start()
+        waiting = asyncio.create_task(admit(admission, 10000, "r1"))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        source.update("a", used_tokens=2000)  # the engine finished other work
+        assert (await waiting).ticket is not None
+        await admission.stop()
+
+    run(scenario)
+
+
+def test_a_wait_that_times_out_is_refused_with_429_and_no_reservation() -> None:
+    async def scenario() -> None:
+        source, _, admission = setup(("a", 20000), max_wait_s=0.05)
+        source.update("a", used_tokens=15000)
+        admitted = await admit(admission, 10000, "r1")
+        assert refused(admitted) is Reason.NO_CAPACITY
+        assert admitted.ticket is None and source.reserved_tokens("a") == 0
+        assert admission.gauges().waiting == 0, "the request left the queue"
+
+    run(scenario)
+
+
+def test_a_full_queue_refuses_at_once() -> None:
+    async def scenario() -> None:
+        source, _, admission = setup(("a", 20000), max_wait_s=5.0, queue_size=2)
+        source.update("a", used_tokens=15000)
+        waiters = [asyncio.create_task(admit(admission, 10000, f"w{i}")) for i in range(2)]
+        await asyncio.sleep(0.02)
+        # A full queue makes the pool red too: only the top priority gets as far as the queue.
+        assert refused(await admit(admission, 10000, "third", "normal")) is Reason.SHED
+        assert refused(await admit(admission, 10000, "fourth", "high")) is Reason.QUEUE_FULL
+        for task in waiters:
+            task.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+
+    run(scenario)
+
+
+def test_async_fallback_hands_overflow_to_the_async_pool_instead_of_429() -> None:
+    async def scenario() -> None:
+        for fallback, expected in ((True, Route("async", Reason.ASYNC, 10000)), (False, None)):
+            source, _, admission = setup(("a", 20000), async_fallback=fallback)
+            source.update("a", used_tokens=15000)
+            admitted = await admit(admission, 10000, "r1")
+            if expected is None:
+                assert refused(admitted) is Reason.NO_CAPACITY
+            else:
+                assert admitted.decision == expected and admitted.ticket is None
+
+    run(scenario)
+
+
+def test_no_healthy_node_is_a_503_reason_not_a_wait() -> None:
+    async def scenario() -> None:
+        source, _, admission = setup(("a", 20000), ("b", 20000), max_wait_s=5.0)
+        source.update("a", healthy=False, reason="nvml: GPU lost")
+        source.disconnect("b")
+        assert refused(await admit(admission, 10000, "r1")) is Reason.NO_HEALTHY_NODE
+
+    run(scenario)
+
+
+def test_stale_nodes_are_probed_or_excluded_as_configured() -> None:
+    async def scenario() -> None:
+        for policy in ("probe", "exclude"):
+            source, clock, admission = setup(("a", 20000), ("b", 20000), stale_nodes=policy)
+            source.go_silent("a")
+            clock.advance(1.0)
+            source.update("b", used_tokens=14000)  # fresh, but without room for 10,000
+            assert [view.fresh for view in source.snapshot()] == [False, True]
+            admitted = await admit(admission, 10000, f"r-{policy}")
+            if policy == "probe":
+                assert admitted.ticket is not None and admitted.ticket.agent == "a", (
+                    "a stale agent still grants atomically from its own data"
+                )
+            else:
+                assert refused(admitted) is Reason.NO_CAPACITY
+
+    run(scenario)
+
+
+def test_a_reserve_that_fails_on_one_node_is_tried_on_the_next() -> None:
+    async def scenario() -> None:
+        source, _, admission = setup(("a", 40000), ("b", 30000))
+        source.fail_reserves("a")
+        admitted = await admit(admission, 10000, "r1")
+        assert admitted.ticket is not None and admitted.ticket.agent == "b"
+        assert source.reserved_tokens("a") == 0
+
+    run(scenario)
+
+
+def test_a_release_after_the_agent_restarted_is_harmless() -> None:
+    async def scenario() -> None:
+        source, _, admission = setup(("a", 40000))
+        admitted = await admit(admission, 10000, "r1")
+        assert admitted.ticket is not None
+        source.restart_agent("a")
+        assert source.reserved_tokens("a") == 0, "the new agent remembers nothing"
+        await admission.release(admitted.ticket)
+        assert source.released == [("a", "r1")]
+        assert (await admit(admission, 30000, "r2")).ticket is not None
+
+    run(scenario)
+
+
+def test_a_release_to_an_unreachable_agent_is_left_to_the_lease() -> None:
+    async def scenario() -> None:
+        source, _, admission = setup(("a", 40000))
+        admitted = await admit(admission, 10000, "r1")
+        assert admitted.ticket is not None
+        source.disconnect("a")
+        await admission.release(admitted.ticket)  # logged, not raised
+        assert source.reserved_tokens("a") == 10000
+
+    run(scenario)
+
+
+def test_priorities_are_shed_at_each_water_level() -> None:
+    async def outcomes(used: int) -> list[bool]:
+        source, _, admission = setup(("a", 100000), max_wait_s=0.0, breaker_open_s=3600)
+        source.update("a", used_tokens=used)
+        admitted = [await admit(admission, 1000, f"{p}-{used}", p) for p in ("high", "normal", "low")]
+        return [a.ticket is not None for a in admitted]
+
+    async def scenario() -> None:
+        assert await outcomes(50000) == [True, True, True], "green"
+        assert await outcomes(88000) == [True, True, False], "yellow sheds low"
+        assert await outcomes(96000) == [True, False, False], "red sheds all but high"
+
+    run(scenario)
+
+
+def test_red_opens_the_breaker_which_half_opens_to_probe_and_closes() -> None:
+    async def scenario() -> None:
+        source, clock, admission = setup(("a", 100000), max_wait_s=0.0, breaker_open_s=2.0, breaker_probes=1)
+        source.update("a", used_tokens=96000)
+        assert refused(await admit(admission, 1000, "r1")) is Reason.SHED
+        (long_pool,) = admission.gauges().pools
+        assert (long_pool.water_level, long_pool.breaker) == (Level.RED, BreakerState.OPEN)
+        source.update("a", used_tokens=10000)
+        assert refused(await admit(admission, 1000, "r2")) is Reason.SHED, "open: still shedding"
+        clock.advance(2.0)
+        source.tick()
+        probe = await admit(admission, 1000, "probe")
+        assert probe.ticket is not None, "half-open lets a probe through"
+        assert admission.gauges().pools[0].breaker is BreakerState.HALF_OPEN
+        assert (await admit(admission, 1000, "r3")).ticket is not None, "green after the probe: closed"
+        assert admission.gauges().pools[0].breaker is BreakerState.CLOSED
+
+    run(scenario)
+
+
+def test_a_probe_that_finds_the_pool_red_opens_the_breaker_again() -> None:
+    async def scenario() -> None:
+        source, clock, admission = setup(("a", 100000), max_wait_s=0.0, breaker_open_s=2.0, breaker_probes=1)
+        source.update("a", used_tokens=96000)
+        assert refused(await admit(admission, 1000, "r1")) is Reason.SHED
+        clock.advance(2.0)
+        source.update("a", used_tokens=70000)
+        assert (await admit(admission, 1000, "probe")).ticket is not None
+        source.update("a", used_tokens=97000)
+        assert refused(await admit(admission, 1000, "r2")) is Reason.SHED
+        assert admission.gauges().pools[0].breaker is BreakerState.OPEN
+
+    run(scenario)
+
+
+def test_the_interactive_pool_sheds_its_lowest_priority_when_red() -> None:
+    async def scenario() -> None:
+        clock = ManualClock()
+        interactive = FakeHeadroom(clock)
+        interactive.add_node("i", 100000, used_tokens=97000)
+        admission = Admission(AdmissionConfig(), None, interactive, clock=clock)
+        short = Route("interactive", Reason.SHORT, 800)
+        assert (await admission.admit(short, MODEL, "normal", "r1")).decision == short
+        low = await admission.admit(short, MODEL, "low", "r2")
+        assert refused(low) is Reason.SHED
+
+    run(scenario)
 
 
 class SlowAgentView:
@@ -23,11 +292,11 @@ class SlowAgentView:
     def snapshot(self) -> tuple[NodeView, ...]:
         return (node("a", 30000),)
 
-    async def reserve(self, agent: str, request_id: str, tokens: int, lease_s: float | None = None) -> None:
+    async def reserve(self, node: str, request_id: str, tokens: int) -> None:
         self.reserving.set()
         await asyncio.sleep(3600)
 
-    async def release(self, agent: str, request_id: str) -> ReleaseOutcome:
+    async def release(self, node: str, request_id: str) -> ReleaseOutcome:
         self.released.append(request_id)
         return ReleaseOutcome(released=False, headroom_tokens=30000, reserved_tokens=0)
 
@@ -42,15 +311,13 @@ def test_a_stream_cancelled_mid_reserve_gives_the_reservation_back() -> None:
     async def scenario() -> list[str]:
         view = SlowAgentView()
         admission = Admission(AdmissionConfig(), view)  # type: ignore[arg-type]
-        admit = asyncio.create_task(
-            admission.admit(Route("long", Reason.LONG, 12000), ModelConfig(), None, "r1")
-        )
+        task = asyncio.create_task(admit(admission, 12000, "r1"))
         await asyncio.wait_for(view.reserving.wait(), 5)
-        admit.cancel()
+        task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            await admit
+            await task
         for _ in range(10):
             await asyncio.sleep(0)
         return view.released
 
-    assert asyncio.run(scenario()) == ["r1"]
+    assert run(scenario) == ["r1"]

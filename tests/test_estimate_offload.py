@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 from corpus.cases import text
 
-from kvgate.errors import RequestError
 from kvgate.estimate import PromptCosts, build_estimator, calibration
-from kvgate.estimate.estimator import Estimator
+from kvgate.estimate.estimator import Estimator, TokenEstimate, Unavailable
 from kvgate.estimate.exact import TokenizerFile
 from kvgate.estimate.fast import FastEstimator
 from kvgate.request.shape import Api, RequestShape
@@ -72,9 +71,8 @@ def test_the_count_queue_is_bounded(sp_model_path: Path) -> None:
     async def main() -> None:
         first = asyncio.ensure_future(limited.estimate(near_threshold_shape(1000), LIMITS))
         await asyncio.sleep(0)
-        with pytest.raises(RequestError) as refused:
-            await limited.estimate(near_threshold_shape(1000), LIMITS)
-        assert refused.value.status == 503
+        refused = await limited.estimate(near_threshold_shape(1000), LIMITS)
+        assert isinstance(refused, Unavailable) and "too many long prompts" in refused.message
         assert (await first).method == "exact"
         assert (await limited.estimate(near_threshold_shape(1000), LIMITS)).method == "exact"
 
@@ -96,13 +94,11 @@ def test_a_killed_worker_is_replaced(sp_model_path: Path) -> None:
         worker.join(5)
         outcomes = []
         for _ in range(2):
-            try:
-                outcomes.append((await estimator.estimate(near_threshold_shape(1000), LIMITS)).method)
-            except RequestError as error:
-                outcomes.append(error.code)
-        # The count in flight when the worker died (if any) fails with 503; the next one works.
+            result = await estimator.estimate(near_threshold_shape(1000), LIMITS)
+            outcomes.append(result.method if isinstance(result, TokenEstimate) else "unavailable")
+        # The count in flight when the worker died (if any) is unavailable (a 503); the next one works.
         assert outcomes[-1] == "exact"
-        assert set(outcomes) <= {"exact", "tokenizer_unavailable"}
+        assert set(outcomes) <= {"exact", "unavailable"}
 
     try:
         asyncio.run(main())

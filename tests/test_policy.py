@@ -24,11 +24,10 @@ def test_output_budget_counts_toward_the_total() -> None:
     assert decide(100, 500, MODEL) == Route("interactive", Reason.SHORT, 600)
 
 
-def test_too_long_is_a_413_naming_both_numbers() -> None:
+def test_too_long_is_refused_naming_both_numbers() -> None:
     refusal = decide(20000, 1024, MODEL)
     assert isinstance(refusal, Refusal)
-    assert refusal.status == 413
-    assert refusal.code == "context_length_exceeded"
+    assert (refusal.reason, refusal.tokens) == (Reason.TOO_LONG, 21024)
     assert "21024" in refusal.message and "16384" in refusal.message
 
 
@@ -43,7 +42,7 @@ def test_every_total_gets_exactly_the_class_its_thresholds_say(prompt: int, outp
     decision = decide(prompt, output, MODEL)
     total = prompt + output
     if total > MODEL.max_total_tokens:
-        assert isinstance(decision, Refusal) and decision.status == 413
+        assert isinstance(decision, Refusal) and decision.reason is Reason.TOO_LONG
     else:
         assert isinstance(decision, Route)
         assert decision.pool == ("interactive" if total <= MODEL.interactive_max_tokens else "long")

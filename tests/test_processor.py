@@ -23,8 +23,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvgate.config import Config, parse_config
-from kvgate.errors import RequestError
-from kvgate.gate.pipeline import Pipeline, estimator_factory, refusal_for
+from kvgate.gate.pipeline import Pipeline, estimator_factory
 from kvgate.gate.processor import (
     ATTRIBUTES_NAMESPACE,
     ExternalProcessor,
@@ -80,8 +79,11 @@ def drive(processor: ExternalProcessor, messages: Sequence[ProcessingRequest]) -
 
 def set_headers(response: ProcessingResponse) -> dict[str, str]:
     which = response.WhichOneof("response")
-    common = getattr(response, which).response
-    return {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
+    if which == "immediate_response":
+        mutation = response.immediate_response.headers
+    else:
+        mutation = getattr(response, which).response.header_mutation
+    return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
 
 
 def chat(text: str, **extra: Any) -> bytes:
@@ -269,8 +271,45 @@ def test_any_message_sequence_gets_a_defined_answer(sequence: list[ProcessingReq
             json.loads(answer.immediate_response.body)
 
 
-def test_gateway_limits_are_retryable_503s_not_client_errors() -> None:
-    busy = refusal_for(RequestError(503, "tokenizer_busy", "busy", "server_error"))
-    assert (busy.status, busy.reason.value, busy.retry_after_s) == (503, "overloaded", 1)
-    bad = refusal_for(RequestError(400, "invalid_request", "bad"))
-    assert (bad.status, bad.reason.value, bad.retry_after_s) == (400, "invalid_request", None)
+def test_the_gateways_own_overload_is_a_retryable_503_not_a_client_error() -> None:
+    config = Config()
+    processor = ExternalProcessor(
+        Pipeline(config, estimator_factory(), offload_slots=0), "x-kvgate-priority", GateMetrics()
+    )
+    _, answer = drive(processor, [headers(**{"content-encoding": "gzip"}), body(gzip.compress(chat("hi")))])
+    immediate = answer.immediate_response
+    assert immediate.status.code == 503
+    assert set_headers(answer)["retry-after"] == "1"
+    assert set_headers(answer)["x-kvgate-reason"] == "overloaded"
+    assert json.loads(immediate.body)["error"]["type"] == "server_error"
+
+
+def test_refusals_take_the_shape_of_the_api_called() -> None:
+    anthropic = json.dumps(
+        {"model": "m", "max_tokens": 20000, "messages": [{"role": "user", "content": "hi"}]}
+    ).encode()
+    _, answer = drive(make_processor(), [headers("/v1/messages"), body(anthropic)])
+    assert answer.immediate_response.status.code == 413
+    error = json.loads(answer.immediate_response.body)
+    assert error["type"] == "error"
+    assert error["error"]["type"] == "request_too_large"
+    assert "20000" in error["error"]["message"]
+    _, openai = drive(make_processor(), [headers(), body(chat("hi", max_tokens=20000))])
+    assert json.loads(openai.immediate_response.body)["error"]["code"] == "context_length_exceeded"
+    assert "retry-after" not in set_headers(openai), "the same request would be refused again"
+
+
+def test_too_long_status_is_configurable() -> None:
+    processor = make_processor(parse_config("refusals: {too_long_status: 400}"))
+    _, answer = drive(processor, [headers(), body(chat("hi", max_tokens=20000))])
+    assert answer.immediate_response.status.code == 400
+    assert json.loads(answer.immediate_response.body)["error"]["code"] == "context_length_exceeded"
+
+
+def test_a_json_body_is_sized_whatever_its_content_type_says() -> None:
+    """`curl -d` sends form-encoded: the engine parses it anyway, so the gate must size it."""
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    _, routed = drive(make_processor(), [headers(**form), body(chat("word " * 6000))])
+    assert set_headers(routed)["x-kvgate-pool"] == "long"
+    _, plain = drive(make_processor(), [headers(**form), body(b"a=1&b=2")])
+    assert set_headers(plain)["x-kvgate-reason"] == "unparsed"

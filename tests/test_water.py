@@ -1,4 +1,4 @@
-"""Water levels, the breaker and shedding: pure rules with an injected clock."""
+"""Water levels, the breaker and shedding: pure rules with time passed in."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from kvgate.config import WaterThresholds
 from kvgate.gate.waitqueue import WaitQueue
 from kvgate.headroom.snapshot import CapacitySource, NodeHeadroom, NodeView
 from kvgate.policy.nodes import choose_nodes
-from kvgate.policy.shedding import should_shed
+from kvgate.policy.shedding import PoolKind, Verdict, verdict
 from kvgate.policy.water import Breaker, BreakerState, Level, PoolSignals, WaterLevel, pool_signals
 
 
@@ -85,28 +85,53 @@ def test_breaker_opens_on_red_half_opens_and_closes_after_good_probes() -> None:
     assert breaker.observe(Level.RED, 0.0) is BreakerState.OPEN
     assert breaker.observe(Level.GREEN, 1.0) is BreakerState.OPEN
     assert breaker.observe(Level.GREEN, 2.0) is BreakerState.HALF_OPEN
-    assert breaker.allow_probe()
-    assert not breaker.allow_probe()
+    assert breaker.probes_left == 1
+    breaker.spend_probe()
+    assert breaker.probes_left == 0
     assert breaker.observe(Level.YELLOW, 2.1) is BreakerState.CLOSED
+    assert breaker.probes_left == 0, "only a half-open breaker offers probes"
 
 
 def test_breaker_reopens_when_the_probe_finds_red() -> None:
     breaker = Breaker(open_s=1.0, probes=1)
     breaker.observe(Level.RED, 0.0)
     breaker.observe(Level.RED, 1.0)
-    assert breaker.allow_probe()
+    breaker.spend_probe()
     assert breaker.observe(Level.RED, 1.1) is BreakerState.OPEN
     assert breaker.observe(Level.GREEN, 1.5) is BreakerState.OPEN
 
 
-def test_lower_priorities_are_shed_first() -> None:
-    closed = Breaker(1.0, 1)
-    assert not any(should_shed(Level.GREEN, closed, rank, 3) for rank in range(3))
-    assert [should_shed(Level.YELLOW, closed, rank, 3) for rank in range(3)] == [False, False, True]
-    assert [should_shed(Level.RED, closed, rank, 3) for rank in range(3)] == [False, True, True]
-    opened = Breaker(1.0, 1)
-    opened.observe(Level.RED, 0.0)
-    assert [should_shed(Level.GREEN, opened, rank, 3) for rank in range(3)] == [False, True, True]
+def _long(level: Level, breaker: BreakerState = BreakerState.CLOSED, probes_left: int = 0) -> list[Verdict]:
+    return [
+        verdict(PoolKind.LONG, level, breaker=breaker, probes_left=probes_left, rank=rank, ranks=3)
+        for rank in range(3)
+    ]
+
+
+A, P, S = Verdict.ADMIT, Verdict.PROBE, Verdict.SHED
+
+
+def test_lower_priorities_are_shed_first_in_the_long_pool() -> None:
+    assert _long(Level.GREEN) == [A, A, A]
+    assert _long(Level.YELLOW) == [A, A, S]
+    assert _long(Level.RED) == [A, S, S]
+    assert _long(Level.GREEN, BreakerState.OPEN) == [A, S, S]
+    assert _long(Level.GREEN, BreakerState.HALF_OPEN, probes_left=1) == [A, P, P]
+    assert _long(Level.GREEN, BreakerState.HALF_OPEN, probes_left=0) == [A, S, S]
+
+
+def test_the_interactive_pool_sheds_only_its_lowest_priority_and_only_when_red() -> None:
+    def interactive(level: Level, ranks: int = 3) -> list[Verdict]:
+        return [
+            verdict(
+                PoolKind.INTERACTIVE, level, breaker=BreakerState.OPEN, probes_left=0, rank=r, ranks=ranks
+            )
+            for r in range(ranks)
+        ]
+
+    assert interactive(Level.YELLOW) == [A, A, A], "its breaker does not shed"
+    assert interactive(Level.RED) == [A, A, S]
+    assert interactive(Level.RED, ranks=1) == [A], "a single priority is never shed"
 
 
 def test_wait_queue_orders_by_priority_then_arrival() -> None:

@@ -107,10 +107,19 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class RefusalsConfig:
+    # 413 is the field report's answer to a request past max_total_tokens; 400 with the same
+    # `context_length_exceeded` code is what OpenAI, vLLM and Anthropic answer, so the official SDKs
+    # raise BadRequestError for it.
+    too_long_status: Literal[413, 400] = 413
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     server: ServerConfig = ServerConfig()
     request: RequestConfig = RequestConfig()
     admission: AdmissionConfig = AdmissionConfig()
+    refusals: RefusalsConfig = RefusalsConfig()
     # Agents of the long-context pool: reservations and its water level.
     headroom: HeadroomSettings = field(default_factory=HeadroomSettings)
     # Agents of the interactive pool, if any: only its water level (no per-request reservations).

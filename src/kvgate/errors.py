@@ -1,11 +1,16 @@
 """kvgate's exceptions.
 
     KvgateError
-    ├── ConfigError        the kvgate YAML file or a CLI flag is wrong; names the key and the line
-    ├── RequestError       a client request the gate refuses to interpret (carries HTTP status and code)
-    └── HeadroomError      talking to an agent failed (the gate treats the node as unknown)
+    ├── ConfigError                 the kvgate YAML file or a CLI flag is wrong; names the key and the line
+    ├── RequestError                a client request the gate cannot interpret (its kind says why)
+    │   ├── InvalidRequestError       not JSON, not UTF-8, a missing or mistyped field, too deep
+    │   ├── BodyTooLargeError         the body, or what it inflates to, is past the configured limit
+    │   └── UnsupportedEncodingError  a Content-Encoding the gate cannot undo
+    └── HeadroomError               talking to an agent failed (the gate treats the node as unknown)
 
-Running out of capacity is not an exception: it is a refusal returned by the policy.
+Running out of capacity is not an exception: it is a refusal returned by the policy. So is the
+gateway's own overload (its token counter or body readers busy), which is not the client's fault.
+The gate turns a RequestError into a refusal by its class (`kvgate.gate.pipeline.refusal_for`).
 """
 
 from __future__ import annotations
@@ -20,16 +25,23 @@ class ConfigError(KvgateError):
 
 
 class RequestError(KvgateError):
-    """A request body the gate cannot interpret, mapped to an OpenAI-style error response."""
+    """A request body the gate cannot interpret; the message says what was wrong, for the client."""
 
-    def __init__(
-        self, status: int, code: str, message: str, error_type: str = "invalid_request_error"
-    ) -> None:
+    def __init__(self, message: str) -> None:
         super().__init__(message)
-        self.status = status
-        self.code = code
         self.message = message
-        self.error_type = error_type
+
+
+class InvalidRequestError(RequestError):
+    """The body is not a JSON request of the API its path names."""
+
+
+class BodyTooLargeError(RequestError):
+    """The body, or what it inflates to, is past the gateway's limit."""
+
+
+class UnsupportedEncodingError(RequestError):
+    """The body's Content-Encoding is not one the gate can undo."""
 
 
 class HeadroomError(KvgateError):

@@ -15,11 +15,14 @@ from __future__ import annotations
 import logging
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 from opentelemetry import metrics, propagate, trace
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from opentelemetry.util.types import AttributeValue
 from prometheus_client.core import REGISTRY, HistogramMetricFamily, Metric
+
+from kvgate.headroom.snapshot import NodeView
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +242,75 @@ class GateMetrics:
 
     def reservation(self, result: str) -> None:
         self._reservations.add(result)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolGauges:
+    pool: str
+    water_level: int  # 0 green, 1 yellow, 2 red
+    breaker: str  # closed, half_open, open
+    nodes: tuple[NodeView, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionGauges:
+    """What admission shows at one instant, read at scrape time."""
+
+    waiting: int
+    pools: tuple[PoolGauges, ...]
+
+
+_BREAKER_VALUES = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
+
+
+def observe_admission(meter_: Meter, read: Callable[[], AdmissionGauges]) -> None:
+    """The gauges of admission and of the nodes it sees, each read from one `read()` at scrape time."""
+
+    def pools(value: Callable[[PoolGauges], float]) -> Gauge:
+        return lambda: [(value(pool), {"pool": pool.pool}) for pool in read().pools]
+
+    def nodes(value: Callable[[NodeView], float | None]) -> Gauge:
+        def gauge() -> list[tuple[float, dict[str, str]]]:
+            found = []
+            for pool in read().pools:
+                for node in pool.nodes:
+                    reading = value(node)
+                    if reading is not None:
+                        found.append((reading, {"pool": pool.pool, "agent": node.agent}))
+            return found
+
+        return gauge
+
+    observe(
+        meter_,
+        ADMISSION_WAITING,
+        "{request}",
+        "Long requests waiting for capacity",
+        lambda: [(read().waiting, {})],
+    )
+    observe(meter_, POOL_WATER_LEVEL, "1", "0 green, 1 yellow, 2 red", pools(lambda p: float(p.water_level)))
+    observe(
+        meter_,
+        POOL_BREAKER_OPEN,
+        "1",
+        "0 closed, 1 half-open, 2 open",
+        pools(lambda p: _BREAKER_VALUES[p.breaker]),
+    )
+    observe(
+        meter_,
+        NODE_HEADROOM,
+        "{token}",
+        "Headroom the node's agent last reported",
+        nodes(lambda n: float(n.headroom.headroom_tokens) if n.headroom else None),
+    )
+    observe(
+        meter_,
+        NODE_AGE,
+        "s",
+        "Age of the node's latest headroom message",
+        nodes(lambda n: n.age_s if n.headroom else None),
+    )
+    observe(meter_, NODE_FRESH, "1", "1 when the node's headroom is fresh", nodes(lambda n: float(n.fresh)))
 
 
 class DecisionSpans:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvgate.estimate import calibration
-from kvgate.estimate.estimator import Estimator, PromptCosts, TokenEstimate
+from kvgate.estimate.estimator import Estimator, PromptCosts, TokenEstimate, Unavailable
 from kvgate.estimate.exact import TokenizerFile
 from kvgate.estimate.fast import FastEstimator
 from kvgate.estimate.pool import CountingPool
@@ -34,4 +34,4 @@ def local_estimator(tokenizer_path: Path | None, costs: PromptCosts) -> Estimato
     return Estimator(FastEstimator(calibration.for_tokenizer(tokenizer)), tokenizer, costs)
 
 
-__all__ = ["Estimator", "PromptCosts", "TokenEstimate", "build_estimator", "local_estimator"]
+__all__ = ["Estimator", "PromptCosts", "TokenEstimate", "Unavailable", "build_estimator", "local_estimator"]

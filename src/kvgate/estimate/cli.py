@@ -17,6 +17,7 @@ from kvgate.estimate.estimator import Estimator, PromptCosts, TokenEstimate
 from kvgate.estimate.exact import TokenizerFile, load_counter
 from kvgate.estimate.fit import fit
 from kvgate.policy.classify import classify, thresholds
+from kvgate.policy.refusals import RULES, refusal_for
 from kvgate.request.parse import load_json, parse_body
 from kvgate.request.shape import Api
 
@@ -111,7 +112,8 @@ def run_estimate(args: argparse.Namespace) -> int:
             try:
                 result = _estimate(estimator, body, args, model)
             except RequestError as error:
-                print(json.dumps({"error": error.code, "message": error.message}))
+                refusal = refusal_for(error)
+                print(json.dumps({"error": RULES[refusal.reason].code, "message": refusal.message}))
                 status = 1
                 continue
             report = {

@@ -4,7 +4,8 @@ The gate only needs to know which side of each threshold a request falls on. The
 a band [low, high] of prompt tokens; when no threshold falls inside the band the fast answer decides,
 otherwise the exact tokenizer counts (off the event loop, in an executor the estimator owns) and
 stops as soon as the class is certain. At most `max_pending` counts wait or run at once; past that
-the request is refused with 503 rather than queued without bound.
+the estimator answers `Unavailable` (the gateway's own overload, which the gate refuses with a
+retryable 503) rather than queue without bound.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Literal
 
-from kvgate.errors import RequestError
 from kvgate.estimate import decide
 from kvgate.estimate.exact import TokenizerFile
 from kvgate.estimate.fast import FastEstimator, TextBand
@@ -45,6 +45,13 @@ class TokenEstimate:
     @property
     def total(self) -> int:
         return self.prompt_tokens + self.output_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Unavailable:
+    """The exact count a request needed cannot run now: the counter is full or broken."""
+
+    message: str
 
 
 class Estimator:
@@ -130,25 +137,18 @@ class Estimator:
             return self.fast_estimate(shape)
         return self._counted(shape, decide.run(self._job(shape, ())))
 
-    async def estimate(self, shape: RequestShape, thresholds: Sequence[int]) -> TokenEstimate:
+    async def estimate(self, shape: RequestShape, thresholds: Sequence[int]) -> TokenEstimate | Unavailable:
         band = self.fast_band(shape)
         if not self.needs_exact(shape, band, thresholds):
             return self._result(shape, band.tokens, "fast", True)
         if self._pending >= self._max_pending:
-            raise RequestError(
-                503,
-                "tokenizer_busy",
-                "The gateway is counting too many long prompts right now; retry shortly.",
-                "server_error",
-            )
+            return Unavailable("The gateway is counting too many long prompts right now; retry shortly.")
         self._pending += 1
         try:
             loop = asyncio.get_running_loop()
             counted = await loop.run_in_executor(self._executor, decide.run, self._job(shape, thresholds))
-        except BrokenProcessPool as exc:
-            raise RequestError(
-                503, "tokenizer_unavailable", "The gateway's token counter failed.", "server_error"
-            ) from exc
+        except BrokenProcessPool:
+            return Unavailable("The gateway's token counter failed; retry shortly.")
         finally:
             self._pending -= 1
         return self._counted(shape, counted)

@@ -19,8 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from envoy.config.core.v3.base_pb2 import HeaderValue
@@ -37,8 +36,9 @@ from opentelemetry.util.types import AttributeValue
 
 from kvgate.gate import responses
 from kvgate.gate.admission import Ticket
-from kvgate.gate.pipeline import Outcome, Pipeline, RequestHead
-from kvgate.policy import Decision, Refusal
+from kvgate.gate.pipeline import Outcome, Pipeline, RequestHead, headers_read, request_head
+from kvgate.names import HEADER_PREFIX, METADATA_NAMESPACE
+from kvgate.policy import Decision, Reason, Refusal
 from kvgate.telemetry import DecisionSpans, GateMetrics
 
 log = logging.getLogger(__name__)
@@ -64,34 +64,13 @@ class _Stream:
         self.ticket: Ticket | None = None
 
 
-_TRACE_HEADERS = ("traceparent", "tracestate")
 ATTRIBUTES_NAMESPACE = "envoy.filters.http.ext_proc"
+# Request facts Envoy sends under their own attribute names rather than as request.headers[...].
+_OWN_ATTRIBUTES = {":path": "request.path", ":method": "request.method", "x-request-id": "request.id"}
 
 
 def _value(header: HeaderValue) -> str:
     return header.raw_value.decode("latin-1") if header.raw_value else str(header.value)
-
-
-def read_head(message: HttpHeaders, stream: _Stream, priority_header: str) -> RequestHead:
-    """The headers the gate reads; only those are decoded (a request carries twenty or more)."""
-    headers = {header.key: header for header in message.headers.headers}
-    stream.forged.extend(key for key in headers if key.startswith(responses.HEADER_PREFIX))
-
-    def read(key: str) -> str | None:
-        header = headers.get(key)
-        return _value(header) if header is not None else None
-
-    priority = read(priority_header)
-    return RequestHead(
-        read(":path") or "",
-        read(":method") or "",
-        read("content-type"),
-        read("content-encoding"),
-        has_body=not message.end_of_stream,
-        priority=priority.strip().lower() if priority is not None else None,
-        request_id=read("x-request-id") or uuid.uuid4().hex,
-        trace_context=tuple((name, value) for name in _TRACE_HEADERS if (value := read(name)) is not None),
-    )
 
 
 def header_attribute(name: str) -> str:
@@ -99,19 +78,30 @@ def header_attribute(name: str) -> str:
     return f"request.headers['{name.lower()}']"
 
 
-_CONTENT_TYPE = header_attribute("content-type")
-_CONTENT_ENCODING = header_attribute("content-encoding")
-_TRACE_ATTRIBUTES = tuple((name, header_attribute(name)) for name in _TRACE_HEADERS)
+def _attribute(header: str) -> str:
+    return _OWN_ATTRIBUTES.get(header) or header_attribute(header)
 
 
 def request_attributes(priority_header: str) -> tuple[str, ...]:
-    """What Envoy must send with the body for the one-round-trip set-up: the same facts `read_head`
-    takes from the headers message. Absent headers are simply missing from what Envoy sends."""
-    headers = (_CONTENT_TYPE, _CONTENT_ENCODING, header_attribute(priority_header))
-    return ("request.path", "request.method", "request.id", *headers, *(key for _, key in _TRACE_ATTRIBUTES))
+    """What Envoy must send with the body for the one-round-trip set-up: every header the gate
+    reads. Absent headers are simply missing from what Envoy sends."""
+    return tuple(_attribute(header) for header in headers_read(priority_header))
 
 
-def head_from_attributes(message: ProcessingRequest, priority_attribute: str) -> RequestHead | None:
+def read_head(message: HttpHeaders, stream: _Stream, priority_header: str) -> RequestHead:
+    """The RequestHead of a two-round-trip stream; only the headers the gate reads are decoded (a
+    request carries twenty or more)."""
+    headers = {header.key: header for header in message.headers.headers}
+    stream.forged.extend(key for key in headers if key.startswith(HEADER_PREFIX))
+
+    def read(key: str) -> str | None:
+        header = headers.get(key)
+        return _value(header) if header is not None else None
+
+    return request_head(read, not message.end_of_stream, priority_header)
+
+
+def head_from_attributes(message: ProcessingRequest, priority_header: str) -> RequestHead | None:
     """The RequestHead of a one-round-trip stream; None when Envoy sent no request path (its
     ext_proc filter lacks the `request_attributes` of `request_attributes()`)."""
     if ATTRIBUTES_NAMESPACE not in message.attributes:
@@ -120,22 +110,11 @@ def head_from_attributes(message: ProcessingRequest, priority_attribute: str) ->
     if "request.path" not in fields:
         return None
 
-    def read(key: str) -> str | None:
+    def read(header: str) -> str | None:
+        key = _attribute(header)
         return fields[key].string_value if key in fields else None
 
-    priority = read(priority_attribute)
-    return RequestHead(
-        fields["request.path"].string_value,
-        read("request.method") or "",
-        read(_CONTENT_TYPE),
-        read(_CONTENT_ENCODING),
-        has_body=True,
-        priority=priority.strip().lower() if priority is not None else None,
-        request_id=read("request.id") or uuid.uuid4().hex,
-        trace_context=tuple(
-            (name, fields[key].string_value) for name, key in _TRACE_ATTRIBUTES if key in fields
-        ),
-    )
+    return request_head(read, True, priority_header)
 
 
 class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -145,14 +124,13 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
         priority_header: str,
         telemetry: GateMetrics,
         spans: DecisionSpans | None = None,
-        metadata_namespace: str = responses.METADATA_NAMESPACE,
+        metadata_namespace: str = METADATA_NAMESPACE,
     ) -> None:
         self._pipeline = pipeline
         self._metrics = telemetry
         self._spans = spans or DecisionSpans()
         self._namespace = metadata_namespace
         self._priority_header = priority_header.lower()
-        self._priority_attribute = header_attribute(priority_header)
         self._releases: set[asyncio.Task[None]] = set()
 
     async def Process(
@@ -190,21 +168,24 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
             return responses.CONTINUE_HEADERS
         self._record(decision, "none", 0.0)
         if isinstance(decision, Refusal):
-            return responses.refuse(decision)
+            return self._refuse(decision, head)
         return responses.route_after_headers(decision, stream.forged, head.has_body, self._namespace)
+
+    def _refuse(self, refusal: Refusal, head: RequestHead) -> ProcessingResponse:
+        """The refusal in the shape of the API the client called (kvgate.policy.refusals)."""
+        return responses.refuse(self._pipeline.refusals.answer(refusal, head.api), refusal.reason)
 
     def _record(self, decision: Decision, method: str, seconds: float) -> None:
         if isinstance(decision, Refusal):
-            self._metrics.decision(
-                str(decision.status), decision.reason.value, method, decision.tokens, seconds
-            )
+            status = self._pipeline.refusals.status(decision.reason)
+            self._metrics.decision(str(status), decision.reason.value, method, decision.tokens, seconds)
         else:
             self._metrics.decision(decision.pool, decision.reason.value, method, decision.tokens, seconds)
 
     async def _on_body(self, request: ProcessingRequest, stream: _Stream) -> ProcessingResponse:
         message = request.request_body
         if stream.head is None:
-            head = head_from_attributes(request, self._priority_attribute)
+            head = head_from_attributes(request, self._priority_header)
             if head is None:
                 log.warning(
                     "a body came without headers or request attributes: set the ext_proc filter's "
@@ -222,7 +203,7 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
             return responses.CONTINUE_BODY
         if stream.decided is not None:
             self._record(stream.decided, "none", 0.0)
-            return self._answer_body(stream.decided, stream, {})
+            return self._answer_body(stream.decided, stream.head, stream, {})
         return await self._decide_on_body(stream.head, stream, message.body)
 
     async def _decide_on_body(
@@ -241,7 +222,7 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
                 dict(head.trace_context),
                 started_ns,
                 time.time_ns(),
-                _span_attributes(outcome, len(body)),
+                _span_attributes(outcome, len(body), self._pipeline.refusals.status),
             )
         extra: dict[str, str | float] = {}
         if outcome.estimate is not None:
@@ -249,17 +230,19 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
             extra["prompt_tokens"] = outcome.estimate.prompt_tokens
         if outcome.shape is not None and outcome.shape.model:
             extra["model"] = outcome.shape.model
-        return self._answer_body(decision, stream, extra)
+        return self._answer_body(decision, head, stream, extra)
 
     def _answer_body(
-        self, decision: Decision, stream: _Stream, extra: dict[str, str | float]
+        self, decision: Decision, head: RequestHead, stream: _Stream, extra: dict[str, str | float]
     ) -> ProcessingResponse:
         if isinstance(decision, Refusal):
-            return responses.refuse(decision)
+            return self._refuse(decision, head)
         return responses.route_after_body(decision, stream.forged, extra, self._namespace)
 
 
-def _span_attributes(outcome: Outcome, body_bytes: int) -> dict[str, AttributeValue]:
+def _span_attributes(
+    outcome: Outcome, body_bytes: int, status_of: Callable[[Reason], int]
+) -> dict[str, AttributeValue]:
     decision = outcome.decision
     attributes: dict[str, AttributeValue] = {
         "kvgate.reason": decision.reason.value,
@@ -267,7 +250,7 @@ def _span_attributes(outcome: Outcome, body_bytes: int) -> dict[str, AttributeVa
         "http.request.body.size": body_bytes,
     }
     if isinstance(decision, Refusal):
-        attributes["http.response.status_code"] = decision.status
+        attributes["http.response.status_code"] = status_of(decision.reason)
     else:
         attributes["kvgate.pool"] = decision.pool
         if decision.endpoint is not None:

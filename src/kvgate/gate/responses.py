@@ -1,12 +1,12 @@
-"""Build ext_proc ProcessingResponses from decisions. The one place a Refusal becomes HTTP.
+"""Build ext_proc ProcessingResponses from decisions: routes as header mutations and metadata,
+refusals (already HTTP, from `kvgate.policy.refusals`) as immediate responses.
 
-Envoy types stay in the gate package: the policy hands over plain Route / Refusal values.
+Envoy types stay in the gate package: the policy hands over plain Route values and HttpAnswers.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Iterable
 
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
@@ -21,14 +21,19 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 )
 from envoy.type.v3.http_status_pb2 import HttpStatus
 
-from kvgate.policy.decision import Reason, Refusal, Route
-
-POOL_HEADER = "x-kvgate-pool"
-TOKENS_HEADER = "x-kvgate-tokens"
-REASON_HEADER = "x-kvgate-reason"
-ENDPOINT_HEADER = "x-kvgate-endpoint"
-HEADER_PREFIX = "x-kvgate-"
-METADATA_NAMESPACE = "kvgate"
+from kvgate.names import (
+    ENDPOINT_HEADER,
+    META_ENDPOINT,
+    META_POOL,
+    META_REASON,
+    META_TOKENS,
+    POOL_HEADER,
+    REASON_HEADER,
+    ROUTING_HEADERS,
+    TOKENS_HEADER,
+)
+from kvgate.policy.decision import Reason, Route
+from kvgate.policy.refusals import HttpAnswer
 
 _OVERWRITE = HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
 _SKIP_BODY = ProcessingMode(request_body_mode=ProcessingMode.BodySendMode.NONE)
@@ -39,7 +44,7 @@ def _header(key: str, value: str) -> HeaderValueOption:
 
 
 # What the gate sets itself: a client's header of the same name is overwritten, never removed.
-_OURS = frozenset({POOL_HEADER, TOKENS_HEADER, REASON_HEADER, ENDPOINT_HEADER})
+_OURS = frozenset(ROUTING_HEADERS)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -59,10 +64,10 @@ def _route_template(
         else ProcessingResponse(request_headers=HeadersResponse(response=common))
     )
     fields = response.dynamic_metadata.fields[namespace].struct_value.fields
-    fields["pool"].string_value = pool
-    fields["reason"].string_value = reason.value
+    fields[META_POOL].string_value = pool
+    fields[META_REASON].string_value = reason.value
     if endpoint is not None:
-        fields["endpoint"].string_value = endpoint
+        fields[META_ENDPOINT].string_value = endpoint
     serialized: bytes = response.SerializeToString()
     return serialized
 
@@ -83,7 +88,7 @@ def _routed(
     tokens.header.raw_value = str(route.tokens).encode()
     common.header_mutation.remove_headers.extend(name for name in forged if name not in _OURS)
     fields = response.dynamic_metadata.fields[namespace].struct_value.fields
-    fields["tokens"].number_value = route.tokens
+    fields[META_TOKENS].number_value = route.tokens
     for key, value in extra.items():
         if isinstance(value, str):
             fields[key].string_value = value
@@ -112,43 +117,12 @@ def route_after_headers(
 CONTINUE_HEADERS = ProcessingResponse(request_headers=HeadersResponse())
 CONTINUE_BODY = ProcessingResponse(request_body=BodyResponse())
 
-# Statuses a client may retry after a while: they carry Retry-After.
-_RETRYABLE = frozenset({429, 503})
 
-# OpenAI-style error `type` per status, for clients that switch on it.
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    404: "not_found_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "server_error",
-}
-
-
-def refusal_body(refusal: Refusal) -> bytes:
-    error = {
-        "message": refusal.message,
-        "type": _ERROR_TYPES.get(refusal.status, refusal.error_type),
-        "param": None,
-        "code": refusal.code,
-    }
-    return json.dumps({"error": error}).encode()
-
-
-def refuse(refusal: Refusal) -> ProcessingResponse:
-    headers = [
-        _header("content-type", "application/json"),
-        _header(REASON_HEADER, refusal.reason.value),
-    ]
-    if refusal.tokens:
-        headers.append(_header(TOKENS_HEADER, str(refusal.tokens)))
-    if refusal.status in _RETRYABLE:
-        headers.append(_header("retry-after", str(refusal.retry_after_s or 1)))
+def refuse(answer: HttpAnswer, reason: Reason) -> ProcessingResponse:
     immediate = ImmediateResponse(
-        status=HttpStatus(code=refusal.status),
-        headers=HeaderMutation(set_headers=headers),
-        body=refusal_body(refusal),
-        details=f"kvgate_{refusal.reason.value}",
+        status=HttpStatus(code=answer.status),
+        headers=HeaderMutation(set_headers=[_header(key, value) for key, value in answer.headers]),
+        body=answer.body,
+        details=f"kvgate_{reason.value}",
     )
     return ProcessingResponse(immediate_response=immediate)

@@ -28,6 +28,7 @@ from kvgate.telemetry import (
     DecisionSpans,
     GateMetrics,
     observe,
+    observe_admission,
     start_otlp,
     start_prometheus,
 )
@@ -65,8 +66,13 @@ async def serve(
     start_prometheus(metrics_listen)
     start_otlp(otlp_endpoint, "kvgate-gate")
     telemetry = GateMetrics()
-    admission = build_admission(config, telemetry)
+    long_view, interactive_view = _view(config, config.headroom), _view(config, config.interactive_headroom)
+    views = [view for view in (long_view, interactive_view) if view is not None]
+    admission = Admission(config.admission, long_view, interactive_view, telemetry) if views else None
+    for view in views:
+        await view.start()
     if admission is not None:
+        observe_admission(telemetry.meter, admission.gauges)
         await admission.start()
     pipeline = Pipeline(config, estimator_factory(), admission)
     observe(
@@ -100,25 +106,20 @@ async def serve(
     await processor.drain_releases()
     if admission is not None:
         await admission.stop()
+    for view in views:
+        await view.stop()
     pipeline.close()
     log.info("gate stopped")
 
 
-def build_admission(config: Config, telemetry: GateMetrics) -> Admission | None:
-    """Headroom admission when agents are configured; without them long requests go unchecked."""
-
-    def view(settings: HeadroomSettings) -> HeadroomView | None:
-        if not settings.agents and not settings.dns:
-            return None
-        agents_tls = config.tls.agents
-        # One each: a ChannelSecurity reports a file change once, to the view that reconnects.
-        return HeadroomView(settings, security=ChannelSecurity(agents_tls) if agents_tls.enabled else None)
-
-    long_view = view(config.headroom)
-    interactive_view = view(config.interactive_headroom)
-    if long_view is None and interactive_view is None:
+def _view(config: Config, settings: HeadroomSettings) -> HeadroomView | None:
+    """The view of one pool's agents; None when none are configured (then long requests of that
+    pool go unchecked)."""
+    if not settings.agents and not settings.dns:
         return None
-    return Admission(config.admission, long_view, interactive_view, telemetry)
+    agents_tls = config.tls.agents
+    # One each: a ChannelSecurity reports a file change once, to the view that reconnects.
+    return HeadroomView(settings, security=ChannelSecurity(agents_tls) if agents_tls.enabled else None)
 
 
 def run_worker(config: Config, metrics_listen: str | None, otlp_endpoint: str | None) -> None:

@@ -28,7 +28,7 @@ def classify(total_tokens: int, model: ModelConfig) -> TokenClass:
 
 
 def decide(prompt_tokens: int, output_tokens: int, model: ModelConfig) -> Decision:
-    """Route by total = prompt + output budget; a total over the model's limit is refused with 413."""
+    """Route by total = prompt + output budget; a total over the model's limit is refused."""
     total = prompt_tokens + output_tokens
     token_class = classify(total, model)
     if token_class is TokenClass.INTERACTIVE:
@@ -36,13 +36,11 @@ def decide(prompt_tokens: int, output_tokens: int, model: ModelConfig) -> Decisi
     if token_class is TokenClass.LONG:
         return Route(model.pools.long, Reason.LONG, total)
     return Refusal(
-        status=413,
-        code="context_length_exceeded",
-        reason=Reason.TOO_LONG,
-        message=(
+        Reason.TOO_LONG,
+        (
             f"This request needs {total} tokens ({prompt_tokens} in the prompt plus {output_tokens} "
             f"of output budget), more than this gateway's limit of {model.max_total_tokens} tokens. "
             "Shorten the prompt or lower max_tokens."
         ),
-        tokens=total,
+        total,
     )

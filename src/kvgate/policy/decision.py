@@ -1,7 +1,8 @@
 """What the gate decided for one request: a route to a pool, or a refusal with a clear reason.
 
-A full pool is not an exception: it is a Refusal returned like any other decision. Every Refusal
-becomes one ImmediateResponse in `kvgate.gate.responses`, the single place that maps refusals to HTTP.
+A full pool is not an exception: it is a Refusal returned like any other decision. A Refusal holds
+only why and what to tell the client; its status, error code, error type and Retry-After come from
+the one table in `kvgate.policy.refusals`.
 """
 
 from __future__ import annotations
@@ -15,13 +16,17 @@ class Reason(enum.StrEnum):
 
     SHORT = "short"
     LONG = "long"
-    TOO_LONG = "too_long"
+    ASYNC = "async"
     UNPARSED = "unparsed"
     NO_BODY = "no_body"
+    # Refusals (see kvgate.policy.refusals for what each becomes in HTTP).
+    TOO_LONG = "too_long"
+    BODY_TOO_LARGE = "body_too_large"
     INVALID = "invalid_request"
     UNSUPPORTED = "unsupported"
+    UNSUPPORTED_ENCODING = "unsupported_encoding"
+    UNKNOWN_PATH = "unknown_path"
     OVERLOADED = "overloaded"
-    ASYNC = "async"
     SHED = "shed"
     QUEUE_FULL = "queue_full"
     NO_CAPACITY = "no_capacity"
@@ -39,13 +44,11 @@ class Route:
 
 @dataclass(frozen=True, slots=True)
 class Refusal:
-    status: int
-    code: str
     reason: Reason
     message: str
     tokens: int = 0
-    retry_after_s: int | None = None
-    error_type: str = "invalid_request_error"
+    # When the client may come back, where the refusal knows better than its reason's rule.
+    retry_after_s: float | None = None
 
 
 Decision = Route | Refusal

@@ -117,12 +117,14 @@ class Breaker:
                 self.state = BreakerState.CLOSED
         return self.state
 
-    def allow_probe(self) -> bool:
-        """In half-open, admit up to `probes` requests; the level after them decides."""
-        if self._probes_left <= 0:
-            return False
+    @property
+    def probes_left(self) -> int:
+        """Requests a half-open breaker still lets through; the level after them decides."""
+        return self._probes_left if self.state is BreakerState.HALF_OPEN else 0
+
+    def spend_probe(self) -> None:
+        assert self.probes_left > 0, "a probe was spent that the breaker did not offer"
         self._probes_left -= 1
-        return True
 
     def _open(self, now: float) -> None:
         self.state = BreakerState.OPEN

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import zlib
 
-from kvgate.errors import RequestError
+from kvgate.errors import BodyTooLargeError, InvalidRequestError, UnsupportedEncodingError
 
 _CHUNK = 256 * 1024
 
@@ -26,10 +26,8 @@ def decompress(body: bytes, content_encoding: str | None, max_bytes: int) -> byt
     elif encoding == "deflate":
         wbits = zlib.MAX_WBITS
     else:
-        raise RequestError(
-            415,
-            "unsupported_content_encoding",
-            f"Content-Encoding {encoding!r} is not supported; send identity, gzip or deflate.",
+        raise UnsupportedEncodingError(
+            f"Content-Encoding {encoding!r} is not supported; send identity, gzip or deflate."
         )
     inflater = zlib.decompressobj(wbits)
     parts: list[bytes] = []
@@ -45,20 +43,16 @@ def decompress(body: bytes, content_encoding: str | None, max_bytes: int) -> byt
             data = inflater.unconsumed_tail
         tail = inflater.flush()
     except zlib.error as exc:
-        raise RequestError(
-            400, "invalid_body", f"The {encoding} body could not be decompressed: {exc}."
-        ) from exc
+        raise InvalidRequestError(f"The {encoding} body could not be decompressed: {exc}.") from exc
     if produced + len(tail) > max_bytes:
         raise _too_big(max_bytes)
     if not inflater.eof:
-        raise RequestError(400, "invalid_body", f"The {encoding} body is truncated.")
+        raise InvalidRequestError(f"The {encoding} body is truncated.")
     parts.append(tail)
     return b"".join(parts)
 
 
-def _too_big(max_bytes: int) -> RequestError:
-    return RequestError(
-        413,
-        "request_too_large",
-        f"The request body decompresses to more than {max_bytes} bytes, the gateway's limit.",
+def _too_big(max_bytes: int) -> BodyTooLargeError:
+    return BodyTooLargeError(
+        f"The request body decompresses to more than {max_bytes} bytes, the gateway's limit."
     )

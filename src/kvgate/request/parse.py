@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate.errors import RequestError
+from kvgate.errors import InvalidRequestError
 from kvgate.request.shape import Api, RequestShape
 
 _IMAGE_PART_TYPES = frozenset({"image_url", "input_image", "image"})
@@ -44,24 +44,22 @@ def _depth_exceeds(value: Any, limit: int) -> bool:
     return False
 
 
-def _invalid(message: str) -> RequestError:
-    return RequestError(400, "invalid_request", message)
-
-
 def load_json(body: bytes) -> dict[str, Any]:
     """Decode a JSON object body, mapping every failure to a 400 that says what was wrong."""
     try:
         document = json.loads(body)
     except UnicodeDecodeError as exc:
-        raise _invalid(f"The request body is not valid UTF-8: {exc.reason} at byte {exc.start}.") from exc
+        raise InvalidRequestError(
+            f"The request body is not valid UTF-8: {exc.reason} at byte {exc.start}."
+        ) from exc
     except json.JSONDecodeError as exc:
-        raise _invalid(
+        raise InvalidRequestError(
             f"The request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})."
         ) from exc
     except RecursionError as exc:
-        raise _invalid("The request body is nested too deeply.") from exc
+        raise InvalidRequestError("The request body is nested too deeply.") from exc
     if not isinstance(document, dict):
-        raise _invalid(f"The request body must be a JSON object, got {type(document).__name__}.")
+        raise InvalidRequestError(f"The request body must be a JSON object, got {type(document).__name__}.")
     return document
 
 
@@ -69,7 +67,7 @@ def _compact(value: Any) -> str:
     try:
         return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
     except RecursionError as exc:
-        raise _invalid("The request body is nested too deeply.") from exc
+        raise InvalidRequestError("The request body is nested too deeply.") from exc
 
 
 class _Collector:
@@ -88,7 +86,7 @@ class _Collector:
         if value is None:
             return
         if not isinstance(value, str):
-            raise _invalid(f"'{where}' must be a string, got {type(value).__name__}.")
+            raise InvalidRequestError(f"'{where}' must be a string, got {type(value).__name__}.")
         if value:
             self.texts.append(value)
 
@@ -99,7 +97,7 @@ class _Collector:
             self.texts.append(value)
             return
         if _depth_exceeds(value, self.limits.max_json_depth):
-            raise _invalid(
+            raise InvalidRequestError(
                 f"A schema or tool argument is nested deeper than {self.limits.max_json_depth} levels."
             )
         self.texts.append(_compact(value))
@@ -110,7 +108,7 @@ class _Collector:
             self.text(content, where)
             return
         if not isinstance(content, list):
-            raise _invalid(f"'{where}' must be a string or an array of content parts.")
+            raise InvalidRequestError(f"'{where}' must be a string or an array of content parts.")
         for i, part in enumerate(content):
             self.part(part, f"{where}[{i}]")
 
@@ -119,7 +117,7 @@ class _Collector:
             self.text(part, where)
             return
         if not isinstance(part, dict):
-            raise _invalid(f"'{where}' must be an object.")
+            raise InvalidRequestError(f"'{where}' must be an object.")
         kind = part.get("type")
         if kind in _IMAGE_PART_TYPES:
             self.images += 1
@@ -132,20 +130,20 @@ class _Collector:
 
     def message_list(self, messages: Any, where: str) -> None:
         if not isinstance(messages, list):
-            raise _invalid(f"'{where}' must be an array of messages.")
+            raise InvalidRequestError(f"'{where}' must be an array of messages.")
         if len(messages) > self.limits.max_messages:
-            raise _invalid(
+            raise InvalidRequestError(
                 f"'{where}' has {len(messages)} messages, "
                 f"more than this gateway's limit of {self.limits.max_messages}."
             )
         for i, message in enumerate(messages):
             if not isinstance(message, dict):
-                raise _invalid(f"'{where}[{i}]' must be an object.")
+                raise InvalidRequestError(f"'{where}[{i}]' must be an object.")
             self.messages += 1
             self.content(message.get("content"), f"{where}[{i}].content")
             calls = message.get("tool_calls") or ()
             if not isinstance(calls, list | tuple):
-                raise _invalid(f"'{where}[{i}].tool_calls' must be an array.")
+                raise InvalidRequestError(f"'{where}[{i}].tool_calls' must be an array.")
             for call in calls:
                 function = call.get("function") if isinstance(call, dict) else None
                 if isinstance(function, dict):
@@ -166,7 +164,9 @@ class _Collector:
                 else:
                     self.text(item, f"{where}[{i}]")
         elif prompt is not None:
-            raise _invalid(f"'{where}' must be a string, an array of strings or an array of token ids.")
+            raise InvalidRequestError(
+                f"'{where}' must be a string, an array of strings or an array of token ids."
+            )
 
     def definitions(self, body: dict[str, Any], *keys: str) -> None:
         for key in keys:
@@ -174,7 +174,7 @@ class _Collector:
             if value is None:
                 continue
             if not isinstance(value, list):
-                raise _invalid(f"'{key}' must be an array.")
+                raise InvalidRequestError(f"'{key}' must be an array.")
             for item in value:
                 self.structured(item)
 
@@ -184,7 +184,7 @@ def _count(body: dict[str, Any], key: str, minimum: int) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise _invalid(f"'{key}' must be an integer >= {minimum}, got {value!r}.")
+        raise InvalidRequestError(f"'{key}' must be an integer >= {minimum}, got {value!r}.")
     return value
 
 
@@ -199,7 +199,7 @@ def _output_budget(body: dict[str, Any], keys: tuple[str, ...], n: int) -> int |
 def _model(body: dict[str, Any]) -> str | None:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise _invalid(f"'model' must be a string, got {type(model).__name__}.")
+        raise InvalidRequestError(f"'model' must be a string, got {type(model).__name__}.")
     return model
 
 
@@ -219,7 +219,7 @@ def _shape(api: Api, body: dict[str, Any], collected: _Collector, output: int | 
 
 def _chat(body: dict[str, Any], limits: ParseLimits) -> RequestShape:
     if "messages" not in body:
-        raise _invalid("'messages' is required.")
+        raise InvalidRequestError("'messages' is required.")
     collected = _Collector(limits)
     collected.message_list(body["messages"], "messages")
     collected.definitions(body, "tools", "functions")
@@ -233,7 +233,7 @@ def _chat(body: dict[str, Any], limits: ParseLimits) -> RequestShape:
 
 def _completions(body: dict[str, Any], limits: ParseLimits) -> RequestShape:
     if "prompt" not in body:
-        raise _invalid("'prompt' is required.")
+        raise InvalidRequestError("'prompt' is required.")
     collected = _Collector(limits)
     collected.prompt(body["prompt"], "prompt")
     collected.text(body.get("suffix"), "suffix")
@@ -269,7 +269,7 @@ def _responses(body: dict[str, Any], limits: ParseLimits) -> RequestShape:
 
 def _embeddings(body: dict[str, Any], limits: ParseLimits) -> RequestShape:
     if "input" not in body:
-        raise _invalid("'input' is required.")
+        raise InvalidRequestError("'input' is required.")
     collected = _Collector(limits)
     collected.prompt(body["input"], "input")
     # Embeddings generate nothing: no output budget to charge.
@@ -278,7 +278,7 @@ def _embeddings(body: dict[str, Any], limits: ParseLimits) -> RequestShape:
 
 def _anthropic_messages(body: dict[str, Any], limits: ParseLimits) -> RequestShape:
     if "messages" not in body:
-        raise _invalid("'messages' is required.")
+        raise InvalidRequestError("'messages' is required.")
     collected = _Collector(limits)
     collected.content(body.get("system"), "system")
     collected.message_list(body["messages"], "messages")
@@ -300,5 +300,5 @@ _DEFAULT_LIMITS = ParseLimits()
 
 
 def parse_body(api: Api, body: bytes, limits: ParseLimits = _DEFAULT_LIMITS) -> RequestShape:
-    """Parse a JSON body of the given API. Raises RequestError (400) for anything malformed."""
+    """Parse a JSON body of the given API. Raises InvalidRequestError for anything malformed."""
     return _PARSERS[api](load_json(body), limits)

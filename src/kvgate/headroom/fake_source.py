@@ -1,0 +1,222 @@
+"""In-process agents for driving admission without gRPC, Envoy or processes: a real, tested fake.
+
+`FakeHeadroom` answers what the gate's `HeadroomView` answers (snapshot, reserve, release,
+wait_update) for a set of simulated nodes. Each node grants reservations through the agent's own
+`ReservationLedger`, so a grant here is exactly a grant an agent would make: atomic, charged at
+once, refused past the headroom, released or expired on its lease. Time comes from an injected
+clock (`ManualClock` for tests): staleness of a node's last message and lease expiry follow it.
+
+Script it: `update` is a message from the node's agent (new usage, health), `go_silent` stops its
+messages (it goes stale as the clock moves), `disconnect` drops its stream, `restart_agent` gives it
+a new, empty ledger (what a restarted agent remembers), `fail_reserves` makes its Reserve calls fail
+as an unreachable agent's do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvgate.errors import HeadroomError
+from kvgate.headroom.ledger import Budget, ReservationLedger
+from kvgate.headroom.snapshot import CapacitySource, NodeHeadroom, NodeView, ReleaseOutcome, ReserveOutcome
+
+
+class ManualClock:
+    """A monotonic clock that moves only when told to."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        assert seconds >= 0, "a monotonic clock does not go back"
+        self.now += seconds
+
+
+@dataclass(slots=True)
+class _Node:
+    name: str
+    endpoint: str
+    capacity_tokens: int
+    safety_ratio: float
+    used_tokens: int
+    kv_usage: float | None
+    healthy: bool
+    reason: str
+    ledger: ReservationLedger
+    received_at: float
+    seq: int = 1
+    connected: bool = True
+    silent: bool = False
+    failing_reserves: int = 0
+
+    def budget(self) -> Budget:
+        return Budget(self.capacity_tokens, self.safety_ratio, self.used_tokens, self.healthy, self.reason)
+
+
+class FakeHeadroom:
+    def __init__(
+        self,
+        clock: Callable[[], float],
+        stale_after_s: float = 0.5,
+        lease_s: float = 300.0,
+    ) -> None:
+        self._clock = clock
+        self._stale_after_s = stale_after_s
+        self._lease_s = lease_s
+        self._nodes: dict[str, _Node] = {}
+        self._update = asyncio.Event()
+        self.released: list[tuple[str, str]] = []
+
+    def add_node(
+        self,
+        name: str,
+        capacity_tokens: int,
+        *,
+        used_tokens: int = 0,
+        safety_ratio: float = 1.0,
+        healthy: bool = True,
+    ) -> None:
+        self._nodes[name] = _Node(
+            name=name,
+            endpoint=f"{name}.engine:8000",
+            capacity_tokens=capacity_tokens,
+            safety_ratio=safety_ratio,
+            used_tokens=used_tokens,
+            kv_usage=used_tokens / capacity_tokens if capacity_tokens else None,
+            healthy=healthy,
+            reason="" if healthy else "unhealthy",
+            ledger=self._new_ledger(),
+            received_at=self._clock(),
+        )
+        self._notify()
+
+    def update(
+        self, name: str, *, used_tokens: int | None = None, healthy: bool | None = None, reason: str = ""
+    ) -> None:
+        """A new message from the node's agent, fresh as of now."""
+        node = self._nodes[name]
+        if used_tokens is not None:
+            node.used_tokens = used_tokens
+            node.kv_usage = used_tokens / node.capacity_tokens if node.capacity_tokens else None
+        if healthy is not None:
+            node.healthy = healthy
+            node.reason = reason
+        node.silent = False
+        node.connected = True
+        node.received_at = self._clock()
+        node.seq += 1
+        self._notify()
+
+    def tick(self) -> None:
+        """Every agent that is not silent sends its next message (what each does every period)."""
+        for node in self._nodes.values():
+            if not node.silent and node.connected:
+                node.received_at = self._clock()
+                node.seq += 1
+        self._notify()
+
+    def go_silent(self, name: str) -> None:
+        self._nodes[name].silent = True
+
+    def disconnect(self, name: str) -> None:
+        self._nodes[name].connected = False
+        self._notify()
+
+    def restart_agent(self, name: str) -> None:
+        """The agent process starts again: its reservations are forgotten."""
+        node = self._nodes[name]
+        node.ledger = self._new_ledger()
+        self.update(name)
+
+    def fail_reserves(self, name: str, times: int = 1) -> None:
+        """The next `times` Reserve calls to this node get no answer (HeadroomError), as when its
+        agent is unreachable."""
+        self._nodes[name].failing_reserves = times
+
+    def reserved_tokens(self, name: str) -> int:
+        return self._nodes[name].ledger.reserved_tokens
+
+    def snapshot(self) -> tuple[NodeView, ...]:
+        now = self._clock()
+        views = []
+        for name, node in sorted(self._nodes.items()):
+            age = now - node.received_at
+            views.append(
+                NodeView(
+                    name, self._headroom(node), age, node.connected, age <= self._stale_after_s, node.healthy
+                )
+            )
+        return tuple(views)
+
+    async def wait_update(self, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self._update.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def reserve(self, node: str, request_id: str, tokens: int) -> ReserveOutcome:
+        state = self._answering(node)
+        if state.failing_reserves > 0:
+            state.failing_reserves -= 1
+            raise HeadroomError(f"agent {node} did not answer Reserve")
+        result = state.ledger.reserve(request_id, tokens, self._lease_s, state.budget())
+        await asyncio.sleep(0)  # an answer arrives on a later turn of the loop, as over gRPC
+        return ReserveOutcome(
+            result.granted,
+            result.reason.value,
+            result.headroom_tokens,
+            result.reserved_tokens,
+            result.lease_s,
+        )
+
+    async def release(self, node: str, request_id: str) -> ReleaseOutcome:
+        state = self._answering(node)
+        released = state.ledger.release(request_id)
+        self.released.append((node, request_id))
+        self._notify()
+        return ReleaseOutcome(released, state.ledger.headroom(state.budget()), state.ledger.reserved_tokens)
+
+    def _answering(self, name: str) -> _Node:
+        node = self._nodes.get(name)
+        if node is None:
+            raise HeadroomError(f"no agent {name} in the headroom view")
+        if not node.connected:
+            raise HeadroomError(f"agent {name} is unreachable")
+        return node
+
+    def _headroom(self, node: _Node) -> NodeHeadroom:
+        budget = node.budget()
+        return NodeHeadroom(
+            node=node.name,
+            endpoint=node.endpoint,
+            seq=node.seq,
+            sample_time_unix_ns=0,
+            capacity_tokens=node.capacity_tokens,
+            safety_ratio=node.safety_ratio,
+            used_tokens=node.used_tokens,
+            reserved_tokens=node.ledger.reserved_tokens,
+            reservations=node.ledger.count,
+            headroom_tokens=node.ledger.headroom(budget),
+            healthy=node.healthy,
+            reason=node.reason,
+            capacity_source=CapacitySource.MANUAL,
+            kv_usage=node.kv_usage,
+            running=None,
+            waiting=None,
+            preemptions_total=None,
+            gpus=(),
+            period_ms=100,
+        )
+
+    def _new_ledger(self) -> ReservationLedger:
+        return ReservationLedger(self._clock, self._lease_s, max(self._lease_s, 3600.0))
+
+    def _notify(self) -> None:
+        self._update.set()
+        self._update = asyncio.Event()

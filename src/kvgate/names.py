@@ -1,0 +1,40 @@
+"""The names kvgate and Envoy agree on: HTTP headers, the dynamic-metadata namespace and its keys.
+
+One module, importing nothing, so the gate's responses, `kvgate envoy-config`, the queue and the
+chart tests spell every name the same way. Client-sent headers with the `x-kvgate-` prefix are
+never trusted: Envoy strips the routing ones at its edge, and the gate overwrites or removes the rest.
+"""
+
+from __future__ import annotations
+
+HEADER_PREFIX = "x-kvgate-"
+
+# Set by the gate on a routed request (upstream headers; Envoy echoes some to the client).
+POOL_HEADER = "x-kvgate-pool"
+TOKENS_HEADER = "x-kvgate-tokens"
+REASON_HEADER = "x-kvgate-reason"
+ENDPOINT_HEADER = "x-kvgate-endpoint"
+# The headers the gate itself decides; a client's header of the same name is overwritten, never trusted.
+ROUTING_HEADERS = (POOL_HEADER, ENDPOINT_HEADER, TOKENS_HEADER, REASON_HEADER)
+
+# A client's own hint (read, never set, by the gate).
+PRIORITY_HEADER = "x-kvgate-priority"
+
+# The dynamic-metadata namespace of the gate's decision, and its keys. Envoy routes on `pool` and
+# `endpoint` in the one-round-trip set-up and access logs read the rest.
+METADATA_NAMESPACE = "kvgate"
+META_POOL = "pool"
+META_REASON = "reason"
+META_ENDPOINT = "endpoint"
+META_TOKENS = "tokens"
+META_METHOD = "method"
+META_PROMPT_TOKENS = "prompt_tokens"
+META_MODEL = "model"
+
+# The upstream header each routing metadata key becomes in the one-round-trip set-up.
+HEADER_FOR_METADATA = {
+    POOL_HEADER: META_POOL,
+    ENDPOINT_HEADER: META_ENDPOINT,
+    TOKENS_HEADER: META_TOKENS,
+    REASON_HEADER: META_REASON,
+}

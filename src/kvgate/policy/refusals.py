@@ -1,0 +1,162 @@
+"""The one table of refusals: for each Reason, the HTTP status, error code, error types, and when
+the client may retry. Every refusal the gate answers (and the queue's) goes through `Refusals.answer`.
+
+The body takes the shape of the API the client called, so that each official SDK raises its own
+typed exception with kvgate's message: OpenAI's error object (`{"error": {"message", "type",
+"param", "code"}}`) for OpenAI paths, Anthropic's (`{"type": "error", "error": {"type", "message"}}`,
+type names from https://docs.claude.com/en/api/errors) for `/v1/messages`. Both SDKs retry 429 and
+5xx by themselves (honouring Retry-After) and raise at once on the rest.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from kvgate.errors import BodyTooLargeError, InvalidRequestError, RequestError, UnsupportedEncodingError
+from kvgate.names import REASON_HEADER, TOKENS_HEADER
+from kvgate.policy.decision import Reason, Refusal
+from kvgate.request.shape import Api
+
+
+class RetryRule(enum.Enum):
+    """When a refused client may come back (its Retry-After, unless the refusal knows better)."""
+
+    NEVER = "never"  # the same request will be refused again: no Retry-After
+    SOON = "soon"  # the gateway's own momentary overload: one second
+    CAPACITY = "capacity"  # the pools are full: admission.retry_after_s
+
+
+@dataclass(frozen=True, slots=True)
+class RefusalRule:
+    status: int
+    code: str
+    openai_type: str
+    anthropic_type: str
+    retry: RetryRule
+
+
+_N, _S, _C = RetryRule.NEVER, RetryRule.SOON, RetryRule.CAPACITY
+_INVALID, _TOO_LARGE, _RATE, _OVERLOADED = (
+    "invalid_request_error",
+    "request_too_large",
+    "rate_limit_error",
+    "overloaded_error",
+)
+
+# fmt: off
+RULES: Mapping[Reason, RefusalRule] = MappingProxyType({
+    # 413 by default; refusals.too_long_status: 400 answers as OpenAI, vLLM and Anthropic do.
+    Reason.TOO_LONG:             RefusalRule(413, "context_length_exceeded",      _INVALID, _TOO_LARGE, _N),
+    Reason.BODY_TOO_LARGE:       RefusalRule(413, "request_too_large",            _INVALID, _TOO_LARGE, _N),
+    Reason.INVALID:              RefusalRule(400, "invalid_request",              _INVALID, _INVALID, _N),
+    Reason.UNSUPPORTED:          RefusalRule(415, "unsupported_request",          _INVALID, _INVALID, _N),
+    Reason.UNSUPPORTED_ENCODING: RefusalRule(415, "unsupported_content_encoding", _INVALID, _INVALID, _N),
+    Reason.UNKNOWN_PATH:         RefusalRule(404, "unknown_path", "not_found_error", "not_found_error", _N),
+    Reason.OVERLOADED:           RefusalRule(503, "gateway_overloaded",    "server_error", _OVERLOADED, _S),
+    Reason.SHED:                 RefusalRule(429, "pool_saturated",               _RATE, _RATE, _C),
+    Reason.QUEUE_FULL:           RefusalRule(429, "no_capacity",                  _RATE, _RATE, _C),
+    Reason.NO_CAPACITY:          RefusalRule(429, "no_capacity",                  _RATE, _RATE, _C),
+    Reason.NO_HEALTHY_NODE:      RefusalRule(503, "no_healthy_node",       "server_error", _OVERLOADED, _C),
+})
+# fmt: on
+
+_SOON_S = 1.0
+
+_ERROR_REASONS: Mapping[type[RequestError], Reason] = MappingProxyType(
+    {
+        InvalidRequestError: Reason.INVALID,
+        BodyTooLargeError: Reason.BODY_TOO_LARGE,
+        UnsupportedEncodingError: Reason.UNSUPPORTED_ENCODING,
+    }
+)
+
+
+def refusal_for(error: RequestError) -> Refusal:
+    """The refusal of a request the gate could not interpret, by the error's class."""
+    return Refusal(_ERROR_REASONS[type(error)], error.message)
+
+
+@dataclass(frozen=True, slots=True)
+class HttpAnswer:
+    """A refusal as HTTP: what any server (Envoy's ImmediateResponse, the queue's aiohttp) sends."""
+
+    status: int
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+
+
+class Refusals:
+    """The table with this deployment's settings applied: the status of a too-long request, and the
+    Retry-After of a full pool."""
+
+    def __init__(self, too_long_status: int = 413, capacity_retry_after_s: float = 2.0) -> None:
+        rules = dict(RULES)
+        if too_long_status != 413:
+            rules[Reason.TOO_LONG] = RefusalRule(
+                too_long_status,
+                "context_length_exceeded",
+                "invalid_request_error",
+                "invalid_request_error",
+                _N,
+            )
+        self._rules = rules
+        self._capacity_retry_after_s = capacity_retry_after_s
+
+    def rule(self, reason: Reason) -> RefusalRule:
+        return self._rules[reason]
+
+    def status(self, reason: Reason) -> int:
+        return self._rules[reason].status
+
+    def retry_after_s(self, refusal: Refusal) -> float | None:
+        """None when the client should not retry the same request."""
+        retry = self._rules[refusal.reason].retry
+        if retry is RetryRule.NEVER:
+            return None
+        if refusal.retry_after_s is not None:
+            return refusal.retry_after_s
+        return _SOON_S if retry is RetryRule.SOON else self._capacity_retry_after_s
+
+    def answer(self, refusal: Refusal, api: Api | None) -> HttpAnswer:
+        rule = self._rules[refusal.reason]
+        headers = [("content-type", "application/json"), (REASON_HEADER, refusal.reason.value)]
+        if refusal.tokens:
+            headers.append((TOKENS_HEADER, str(refusal.tokens)))
+        wait = self.retry_after_s(refusal)
+        if wait is not None:
+            # Retry-After takes whole seconds; rounding up never invites a client back too early.
+            headers.append(("retry-after", str(max(1, math.ceil(wait)))))
+        return HttpAnswer(rule.status, tuple(headers), error_body(rule, refusal.message, api))
+
+
+def error_body(rule: RefusalRule, message: str, api: Api | None) -> bytes:
+    if api is Api.ANTHROPIC_MESSAGES:
+        return json.dumps(
+            {"type": "error", "error": {"type": rule.anthropic_type, "message": message}}
+        ).encode()
+    error = {"message": message, "type": rule.openai_type, "param": None, "code": rule.code}
+    return json.dumps({"error": error}).encode()
+
+
+def table_markdown() -> str:
+    """The table as docs/operations.md prints it (a test keeps the two the same)."""
+    lines = [
+        "| reason | status | code | OpenAI type | Anthropic type | Retry-After |",
+        "|---|---|---|---|---|---|",
+    ]
+    retry = {
+        _N: "none (do not retry as is)",
+        _S: f"{_SOON_S:g} s",
+        _C: "`admission.retry_after_s`",
+    }
+    for reason, rule in RULES.items():
+        lines.append(
+            f"| `{reason.value}` | {rule.status} | `{rule.code}` | `{rule.openai_type}` | "
+            f"`{rule.anthropic_type}` | {retry[rule.retry]} |"
+        )
+    return "\n".join(lines)
