@@ -43,12 +43,12 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 from bench.loadgen import LoadResult, http_request, percentile, run_load, serve_upstreams
 from bench.trivial_extproc import TrivialProcessor
 from kvgate.gate.processor import ATTRIBUTES_NAMESPACE, header_attribute
+from kvgate.harness.envoy import LOCAL_PORTS, render_envoy
+from kvgate.harness.processes import ProcessGroup, find_envoy, kvgate_command, wait_for_port
+from kvgate.localports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-from stack import ENVOY_YAML, LOCAL_PORTS, Service, free_port, render_envoy, wait_for_port  # type: ignore[import-not-found]  # noqa: E402
-
-BIN = Path(sys.executable).parent
+ENVOY_YAML = ROOT / "envoy" / "envoy.yaml"
 PATH = "/v1/chat/completions"
 BASE_RATE = 400.0
 ROUNDS = 2
@@ -122,8 +122,8 @@ def envoy_config(ports: dict[str, int], tmp: Path) -> Path:
     """The shipped envoy.yaml with free ports, plus the one-round-trip listener of
     envoy-one-trip.yaml (same clusters), a trivial-ext_proc copy of each and a plain listener."""
     local = {name: port for name, port in ports.items() if name in LOCAL_PORTS}
-    shipped = yaml.safe_load(render_envoy(local, tmp / "shipped.yaml", ENVOY_YAML).read_text())
-    one_trip = yaml.safe_load(render_envoy(local, tmp / "one-trip.yaml", ONE_TRIP_YAML).read_text())
+    shipped = yaml.safe_load(render_envoy(ENVOY_YAML, tmp / "shipped.yaml", local).read_text())
+    one_trip = yaml.safe_load(render_envoy(ONE_TRIP_YAML, tmp / "one-trip.yaml", local).read_text())
     resources = shipped["static_resources"]
     gate_listener = resources["listeners"][0]
     one_trip_listener = _listener_copy(
@@ -188,24 +188,18 @@ def running_stack(tmp: Path) -> Iterator[tuple[list[Variant], dict[str, int]]]:
     )
     upstream.start()
     (tmp / "kvgate.yaml").write_text(gate_config_text())
-    services: list[Service] = []
+    group = ProcessGroup(tmp)
     try:
         # Metrics stay on, as `kvgate gate` runs by default, on a free port.
-        gate_argv = ["gate", "--config", str(tmp / "kvgate.yaml"), "--listen", f"127.0.0.1:{ports['gate']}"]
+        gate_argv = ["--config", str(tmp / "kvgate.yaml"), "--listen", f"127.0.0.1:{ports['gate']}"]
         gate_argv += ["--metrics-listen", f"127.0.0.1:{ports['metrics']}"]
-        services.append(Service("gate", [str(BIN / "kvgate"), *gate_argv], tmp))
+        gate = group.start("gate", kvgate_command("gate", *gate_argv))
         trivial_argv = ["-m", "bench.trivial_extproc", "--listen", f"127.0.0.1:{ports['trivial']}"]
-        services.append(Service("trivial", [sys.executable, *trivial_argv], tmp))
+        trivial = group.start("trivial", [sys.executable, *trivial_argv])
         envoy_argv = ["-c", str(envoy_config(ports, tmp)), "--disable-hot-restart", "--log-level", "warning"]
-        services.append(Service("envoy", [str(BIN / "envoy"), *envoy_argv], tmp))
-        gate, trivial, envoy = services
+        envoy = group.start("envoy", [str(find_envoy()), *envoy_argv])
         for service, port in ((gate, "gate"), (trivial, "trivial"), (envoy, "listener")):
-            try:
-                wait_for_port(ports[port], process=service.process)
-            except (RuntimeError, TimeoutError) as error:
-                raise RuntimeError(
-                    f"{service.name} did not start: {error}\n{service.log()[-2000:]}"
-                ) from error
+            service.wait_listening(ports[port])
         for port in ("trivial_listener", "trivial_listener1", "plain_listener", "listener1", "interactive"):
             wait_for_port(ports[port])
         variants = [
@@ -218,8 +212,7 @@ def running_stack(tmp: Path) -> Iterator[tuple[list[Variant], dict[str, int]]]:
         pids = {"envoy": envoy.process.pid, "upstream": upstream.pid or 0, "loadgen": os.getpid()}
         yield variants, pids
     finally:
-        for service in reversed(services):
-            service.stop()
+        group.stop_all()
         upstream.terminate()
         upstream.join(5)
 
@@ -468,7 +461,7 @@ async def _run(variants: list[Variant], pids: dict[str, int], payload: bytes) ->
 def main() -> None:
     body = chat_body()
     started = time.monotonic()
-    version = subprocess.run([BIN / "envoy", "--version"], capture_output=True, text=True, check=True).stdout
+    version = subprocess.run([find_envoy(), "--version"], capture_output=True, text=True, check=True).stdout
     release = version.split("version:")[-1].split("/")[1] if "/" in version else "?"
     print(f"Envoy {release}, {len(body)}-byte chat bodies, open loop, keep-alive, {os.cpu_count()} cores")
     _warn_if_busy()

@@ -296,11 +296,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seconds", type=float, default=default_s, help="traffic duration (default 600)")
     parser.add_argument("--rate", type=float, default=DEFAULT_RATE, help="requests per second (default 8)")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "soak", help="logs and report.json")
+    parser.add_argument(
+        "--lease-s",
+        type=float,
+        default=15.0,
+        help="reservation lease: how long a lost release holds (default 15)",
+    )
     args = parser.parse_args(argv if argv is not None else [])
     # The soak restarts agents on purpose: the reconnect warnings of its own headroom reads are noise.
     logging.getLogger("kvgate.headroom").setLevel(logging.ERROR)
-    report = run_soak(args.seconds, args.rate, args.out)
+    report = run_soak(args.seconds, args.rate, args.out, lease_s=args.lease_s)
     print_report(report)
+    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "report.json").write_text(json.dumps(asdict(report), indent=2))
 
 

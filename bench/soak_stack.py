@@ -13,17 +13,16 @@ import contextlib
 import os
 import signal
 import socket
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-from stack import Service, free_port, render_envoy, wait_for_port  # type: ignore[import-not-found]  # noqa: E402
+from kvgate.harness.envoy import render_envoy
+from kvgate.harness.processes import ChildError, ProcessGroup, find_envoy, kvgate_command, sim_command
+from kvgate.localports import free_port
 
-from kvgate.demo.processes import find_envoy, kvgate_command, sim_command  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 LONG_NODES = ("long-0", "long-1")
 # Sized so that a long request (~8k tokens) takes about a second and four fit on a node at once.
@@ -113,11 +112,12 @@ class SoakStack:
     log_dir: Path
     lease_s: float
     ports: Ports = field(default_factory=pick_ports)
-    services: dict[str, Service] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self.group = ProcessGroup(self.log_dir)
+
     def __enter__(self) -> SoakStack:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
         try:
             self._start_all()
         except BaseException:
@@ -140,15 +140,17 @@ class SoakStack:
 
     def _start_all(self) -> None:
         p = self.ports
-        self._start("sim-interactive", self._sim("interactive", p.interactive, INTERACTIVE_KV_TOKENS, 4096))
+        self.group.start(
+            "sim-interactive", self._sim("interactive", p.interactive, INTERACTIVE_KV_TOKENS, 4096)
+        )
         for node, port in zip(LONG_NODES, p.long, strict=True):
-            self._start(f"sim-{node}", self._sim(node, port, LONG_KV_TOKENS, 32768))
+            self.group.start(f"sim-{node}", self._sim(node, port, LONG_KV_TOKENS, 32768))
         for i in range(len(LONG_NODES)):
             self.start_agent(i)
         config = self.log_dir / "kvgate.yaml"
         config.write_text(gate_yaml(p, self.lease_s))
         metrics = f"127.0.0.1:{p.gate_metrics}"
-        self._start("gate", kvgate_command("gate", "--config", str(config), "--metrics-listen", metrics))
+        self.group.start("gate", kvgate_command("gate", "--config", str(config), "--metrics-listen", metrics))
         envoy_ports = {
             "listener": p.listener,
             "admin": p.admin,
@@ -156,33 +158,26 @@ class SoakStack:
             "interactive": p.interactive,
             "long": p.long[0],
         }
-        envoy_yaml = render_envoy(envoy_ports, self.log_dir / "envoy.yaml")
+        envoy_yaml = render_envoy(ROOT / "envoy" / "envoy.yaml", self.log_dir / "envoy.yaml", envoy_ports)
         envoy_argv = [str(find_envoy()), "-c", str(envoy_yaml), "--disable-hot-restart", "--concurrency", "1"]
-        self._start("envoy", [*envoy_argv, "--log-level", "warning"])
+        self.group.start("envoy", [*envoy_argv, "--log-level", "warning"])
         ready = {"sim-interactive": p.interactive, "gate": p.gate, "envoy": p.listener}
         ready |= {f"sim-{node}": port for node, port in zip(LONG_NODES, p.long, strict=True)}
         for name, port in ready.items():
-            wait_for_port(port, timeout=60, process=self.services[name].process)
+            self.group[name].wait_listening(port, timeout_s=60)
         deadline = time.monotonic() + 60
         while len(self.gate_workers()) < 2:
             if time.monotonic() > deadline:
-                raise RuntimeError("the gate did not start its 2 workers within 60 s")
+                raise ChildError("the gate did not start its 2 workers within 60 s")
             time.sleep(0.1)
 
     @staticmethod
     def _sim(node: str, port: int, kv_tokens: int, max_model_len: int) -> list[str]:
-        return [
-            *sim_command(),
+        return sim_command(
             *("--listen", f"127.0.0.1:{port}", "--node-name", node),
             *("--kv-capacity-tokens", str(kv_tokens), "--max-model-len", str(max_model_len)),
             *SIM_FLAGS,
-        ]
-
-    def _start(self, name: str, argv: list[str]) -> Service:
-        generation = self.restarts.get(name, 0)
-        service = Service(name if not generation else f"{name}.{generation}", argv, self.log_dir)
-        self.services[name] = service
-        return service
+        )
 
     def start_agent(self, index: int) -> None:
         node, port = LONG_NODES[index], self.ports.agents[index]
@@ -192,23 +187,22 @@ class SoakStack:
             *("--engine-metrics", f"http://127.0.0.1:{self.ports.long[index]}/metrics"),
             *("--nvml", "off", "--node-name", node, "--metrics-listen", "off"),
         )
-        agent = self._start(f"agent-{node}", argv)
-        wait_for_port(port, timeout=60, process=agent.process)
+        name = f"agent-{node}"
+        generation = self.restarts.get(name, 0)
+        agent = self.group.start(name, argv, log_name=f"{name}.{generation}" if generation else name)
+        agent.wait_listening(port, timeout_s=60)
 
     def restart_agent(self, index: int) -> None:
         """SIGKILL the agent (its ledger dies with it) and start a fresh one on the same port."""
         name = f"agent-{LONG_NODES[index]}"
-        old = self.services[name]
-        old.process.kill()
-        old.process.wait(10)
-        old.stop()
+        self.group[name].kill()
         self.restarts[name] = self.restarts.get(name, 0) + 1
         self.start_agent(index)
 
     def gate_workers(self) -> list[int]:
         """The gate's worker pids (its supervisor's children that are not multiprocessing helpers)."""
         workers = []
-        for pid in _pid_children(self.services["gate"].process.pid):
+        for pid in _pid_children(self.group["gate"].process.pid):
             with contextlib.suppress(OSError):
                 if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes():
                     workers.append(pid)
@@ -221,21 +215,16 @@ class SoakStack:
 
     def pids(self) -> dict[str, int]:
         """The current pid of every process by role; gate workers as gate-worker:PID."""
-        found = {name: service.process.pid for name, service in self.services.items()}
+        found = {name: service.process.pid for name, service in self.group.services.items()}
         found |= {f"gate-worker:{pid}": pid for pid in self.gate_workers()}
         return found
 
     def check_alive(self) -> None:
-        for name, service in self.services.items():
-            if service.process.poll() is not None:
-                tail = "\n".join(service.log().splitlines()[-15:])
-                raise RuntimeError(f"{name} exited with {service.process.returncode}:\n{tail}")
+        self.group.check_alive()
 
     def stop(self) -> None:
         # Envoy first, so nothing new reaches the gate while it drains; the nodes last.
         for name in ("envoy", "gate", *(f"agent-{n}" for n in LONG_NODES)):
-            if name in self.services:
-                self.services.pop(name).stop()
-        for service in self.services.values():
-            service.stop()
-        self.services.clear()
+            if name in self.group.services:
+                self.group.stop(name)
+        self.group.stop_all()

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import mistral_common
 import pytest
-from stack import Upstreams, free_port
+
+from kvgate.harness.upstreams import Upstreams
+from kvgate.localports import free_port
 
 TOKENIZER_DIR = Path(mistral_common.__file__).parent / "data"
 

@@ -8,12 +8,21 @@ import re
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pytest
-from stack import Upstreams, agent_process, chat, envoy_process, free_port, gate_process, post, render_envoy
 from test_chart import CHART, Helm, by_kind, real_helm, standalone
+
+from kvgate.harness.client import chat, post
+from kvgate.harness.envoy import render_envoy
+from kvgate.harness.stack import agent_process, envoy_process, gate_process
+from kvgate.harness.upstreams import Upstreams
+from kvgate.localports import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+ENVOY_YAML = ROOT / "envoy" / "envoy.yaml"
 
 DASHBOARD = CHART / "dashboards" / "kvgate.json"
 # Metric names in PromQL: identifiers that are not functions, keywords or label names.
@@ -134,7 +143,9 @@ def gate_metrics(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     agent = agent_process(
         tmp, "agent", agent_port, f"127.0.0.1:{ports['long']}", ["--capacity-tokens", "100000"]
     )
-    envoy = envoy_process(render_envoy(ports, tmp / "envoy.yaml"), tmp, ports["admin"], ports["listener"])
+    envoy = envoy_process(
+        render_envoy(ENVOY_YAML, tmp / "envoy.yaml", ports), tmp, ports["admin"], ports["listener"]
+    )
     agents = f"{{agents: ['127.0.0.1:{agent_port}']}}"
     config = f"headroom: {agents}\ninteractive_headroom: {agents}\n"
     try:

@@ -22,7 +22,6 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import http_con
 from envoy.extensions.http.early_header_mutation.header_mutation.v3 import header_mutation_pb2  # noqa: F401
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
 from google.protobuf import json_format
-from stack import Upstreams, chat, envoy_process, free_port, gate_process, post
 from test_chart import Helm, HelmFailed, one, real_helm, standalone
 
 from kvgate.config import parse_config
@@ -30,6 +29,10 @@ from kvgate.envoyconfig.cli import register
 from kvgate.envoyconfig.settings import HostPort, envoy_settings
 from kvgate.errors import ConfigError
 from kvgate.gate.processor import request_attributes
+from kvgate.harness.client import chat, post
+from kvgate.harness.stack import envoy_process, gate_process
+from kvgate.harness.upstreams import Upstreams
+from kvgate.localports import free_port
 
 ENVOY = Path(sys.executable).parent / "envoy"
 VALIDATE_TIMEOUT_S = 60

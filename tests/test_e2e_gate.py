@@ -14,18 +14,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from stack import (
-    ROOT,
-    Service,
-    Upstreams,
-    chat,
-    envoy_process,
-    free_port,
-    gate_process,
-    post,
-    render_envoy,
-)
 from texts import text_with_tokens
+
+from kvgate.harness.client import chat, post
+from kvgate.harness.envoy import render_envoy
+from kvgate.harness.processes import Service
+from kvgate.harness.stack import envoy_process, gate_process
+from kvgate.harness.upstreams import Upstreams
+from kvgate.localports import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.slow
 
@@ -199,7 +197,7 @@ def test_gate_killed_fails_open_to_interactive(stack: Stack, texts: dict[str, st
 
 
 def _envoy_for(ports: dict[str, int], tmp: Path, source: Path) -> Service:
-    config = render_envoy(ports, tmp / "envoy.yaml", source)
+    config = render_envoy(source, tmp / "envoy.yaml", ports)
     return envoy_process(config, tmp, ports["admin"], ports["listener"])
 
 

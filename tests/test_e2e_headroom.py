@@ -12,23 +12,18 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
-from stack import (
-    ROOT,
-    Reply,
-    Service,
-    Upstreams,
-    agent_process,
-    chat,
-    envoy_process,
-    free_port,
-    gate_process,
-    post,
-    render_envoy,
-)
 from texts import text_with_tokens
 
+from kvgate.harness.client import Reply, chat, post
+from kvgate.harness.envoy import render_envoy
+from kvgate.harness.processes import Service
+from kvgate.harness.stack import agent_process, envoy_process, gate_process
+from kvgate.harness.upstreams import Upstreams
 from kvgate.headroom.settings import HeadroomSettings
 from kvgate.headroom.view import HeadroomView
+from kvgate.localports import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.slow
 
@@ -123,7 +118,7 @@ def front(
     ports = dict(pool_ports, listener=free_port(), gate=free_port(), admin=free_port())
     sub = tmp / name
     sub.mkdir()
-    config_path = render_envoy(ports, sub / "envoy.yaml", ROOT / "envoy" / envoy_file)
+    config_path = render_envoy(ROOT / "envoy" / envoy_file, sub / "envoy.yaml", ports)
     envoy = envoy_process(config_path, sub, ports["admin"], ports["listener"])
     stack.callback(envoy.stop)
     stack.enter_context(gate_process(config, sub, ports["gate"]))

@@ -18,22 +18,18 @@ import grpc
 import pytest
 import yaml
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
-from stack import (
-    BIN,
-    ENVOY_YAML,
-    ROOT,
-    Upstreams,
-    agent_process,
-    chat,
-    envoy_process,
-    free_port,
-    gate_process,
-    post,
-    render_envoy,
-)
 
 from kvgate.config import Config
 from kvgate.gate.processor import request_attributes
+from kvgate.harness.client import chat, post
+from kvgate.harness.envoy import render_envoy
+from kvgate.harness.processes import find_envoy
+from kvgate.harness.stack import agent_process, envoy_process, gate_process
+from kvgate.harness.upstreams import Upstreams
+from kvgate.localports import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+ENVOY_YAML = ROOT / "envoy" / "envoy.yaml"
 
 ACCESS_LOG_YAML = ROOT / "envoy" / "access-log.yaml"
 RATE_LIMIT_YAML = ROOT / "envoy" / "rate-limit.yaml"
@@ -58,7 +54,7 @@ BOOTSTRAPS = sorted(
 @pytest.mark.parametrize("path", BOOTSTRAPS, ids=lambda p: p.name)
 def test_example_passes_envoy_validate(path: Path) -> None:
     result = subprocess.run(
-        [str(BIN / "envoy"), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
+        [str(find_envoy()), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -130,7 +126,7 @@ def test_access_log_shows_pool_tokens_reason_and_endpoint(
     agent = agent_process(
         tmp_path, "agent", agent_port, f"127.0.0.1:{ports['long']}", ["--capacity-tokens", "100000"]
     )
-    config_path = render_envoy(ports, tmp_path / "envoy.yaml", ACCESS_LOG_YAML)
+    config_path = render_envoy(ACCESS_LOG_YAML, tmp_path / "envoy.yaml", ports)
     config = yaml.safe_load(config_path.read_text())
     log_path = tmp_path / "access.log"
     hcm(config)["access_log"][0]["typed_config"]["path"] = str(log_path)
@@ -208,7 +204,7 @@ def test_rate_limit_charges_each_tenant_the_gates_estimate(
 ) -> None:
     ports, upstreams = pools
     service, rls_port = token_budget
-    config_path = render_envoy(ports, tmp_path / "envoy.yaml", RATE_LIMIT_YAML)
+    config_path = render_envoy(RATE_LIMIT_YAML, tmp_path / "envoy.yaml", ports)
     config = yaml.safe_load(config_path.read_text())
     (cluster,) = [c for c in config["static_resources"]["clusters"] if c["name"] == "ratelimit"]
     rls_cluster = copy.deepcopy(cluster)

@@ -15,12 +15,17 @@ from typing import Any
 import pytest
 import yaml
 from pki import Authority, Issued
-from stack import ROOT, Upstreams, chat, envoy_process, free_port, gate_process, post
 from test_chart_envoy import envoy_validate, run_cli
 from test_tls import GATE_NAME, gate_cluster_stats
 from texts import text_with_tokens
 
 from kvgate.errors import ConfigError
+from kvgate.harness.client import chat, post
+from kvgate.harness.stack import envoy_process, gate_process
+from kvgate.harness.upstreams import Upstreams
+from kvgate.localports import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
 
 POOLS = ["--pool", "interactive=127.0.0.1:8001", "--pool", "long=127.0.0.1:8002"]
 

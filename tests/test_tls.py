@@ -24,23 +24,15 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pki import Authority, Issued
-from stack import (
-    BIN,
-    ROOT,
-    Upstreams,
-    agent_process,
-    chat,
-    envoy_process,
-    free_port,
-    gate_process,
-    post,
-    post_until_admitted,
-    render_envoy,
-)
 from texts import text_with_tokens
 
 from kvgate.config import parse_config
 from kvgate.errors import ConfigError, HeadroomError
+from kvgate.harness.client import chat, post, post_until_admitted
+from kvgate.harness.envoy import render_envoy
+from kvgate.harness.processes import find_envoy
+from kvgate.harness.stack import agent_process, envoy_process, gate_process
+from kvgate.harness.upstreams import Upstreams
 from kvgate.headroom.agent import Agent
 from kvgate.headroom.cli import register, tls_from_args
 from kvgate.headroom.cli import run as run_agent
@@ -48,7 +40,10 @@ from kvgate.headroom.credentials import ChannelSecurity
 from kvgate.headroom.node import NodeSettings
 from kvgate.headroom.settings import HeadroomSettings
 from kvgate.headroom.view import HeadroomView
+from kvgate.localports import free_port
 from kvgate.tls import ClientTls, PemFiles, ServerTls
+
+ROOT = Path(__file__).resolve().parent.parent
 
 AGENT_NAME = "kvgate-agent"
 GATE_NAME = "kvgate-gate"
@@ -278,7 +273,7 @@ def test_gate_reconnects_with_its_rotated_client_certificate(pki: Pki) -> None:
 
 def render_envoy_tls(ports: dict[str, int], pki: Pki, path: Path) -> Path:
     """envoy/envoy-tls.yaml on free ports, its /etc/kvgate/tls files taken from the test's PKI."""
-    render_envoy(ports, path, ROOT / "envoy" / "envoy-tls.yaml")
+    render_envoy(ROOT / "envoy" / "envoy-tls.yaml", path, ports)
     files = {
         "/etc/kvgate/tls/ca.crt": pki.ca.cert,
         "/etc/kvgate/tls/envoy.crt": pki.envoy.cert,
@@ -308,7 +303,7 @@ def test_envoy_tls_config_validates(pki: Pki) -> None:
     ports = {name: free_port() for name in ("listener", "gate", "interactive", "long", "async", "admin")}
     path = render_envoy_tls(ports, pki, pki.directory / "envoy-tls.yaml")
     result = subprocess.run(
-        [str(BIN / "envoy"), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
+        [str(find_envoy()), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
         check=False,
         capture_output=True,
         text=True,

@@ -57,8 +57,8 @@ def default_envoy_config() -> Path:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here so that `kvgate --help` does not load the HTTP client and the process machinery.
-    from kvgate.demo.processes import DemoError
     from kvgate.demo.runner import print_report, run_demo
+    from kvgate.harness.processes import ChildError
 
     scenario = load_scenario(args.scenario or builtin_scenario("burst"))
     runs = (args.only,) if args.only else RUNS
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         envoy_config = args.envoy_config or default_envoy_config()
     try:
         report = asyncio.run(_until_terminated(run_demo(scenario, args.out, envoy_config, runs)))
-    except DemoError as exc:
+    except ChildError as exc:
         print(f"kvgate demo: {exc}\n(logs of every process are in {args.out / 'logs'})", file=sys.stderr)
         return 1
     except asyncio.CancelledError:

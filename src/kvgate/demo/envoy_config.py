@@ -1,8 +1,7 @@
-"""Envoy bootstraps of the two demo runs, with the ports of this run filled in.
+"""The baseline run's Envoy: a plain Envoy as most deployments start it.
 
-The baseline is a plain Envoy as most deployments start: one shared pool, round-robin, no health
-checks, no outlier detection, no retries. The kvgate run uses the repository's `envoy/envoy.yaml`
-unchanged except for addresses: listener, admin, gate and the endpoints of each pool.
+One shared pool, round-robin, no health checks, no outlier detection, no retries. (The kvgate run
+uses the repository's `envoy/envoy.yaml` unchanged but for its ports: kvgate.harness.envoy.)
 """
 
 from __future__ import annotations
@@ -12,8 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from kvgate.errors import ConfigError
 
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 _ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
@@ -60,32 +57,6 @@ def baseline_bootstrap(listen_port: int, admin_port: int, node_ports: Sequence[i
         "admin": {"address": _address(admin_port)},
         "static_resources": {"listeners": [listener], "clusters": [cluster]},
     }
-
-
-def kvgate_bootstrap(
-    repo_config: Path, listen_port: int, admin_port: int, gate_port: int, pools: Mapping[str, Sequence[int]]
-) -> dict[str, Any]:
-    """`repo_config` with this run's ports. `pools` maps a cluster name (interactive, long_context,
-    async) to its node ports; clusters not named keep their own endpoints (ORIGINAL_DST has none)."""
-    try:
-        config: dict[str, Any] = yaml.safe_load(repo_config.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"cannot read the Envoy config {repo_config}: {exc}") from exc
-    try:
-        config["admin"]["address"] = _address(admin_port)
-        resources = config["static_resources"]
-        (listener,) = resources["listeners"]
-        listener["address"] = _address(listen_port)
-        clusters = {c["name"]: c for c in resources["clusters"]}
-        clusters["kvgate_gate"]["load_assignment"] = _load_assignment("kvgate_gate", [gate_port])
-        for name, ports in pools.items():
-            clusters[name]["load_assignment"] = _load_assignment(name, ports)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(
-            f"{repo_config} lacks what the demo rewrites (admin, one listener, clusters kvgate_gate, "
-            f"{', '.join(pools)}): {exc!r}"
-        ) from exc
-    return config
 
 
 def write_yaml(config: Mapping[str, Any], path: Path) -> Path:

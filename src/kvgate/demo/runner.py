@@ -19,11 +19,11 @@ from typing import Any, TextIO
 from kvgate.demo.capacity import node_capacity_tokens_per_s
 from kvgate.demo.load import LoadGenerator, Result
 from kvgate.demo.plot import write_plot
-from kvgate.demo.processes import Supervisor
 from kvgate.demo.report import RunTrace, format_table, summarize_run
 from kvgate.demo.scenario import Scenario, plan
 from kvgate.demo.scrape import Sampler, final_metrics
 from kvgate.demo.stacks import Stack, start_baseline, start_kvgate
+from kvgate.harness.processes import ProcessGroup
 
 
 class Progress:
@@ -94,15 +94,15 @@ async def _run_one(
 ) -> RunTrace:
     with (
         tempfile.TemporaryDirectory(prefix=f"kvgate-demo-{name}-") as tmp,
-        Supervisor(out_dir / "logs" / name) as sup,
+        ProcessGroup(out_dir / "logs" / name) as group,
     ):
         progress.done(f"{name}: starting the stack")
         if name == "baseline":
-            stack = await start_baseline(sup, scenario, Path(tmp))
+            stack = await start_baseline(group, scenario, Path(tmp))
         else:
-            stack = await start_kvgate(sup, scenario, Path(tmp), envoy_config)
+            stack = await start_kvgate(group, scenario, Path(tmp), envoy_config)
         no_burst = await _phase(f"{name} no bursts", stack, scenario, False, progress, sampler=None)
-        sup.check_alive()
+        group.check_alive()
         sampler = Sampler(stack.nodes)
         burst = await _phase(f"{name} bursts", stack, scenario, True, progress, sampler=sampler)
         final = await final_metrics(stack.nodes, wait_s=scenario.node.restart_s + 2.0)

@@ -1,4 +1,4 @@
-"""The two stacks the demo compares, started under a Supervisor on free 127.0.0.1 ports.
+"""The two stacks the demo compares, started in a ProcessGroup on free 127.0.0.1 ports.
 
 - baseline: simulated nodes in one shared pool behind a plain round-robin Envoy.
 - kvgate: an interactive pool, a long-context pool with one `kvgate agent` per node, an optional
@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvgate.demo.envoy_config import baseline_bootstrap, kvgate_bootstrap, write_yaml
-from kvgate.demo.processes import Supervisor, find_envoy, kvgate_command, sim_command
+from kvgate.demo.envoy_config import baseline_bootstrap, write_yaml
 from kvgate.demo.scenario import Scenario
 from kvgate.demo.scrape import Node
+from kvgate.harness.envoy import render_envoy
+from kvgate.harness.processes import ProcessGroup, find_envoy, kvgate_command, sim_command
 from kvgate.localports import free_ports
 
 
@@ -49,31 +50,31 @@ def _sim_command(scenario: Scenario, node: Node, max_model_len: int, seed: int) 
     ]  # fmt: skip
 
 
-def _start_envoy(supervisor: Supervisor, config_path: Path) -> None:
+def _start_envoy(group: ProcessGroup, config_path: Path) -> None:
     argv = [str(find_envoy()), "-c", str(config_path), "--disable-hot-restart", "--concurrency", "1"]
-    supervisor.start("envoy", [*argv, "--log-level", "warn"])
+    group.start("envoy", [*argv, "--log-level", "warn"])
 
 
-async def _wait_all(supervisor: Supervisor, ports: dict[str, int]) -> None:
-    await asyncio.gather(*(supervisor.wait_listening(name, port) for name, port in ports.items()))
+async def _wait_all(group: ProcessGroup, ports: dict[str, int]) -> None:
+    await asyncio.gather(*(group[name].listening(port) for name, port in ports.items()))
 
 
 def _start_nodes(
-    supervisor: Supervisor, scenario: Scenario, nodes: list[Node], max_model_len: dict[str, int]
+    group: ProcessGroup, scenario: Scenario, nodes: list[Node], max_model_len: dict[str, int]
 ) -> None:
     for i, node in enumerate(nodes):
-        supervisor.start(node.name, _sim_command(scenario, node, max_model_len[node.pool], scenario.seed + i))
+        group.start(node.name, _sim_command(scenario, node, max_model_len[node.pool], scenario.seed + i))
 
 
-async def start_baseline(supervisor: Supervisor, scenario: Scenario, work_dir: Path) -> Stack:
+async def start_baseline(group: ProcessGroup, scenario: Scenario, work_dir: Path) -> Stack:
     count = scenario.layout.baseline_nodes
     ports = iter(free_ports(count + 2))
     nodes = [Node(f"shared-{i}", next(ports), "shared") for i in range(count)]
-    _start_nodes(supervisor, scenario, nodes, {"shared": scenario.node.max_model_len})
+    _start_nodes(group, scenario, nodes, {"shared": scenario.node.max_model_len})
     listen, admin = next(ports), next(ports)
     bootstrap = baseline_bootstrap(listen, admin, [n.port for n in nodes])
-    _start_envoy(supervisor, write_yaml(bootstrap, work_dir / "envoy-baseline.yaml"))
-    await _wait_all(supervisor, {**{n.name: n.port for n in nodes}, "envoy": listen})
+    _start_envoy(group, write_yaml(bootstrap, work_dir / "envoy-baseline.yaml"))
+    await _wait_all(group, {**{n.name: n.port for n in nodes}, "envoy": listen})
     url = f"http://127.0.0.1:{listen}/v1/chat/completions"
     return Stack(url, tuple(nodes), tuple(n.name for n in nodes), frozenset())
 
@@ -95,13 +96,13 @@ def gate_config(scenario: Scenario, gate_port: int, agent_ports: list[int]) -> d
     }
 
 
-def _start_agents(supervisor: Supervisor, long_nodes: list[Node], ports: Iterator[int]) -> dict[str, int]:
+def _start_agents(group: ProcessGroup, long_nodes: list[Node], ports: Iterator[int]) -> dict[str, int]:
     """One agent per long-context node, reading that node's /metrics; returns name -> port."""
     agents: dict[str, int] = {}
     for node in long_nodes:
         name, port = f"agent-{node.name}", next(ports)
         agents[name] = port
-        supervisor.start(
+        group.start(
             name,
             kvgate_command(
                 "agent", "--listen", f"127.0.0.1:{port}", "--endpoint", node.address,
@@ -112,9 +113,7 @@ def _start_agents(supervisor: Supervisor, long_nodes: list[Node], ports: Iterato
     return agents
 
 
-async def start_kvgate(
-    supervisor: Supervisor, scenario: Scenario, work_dir: Path, envoy_config: Path
-) -> Stack:
+async def start_kvgate(group: ProcessGroup, scenario: Scenario, work_dir: Path, envoy_config: Path) -> Stack:
     layout = scenario.layout
     sizes = {"interactive": layout.interactive_nodes, "long": layout.long_nodes, "async": layout.async_nodes}
     # Nodes, agents, then the gate, its metrics, Envoy's listener and admin.
@@ -125,29 +124,23 @@ async def start_kvgate(
         "long": scenario.node.max_model_len,
         "async": scenario.node.max_model_len,
     }
-    _start_nodes(supervisor, scenario, nodes, model_len)
+    _start_nodes(group, scenario, nodes, model_len)
     long_nodes = [n for n in nodes if n.pool == "long"]
-    agents = _start_agents(supervisor, long_nodes, ports)
+    agents = _start_agents(group, long_nodes, ports)
     gate_port = next(ports)
     gate_yaml = write_yaml(
         gate_config(scenario, gate_port, list(agents.values())), work_dir / "kvgate-gate.yaml"
     )
     # A port of its own for the gate's /metrics: the default one may be taken by another gate.
     gate_metrics = f"127.0.0.1:{next(ports)}"
-    supervisor.start(
-        "gate", kvgate_command("gate", "--config", str(gate_yaml), "--metrics-listen", gate_metrics)
-    )
+    group.start("gate", kvgate_command("gate", "--config", str(gate_yaml), "--metrics-listen", gate_metrics))
     listen, admin = next(ports), next(ports)
-    pools = {
-        "interactive": [n.port for n in nodes if n.pool == "interactive"],
-        "long_context": [n.port for n in long_nodes],
-        "async": [n.port for n in nodes if n.pool == "async"],
+    envoy_ports: dict[str, int | list[int]] = {"listener": listen, "admin": admin, "gate": gate_port}
+    envoy_ports |= {
+        pool: [n.port for n in nodes if n.pool == pool] for pool in ("interactive", "long", "async")
     }
-    bootstrap = kvgate_bootstrap(envoy_config, listen, admin, gate_port, pools)
-    _start_envoy(supervisor, write_yaml(bootstrap, work_dir / "envoy-kvgate.yaml"))
-    await _wait_all(
-        supervisor, {**{n.name: n.port for n in nodes}, **agents, "gate": gate_port, "envoy": listen}
-    )
+    _start_envoy(group, render_envoy(envoy_config, work_dir / "envoy-kvgate.yaml", envoy_ports))
+    await _wait_all(group, {**{n.name: n.port for n in nodes}, **agents, "gate": gate_port, "envoy": listen})
     url = f"http://127.0.0.1:{listen}/v1/chat/completions"
     async_nodes = frozenset(n.name for n in nodes if n.pool == "async")
     return Stack(url, tuple(nodes), tuple(n.name for n in long_nodes), async_nodes)

@@ -101,19 +101,13 @@ with warnings.catch_warnings():
 
 from kvgate.envoyconfig.settings import EnvoySettings, GateTls, HostPort
 from kvgate.gate.processor import request_attributes
+from kvgate.names import ENDPOINT_HEADER, HEADER_FOR_METADATA, POOL_HEADER
 
 GATE_CLUSTER = "kvgate_gate"
 PINNED_CLUSTER = "kvgate_pinned"
-POOL_HEADER = "x-kvgate-pool"
-ENDPOINT_HEADER = "x-kvgate-endpoint"
 # The headers the gate sets, and only those (the client's priority header must reach the gate), each
 # with the key of the gate's dynamic metadata that carries the same value.
-GATE_HEADERS = {
-    POOL_HEADER: "pool",
-    ENDPOINT_HEADER: "endpoint",
-    "x-kvgate-tokens": "tokens",
-    "x-kvgate-reason": "reason",
-}
+GATE_HEADERS = HEADER_FOR_METADATA
 HCM_NAME = "envoy.filters.network.http_connection_manager"
 
 

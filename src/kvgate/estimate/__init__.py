@@ -1,4 +1,9 @@
-"""Token estimation: a fast estimate for every request, an exact count only near a threshold."""
+"""Token estimation: a fast estimate for every request, an exact count only near a threshold.
+
+Pure (no I/O beyond reading the tokenizer and calibration files they are given): the features and
+fast estimate, the exact counters, the decision of how far to count, the calibration fit. The
+estimator runs exact counts in worker processes (`pool`) off the event loop (`estimator`).
+"""
 
 from __future__ import annotations
 

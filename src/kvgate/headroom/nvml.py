@@ -1,6 +1,7 @@
 """The NVML sampler: per-GPU memory and health through nvidia-ml-py, keyed by UUID.
 
-NVML stays the truth for device health and for memory outside the engine's KV pool (DESIGN §1).
+NVML stays the truth for device health and for memory outside the engine's KV pool (vLLM pre-allocates
+its KV pool, so NVML's used memory stays flat under load; the engine's own gauges tell KV occupancy).
 Rules: the v2 memory call (it separates the driver's reserved memory) with a v1 fallback when the
 driver lacks it; GpuIsLost makes the node unhealthy and re-initialises NVML after a backoff;
 NotSupported leaves the value unknown, never zero. `read` blocks (NVML is a C library); the agent runs
