@@ -256,6 +256,43 @@ def test_engine_usage_flows_into_the_stream_and_reservations() -> None:
     run(scenario)
 
 
+def test_the_stream_says_what_engine_was_read_and_how() -> None:
+    async def scenario() -> None:
+        engine = FakeEngineMetrics(flavor="sglang", kv_usage=0.25)
+        async with running_agent(NodeSettings("n1", "e:1", period_s=0.05), engine) as (_, address):
+            message = await first_message(address, lambda m: m.used_tokens == 10_000)
+        assert (message.engine_kind, message.engines, message.usage_source.value) == (
+            "sglang",
+            ("one scheduler",),
+            "engine",
+        )
+        assert message.capacity_rule == "sglang:max_total_num_tokens 40000"
+        assert message.engine_sample_age_ms is not None and message.engine_sample_age_ms < 200
+
+    run(scenario)
+
+
+def test_an_unrecognised_page_is_named_and_manual_capacity_runs_it_reservation_only() -> None:
+    async def scenario() -> None:
+        engine = FakeEngineMetrics(body="# TYPE tgi_queue_size gauge\ntgi_queue_size 2\n")
+        settings = NodeSettings(
+            "n1", "e:1", period_s=0.05, capacity_tokens=40_000, unreserved_request_tokens=1000
+        )
+        async with running_agent(settings, engine) as (agent, address):
+            message = await first_message(address, lambda m: m.engine_kind == "tgi")
+            assert message.healthy and (message.used_tokens, message.unreserved_tokens) == (2_000, 2_000)
+            assert message.reason.startswith("reservation-only: tgi publishes no KV-cache figures")
+            assert agent.state.reserve("r", 34_000, 0).granted and not agent.state.reserve("s", 1, 0).granted
+            engine.body = "# TYPE other gauge\nother_metric 1\n"
+            unknown = await first_message(address, lambda m: m.engine_kind == "unknown")
+            assert unknown.healthy
+            assert unknown.reason.startswith(
+                "reservation-only: unrecognised engine page (first metric names: other_metric)"
+            )
+
+    run(scenario)
+
+
 def test_garbage_metrics_make_the_node_unhealthy_within_the_staleness_window() -> None:
     async def scenario() -> None:
         engine = FakeEngineMetrics()
@@ -266,7 +303,10 @@ def test_garbage_metrics_make_the_node_unhealthy_within_the_staleness_window() -
             start = time.monotonic()
             sick = await first_message(address, lambda m: not m.healthy)
             assert time.monotonic() - start < 1.0
-            assert sick.reason.startswith("engine_metrics_stale") and "neither" in sick.reason
+            assert sick.reason == (
+                "engine_metrics_stale: engine metrics: not a Prometheus text page "
+                "(17 chars, first line '<html>oops</html>')"
+            )
             assert sick.capacity_tokens == 0 and sick.used_tokens is None
             engine.body = None
             assert (await first_message(address, lambda m: m.healthy)).capacity_tokens == 40_000

@@ -139,7 +139,7 @@ def test_reads_prometheus_clients_own_http_server() -> None:
         try:
             for _ in range(2):
                 stats = await scraper.sample()
-                assert (stats.engine, stats.used_tokens, stats.capacity_tokens) == ("sglang", 51_200, 204_800)
+                assert (stats.kind, stats.used_tokens, stats.capacity_tokens) == ("sglang", 51_200, 204_800)
         finally:
             await scraper.close()
 

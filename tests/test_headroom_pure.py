@@ -6,7 +6,7 @@ import pytest
 
 from kvgate.errors import ConfigError
 from kvgate.headroom.capacity import ModelShape, kv_bytes_per_token, static_capacity_tokens
-from kvgate.headroom.engine_metrics import EngineStats
+from kvgate.headroom.engines import EngineKind, EngineReading, PageState
 from kvgate.headroom.ledger import Budget, ReservationLedger, ReserveReason
 from kvgate.headroom.node import NodeSettings, NodeState
 from kvgate.headroom.snapshot import CapacitySource, GpuReading, NvmlReading, headroom_tokens
@@ -35,7 +35,7 @@ def test_headroom_takes_the_larger_of_observed_and_reserved() -> None:
 
 def test_kv_bytes_per_token_for_llama_and_mla() -> None:
     llama_8b = ModelShape(layers=32, kv_heads=8, head_dim=128, dtype_bytes=2)
-    assert kv_bytes_per_token(llama_8b) == 128 * 1024  # DESIGN: 128 KiB/token, 4 GiB per 32k sequence
+    assert kv_bytes_per_token(llama_8b) == 128 * 1024  # 128 KiB/token: 4 GiB per 32k-token sequence
     assert kv_bytes_per_token(llama_8b) * 32_768 == 4 * GiB
     deepseek_v3 = ModelShape(layers=61, kv_lora_rank=512, qk_rope_head_dim=64, dtype_bytes=2)
     assert kv_bytes_per_token(deepseek_v3) == 61 * 576 * 2
@@ -166,8 +166,9 @@ def test_ledger_refuses_on_unhealthy_or_unknown_capacity_and_rejects_misuse() ->
     assert ledger.reserved_tokens == 0
 
 
-def engine(capacity: int | None = 40_000, used: int | None = 8_000) -> EngineStats:
-    return EngineStats("vllm", capacity, used, 0.2, 1, 0, 0)
+def engine(capacity: int | None = 40_000, used: int | None = 8_000, running: int = 1) -> EngineReading:
+    state = PageState.READY if capacity is not None else PageState.NOT_READY
+    return EngineReading(EngineKind.VLLM, state, capacity, used, running, 0, 0, ("engine 0",), "rule", 10.0)
 
 
 def test_node_capacity_precedence_manual_engine_static() -> None:
@@ -207,9 +208,53 @@ def test_node_with_stale_engine_metrics_is_unhealthy_not_empty() -> None:
     assert node.snapshot(0).healthy  # one failed scrape inside the staleness window keeps the last figures
     clock.now += 1.0
     stale = node.snapshot(0)
-    assert not stale.healthy and "HTTP 500" in stale.reason
+    assert not stale.healthy and stale.reason == "engine_metrics_stale: engine metrics http://x: HTTP 500"
     assert stale.used_tokens is None and stale.capacity_tokens == 0
     assert not node.reserve("a", 1, 0).granted
+
+
+def test_figures_frozen_while_requests_run_make_the_node_unhealthy() -> None:
+    """vLLM promises a change within 10 s while requests run: the page answers, the scheduler does not."""
+    clock = Clock()
+    node = NodeState(NodeSettings("n", "e:1"), clock, uses_engine=True, uses_nvml=False)
+    node.observe_engine(engine(used=8_000, running=2))
+    for _ in range(10):
+        clock.now += 1.0
+        node.observe_engine(engine(used=8_000, running=2))
+    assert node.snapshot(0).healthy
+    clock.now += 1.0
+    node.observe_engine(engine(used=8_000, running=2))
+    frozen = node.snapshot(0)
+    assert not frozen.healthy
+    assert frozen.reason == (
+        "engine figures frozen: vllm reports 2 running requests but its figures have not changed for 11 s "
+        "(it refreshes them at least every 10 s while busy)"
+    )
+    node.observe_engine(engine(used=8_016, running=2))
+    assert node.snapshot(0).healthy
+
+
+def test_an_idle_engine_may_keep_its_figures_for_ever() -> None:
+    clock = Clock()
+    node = NodeState(NodeSettings("n", "e:1"), clock, uses_engine=True, uses_nvml=False)
+    for _ in range(5):
+        node.observe_engine(engine(used=0, running=0))
+        clock.now += 60
+    node.observe_engine(engine(used=0, running=0))
+    assert node.snapshot(0).healthy
+
+
+def test_a_node_without_engine_metrics_is_reservation_only() -> None:
+    node = NodeState(
+        NodeSettings("n", "e:1", capacity_tokens=40_000), Clock(), uses_engine=False, uses_nvml=False
+    )
+    assert node.reserve("a", 12_000, 0).granted
+    snap = node.snapshot(0)
+    assert snap.healthy and snap.usage_source.value == "reservations" and snap.used_tokens == 12_000
+    assert (
+        snap.reason
+        == "reservation-only: no engine metrics; used = reservations (unreserved engine traffic unknown)"
+    )
 
 
 def test_node_with_lost_gpu_is_unhealthy() -> None:

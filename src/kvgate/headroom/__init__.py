@@ -4,7 +4,7 @@ Pure (no gRPC, no I/O; the policy may import these):
     snapshot        NodeHeadroom, GpuReading, NodeView, ReserveOutcome, the headroom formula
     capacity        KV bytes per token from a model's shape; static capacity over free GPU memory
     ledger          reservations: atomic grant/refuse, release, lease expiry
-    engine_metrics  parse_engine_metrics(text) -> EngineStats (vLLM, SGLang)
+    engines         read_engine_page(text) -> EngineReading: vLLM, SGLang, TGI, llama.cpp readers
     node            NodeState: samples + ledger -> NodeHeadroom
     settings        HeadroomSettings, the gate's `headroom:` config section
 Adapters:

@@ -26,7 +26,7 @@ from kvgate.errors import HeadroomError
 from kvgate.headroom.agent_metrics import AgentMetrics
 from kvgate.headroom.broadcast import Broadcast
 from kvgate.headroom.credentials import add_port
-from kvgate.headroom.engine_metrics import EngineStats
+from kvgate.headroom.engines import EngineReading
 from kvgate.headroom.node import NodeSettings, NodeState
 from kvgate.headroom.snapshot import NodeHeadroom, NvmlReading
 from kvgate.headroom.wire import HeadroomEncoder
@@ -42,7 +42,7 @@ NVML_FIRST_READING_S = 10.0
 class EngineSource(Protocol):
     """Bounds its own call (the scraper's timeout); failures, a timeout included, raise HeadroomError."""
 
-    async def sample(self) -> EngineStats: ...
+    async def sample(self) -> EngineReading: ...
     async def close(self) -> None: ...
 
 
@@ -179,11 +179,11 @@ class Agent:
         """One scrape; the scraper's own timeout (half the period) bounds it."""
         assert self._engine is not None
         try:
-            stats = await self._engine.sample()
+            reading = await self._engine.sample()
         except HeadroomError as exc:
             self.state.engine_failed(str(exc))
         else:
-            self.state.observe_engine(stats)
+            self.state.observe_engine(reading)
 
 
 def _security(tls: ServerTls | None) -> str:

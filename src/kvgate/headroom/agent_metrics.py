@@ -1,4 +1,9 @@
-"""The agent's metrics: what it last computed for its node, and what it did with reservations."""
+"""The agent's metrics: what it last computed for its node, and what it did with reservations.
+
+Capacity carries where it came from (`source`: manual, engine, static) and the engine read
+(`engine`); usage carries what it is (`source`: engine KV figures, or reservations when the node is
+reservation-only), so a dashboard never mistakes an estimate for a measurement.
+"""
 
 from __future__ import annotations
 
@@ -34,13 +39,16 @@ class AgentMetrics:
             ("event", "reason"),
         )
 
-        def node_value(read: Callable[[NodeHeadroom], float | None]) -> Callable[[], Reading]:
+        def node_value(
+            read: Callable[[NodeHeadroom], float | None],
+            labels: Callable[[NodeHeadroom], dict[str, str]] = lambda _: {},
+        ) -> Callable[[], Reading]:
             def gauge() -> Reading:
                 headroom = latest()
                 if headroom is None:
                     return []
                 value = read(headroom)
-                return [] if value is None else [(float(value), {"node": headroom.node})]
+                return [] if value is None else [(float(value), {"node": headroom.node, **labels(headroom)})]
 
             return gauge
 
@@ -58,7 +66,14 @@ class AgentMetrics:
             return gauge
 
         observe(
-            m, AGENT_CAPACITY, "{token}", "KV capacity in tokens", node_value(lambda h: h.capacity_tokens)
+            m,
+            AGENT_CAPACITY,
+            "{token}",
+            "KV capacity in tokens, by where it came from and the engine read",
+            node_value(
+                lambda h: h.capacity_tokens,
+                lambda h: {"source": h.capacity_source.value, "engine": h.engine_kind or "none"},
+            ),
         )
         observe(
             m,
@@ -71,8 +86,9 @@ class AgentMetrics:
             m,
             AGENT_USED,
             "{token}",
-            "KV tokens the engine reports in use",
-            node_value(lambda h: h.used_tokens),
+            "KV tokens in use: the engine's figure (source=engine) or, reservation-only, the live "
+            "reservations plus an allowance for unreserved requests (source=reservations)",
+            node_value(lambda h: h.used_tokens, lambda h: {"source": h.usage_source.value}),
         )
         observe(
             m,

@@ -25,11 +25,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DESCRIPTION = """\
-Per-node headroom agent. Samples the local engine's Prometheus metrics (vLLM or SGLang) and NVML
-every period, computes KV headroom in tokens (capacity x safety ratio - max(used, reserved)), streams
-it to every subscribed gate, and grants or refuses reservations atomically: the single authority for
-this node. Capacity comes from --capacity-tokens, else the engine's KV pool, else the model shape
+Per-node headroom agent. Samples the local engine's Prometheus metrics and NVML every period,
+computes KV headroom in tokens (capacity x safety ratio - max(used, reserved)), streams it to every
+subscribed gate, and grants or refuses reservations atomically: the single authority for this node.
+Capacity comes from --capacity-tokens, else the engine's KV pool, else the model shape
 (--kv-layers ...) over NVML free memory.
+vLLM and SGLang pages are read as those engines write them (data-parallel engines, TP/PP/DP ranks).
+Engines that publish no KV figures (TGI, llama.cpp), or no --engine-metrics, make the node
+reservation-only: with --capacity-tokens, usage is the live reservations plus
+--unreserved-request-tokens for each request the engine runs or queues beyond them.
 """
 
 
@@ -80,6 +84,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="engine figures older than this make the node unhealthy (default 1.0)",
     )
     parser.add_argument(
+        "--unreserved-request-tokens",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="reservation-only: tokens charged per engine request holding no reservation (default 4096)",
+    )
+    parser.add_argument(
         "--metrics-listen",
         default="127.0.0.1:9465",
         help="HOST:PORT of the Prometheus /metrics endpoint; 'off' disables it (default 127.0.0.1:9465)",
@@ -120,6 +131,8 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
         raise ConfigError("leases must satisfy 0 < --default-lease-s <= --max-lease-s")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    if args.unreserved_request_tokens < 0:
+        raise ConfigError(f"--unreserved-request-tokens must be >= 0, got {args.unreserved_request_tokens}")
     if args.engine_stale_after_s <= 0 or args.nvml_hung_after_s <= 0 or args.fake_gpus < 0:
         raise ConfigError("--engine-stale-after-s and --nvml-hung-after-s must be > 0, --fake-gpus >= 0")
     shape = None
@@ -151,6 +164,7 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
         default_lease_s=args.default_lease_s,
         max_lease_s=args.max_lease_s,
         engine_stale_after_s=args.engine_stale_after_s,
+        unreserved_request_tokens=args.unreserved_request_tokens,
     )
 
 

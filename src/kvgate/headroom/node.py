@@ -1,21 +1,32 @@
 """One node's headroom state: the latest samples plus the reservation ledger, turned into NodeHeadroom.
 
-Pure: the agent's adapter feeds it samples and asks it for snapshots and reservations. Capacity
-comes from the first source that knows it: the operator's --capacity-tokens, the engine's own KV pool
-(vLLM cache_config_info, SGLang max_total_num_tokens), or the model shape over NVML free memory.
-Engine figures older than `engine_stale_after_s` no longer count and make the node unhealthy: a
-node whose usage is unknown must not look empty.
+Pure: the agent's adapter feeds it samples and asks it for snapshots and reservations.
+Capacity comes from the first source that knows it: the operator's --capacity-tokens, the engine's
+own KV pool (kvgate.headroom.engines), or the model shape over NVML free memory.
+Usage comes from the engine's KV figures when it publishes them. An engine that publishes none
+(TGI, llama.cpp), or no engine metrics at all, makes the node reservation-only: usage is what the
+ledger holds plus an allowance for each request the engine runs or queues beyond those holding a
+reservation, stated as such in the reason. The engine's page only counts requests, so which of them
+hold reservations is inferred: a reservation granted more than `ARRIVAL_S` ago is taken to be among
+them; a younger one may not have reached the engine yet and is not subtracted (erring high).
+A node whose usage is unknown must not look empty: engine figures older than
+`engine_stale_after_s`, and figures that stay frozen while the engine says requests run (longer than
+the engine's own refresh promise), make it unhealthy.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvgate.headroom.capacity import ModelShape, kv_bytes_per_token, static_capacity_tokens
-from kvgate.headroom.engine_metrics import EngineStats
-from kvgate.headroom.ledger import Budget, ReservationLedger, ReserveResult
-from kvgate.headroom.snapshot import CapacitySource, NodeHeadroom, NvmlReading
+from kvgate.headroom.engines import EngineReading, PageState
+from kvgate.headroom.ledger import Budget, ReservationLedger, ReserveReason, ReserveResult
+from kvgate.headroom.snapshot import CapacitySource, NodeHeadroom, NvmlReading, UsageSource
+
+# A granted request reaches its engine (and the engine's request count) within this long.
+ARRIVAL_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,13 +41,26 @@ class NodeSettings:
     default_lease_s: float = 300.0
     max_lease_s: float = 3600.0
     engine_stale_after_s: float = 1.0
+    # Reservation-only: what one engine request holding no reservation is assumed to hold.
+    unreserved_request_tokens: int = 4096
 
 
 @dataclass(frozen=True, slots=True)
 class _EngineSample:
-    stats: EngineStats | None
+    reading: EngineReading | None
     taken_at: float
     error: str
+    changed_at: float  # when the reading's figures last differed from the one before
+
+
+@dataclass(frozen=True, slots=True)
+class _Assessment:
+    budget: Budget
+    source: CapacitySource
+    rule: str
+    usage: UsageSource
+    engine: EngineReading | None
+    unreserved: int | None
 
 
 class NodeState:
@@ -48,25 +72,35 @@ class NodeState:
         self._uses_engine = uses_engine
         self._uses_nvml = uses_nvml
         self.ledger = ReservationLedger(clock, settings.default_lease_s, settings.max_lease_s)
-        self._engine = _EngineSample(None, float("-inf"), "engine metrics: no sample yet")
+        self._engine = _EngineSample(None, float("-inf"), "engine metrics: no sample yet", float("-inf"))
         self._nvml: NvmlReading | None = None
         self._seq = 0
+        self._grants: deque[float] = deque()  # when reservations were granted, the last ARRIVAL_S
         self._bytes_per_token = kv_bytes_per_token(settings.model_shape) if settings.model_shape else None
 
-    def observe_engine(self, stats: EngineStats) -> None:
-        self._engine = _EngineSample(stats, self._clock(), "")
+    def observe_engine(self, reading: EngineReading) -> None:
+        now = self._clock()
+        changed = self._engine.changed_at
+        if self._engine.reading is None or _figures(reading) != _figures(self._engine.reading):
+            changed = now
+        self._engine = _EngineSample(reading, now, "", changed)
 
     def engine_failed(self, error: str) -> None:
-        self._engine = _EngineSample(self._engine.stats, self._engine.taken_at, error)
+        self._engine = _EngineSample(
+            self._engine.reading, self._engine.taken_at, error, self._engine.changed_at
+        )
 
     def observe_nvml(self, reading: NvmlReading) -> None:
         self._nvml = reading
 
     def budget(self) -> Budget:
-        return self._assess()[0]
+        return self._assess().budget
 
     def reserve(self, request_id: str, tokens: int, lease_s: float, holder: str = "") -> ReserveResult:
-        return self.ledger.reserve(request_id, tokens, lease_s, self.budget(), holder)
+        result = self.ledger.reserve(request_id, tokens, lease_s, self.budget(), holder)
+        if result.reason is ReserveReason.GRANTED:
+            self._grants.append(self._clock())
+        return result
 
     def release(self, request_id: str) -> bool:
         return self.ledger.release(request_id)
@@ -74,7 +108,14 @@ class NodeState:
     def snapshot(self, sample_time_unix_ns: int) -> NodeHeadroom:
         """The next message of the stream (its seq is one more than the last one's)."""
         self._seq += 1
-        budget, source, engine = self._assess()
+        now = self._clock()
+        a = self._assess()
+        engine = a.engine
+        budget = a.budget
+        kv_usage = engine.kv_usage if engine is not None and a.usage is UsageSource.ENGINE else None
+        if a.usage is UsageSource.RESERVATIONS and budget.capacity_tokens > 0:
+            kv_usage = (budget.observed_tokens or 0) / budget.capacity_tokens
+        last = self._engine.reading
         return NodeHeadroom(
             node=self.settings.node,
             endpoint=self.settings.endpoint,
@@ -88,45 +129,127 @@ class NodeState:
             headroom_tokens=self.ledger.headroom(budget),
             healthy=budget.healthy,
             reason=budget.reason,
-            capacity_source=source,
-            kv_usage=engine.kv_usage if engine else None,
+            capacity_source=a.source,
+            kv_usage=kv_usage,
             running=engine.running if engine else None,
             waiting=engine.waiting if engine else None,
             preemptions_total=engine.preemptions_total if engine else None,
             gpus=self._nvml.gpus if self._nvml else (),
             period_ms=round(self.settings.period_s * 1000),
+            engine_kind=last.kind.value if last else "",
+            engines=last.engines if last else (),
+            capacity_rule=a.rule,
+            usage_source=a.usage,
+            unreserved_tokens=a.unreserved,
+            engine_sample_age_ms=(
+                round((now - self._engine.taken_at) * 1000) if self._engine.reading is not None else None
+            ),
         )
 
-    def _assess(self) -> tuple[Budget, CapacitySource, EngineStats | None]:
+    def _assess(self) -> _Assessment:
         engine = self._fresh_engine()
-        capacity, source = self._capacity(engine)
-        healthy, reason = self._health(engine, capacity)
-        observed = engine.used_tokens if engine else None
-        return Budget(capacity, self.settings.safety_ratio, observed, healthy, reason), source, engine
+        capacity, source, rule = self._capacity(engine)
+        usage, observed, unreserved, note = self._usage(engine, capacity)
+        problem = self._problem(engine, capacity)
+        healthy = not problem
+        budget = Budget(capacity, self.settings.safety_ratio, observed, healthy, problem or note)
+        return _Assessment(budget, source, rule, usage, engine, unreserved)
 
-    def _fresh_engine(self) -> EngineStats | None:
+    def _fresh_engine(self) -> EngineReading | None:
         if self._clock() - self._engine.taken_at > self.settings.engine_stale_after_s:
             return None
-        return self._engine.stats
+        return self._engine.reading
 
-    def _capacity(self, engine: EngineStats | None) -> tuple[int, CapacitySource]:
+    def _capacity(self, engine: EngineReading | None) -> tuple[int, CapacitySource, str]:
         if self.settings.capacity_tokens is not None:
-            return self.settings.capacity_tokens, CapacitySource.MANUAL
+            return self.settings.capacity_tokens, CapacitySource.MANUAL, "--capacity-tokens"
         if engine is not None and engine.capacity_tokens is not None:
-            return engine.capacity_tokens, CapacitySource.ENGINE
+            return engine.capacity_tokens, CapacitySource.ENGINE, engine.rule
         if self._bytes_per_token is not None and self._nvml is not None:
             static = static_capacity_tokens(
                 self._nvml.gpus, self._bytes_per_token, self.settings.gpu_memory_utilization
             )
             if static is not None:
-                return static, CapacitySource.STATIC
-        return 0, CapacitySource.NONE
+                return static, CapacitySource.STATIC, "model shape over free GPU memory"
+        return 0, CapacitySource.NONE, engine.rule if engine is not None else ""
 
-    def _health(self, engine: EngineStats | None, capacity: int) -> tuple[bool, str]:
-        if self._uses_nvml and (self._nvml is None or not self._nvml.healthy):
-            return False, self._nvml.reason if self._nvml else "nvml: no reading yet"
+    def _usage(
+        self, engine: EngineReading | None, capacity: int
+    ) -> tuple[UsageSource, int | None, int | None, str]:
+        """Where usage comes from, the tokens observed, the unreserved allowance, and a note for a
+        healthy node."""
         if self._uses_engine and engine is None:
-            return False, f"engine_metrics_stale: {self._engine.error or 'no recent sample'}"
+            return UsageSource.NONE, None, None, ""
+        if engine is not None and engine.used_tokens is not None:
+            if engine.state is PageState.IDLE:
+                return UsageSource.ENGINE, 0, None, f"engine idle, usage not yet published ({engine.rule})"
+            if engine.state is PageState.NOT_READY:
+                return UsageSource.ENGINE, engine.used_tokens, None, f"{_not_ready(engine)} ({engine.rule})"
+            return UsageSource.ENGINE, engine.used_tokens, None, ""
         if capacity <= 0:
-            return False, "no_capacity"
-        return True, ""
+            return UsageSource.NONE, None, None, ""
+        why = f"{engine.rule}" if engine is not None else "no engine metrics"
+        requests = None
+        if engine is not None and (engine.running is not None or engine.waiting is not None):
+            requests = (engine.running or 0) + (engine.waiting or 0)
+        if requests is None:
+            note = f"reservation-only: {why}; used = reservations (unreserved engine traffic unknown)"
+            return UsageSource.RESERVATIONS, self.ledger.reserved_tokens, None, note
+        beyond = max(0, requests - self._arrived())
+        unreserved = beyond * self.settings.unreserved_request_tokens
+        note = (
+            f"reservation-only: {why}; used = reservations + {beyond} unreserved requests"
+            f" x {self.settings.unreserved_request_tokens} tokens"
+        )
+        return UsageSource.RESERVATIONS, self.ledger.reserved_tokens + unreserved, unreserved, note
+
+    def _arrived(self) -> int:
+        """Live reservations old enough to be among the engine's requests."""
+        horizon = self._clock() - ARRIVAL_S
+        while self._grants and self._grants[0] < horizon:
+            self._grants.popleft()
+        return max(0, self.ledger.count - len(self._grants))
+
+    def _problem(self, engine: EngineReading | None, capacity: int) -> str:
+        """Why the node cannot take requests, or "" when it can."""
+        if self._uses_nvml and (self._nvml is None or not self._nvml.healthy):
+            return self._nvml.reason if self._nvml else "nvml: no reading yet"
+        if self._uses_engine and engine is None:
+            return f"engine_metrics_stale: {self._engine.error or 'no recent sample'}"
+        if engine is not None and (frozen := self._frozen(engine)):
+            return frozen
+        if capacity > 0:
+            return ""
+        if engine is None:
+            return "no_capacity"
+        if engine.state is PageState.NO_KV:
+            return f"{engine.rule}: no KV gauge to read; set --capacity-tokens to admit on reservations alone"
+        return f"{_not_ready(engine)}: {engine.rule}"
+
+    def _frozen(self, engine: EngineReading) -> str:
+        promise = engine.busy_refresh_s
+        if promise is None or not engine.running:
+            return ""
+        still = self._clock() - self._engine.changed_at
+        if still <= promise:
+            return ""
+        return (
+            f"engine figures frozen: {engine.kind.value} reports {engine.running} running requests but "
+            f"its figures have not changed for {still:.0f} s (it refreshes them at least every "
+            f"{promise:.0f} s while busy)"
+        )
+
+
+def _not_ready(engine: EngineReading) -> str:
+    # An engine that shows its usage but not its capacity is up, only idle (older SGLang).
+    return "engine not ready" if engine.used_tokens is None else "engine idle, capacity not yet published"
+
+
+def _figures(reading: EngineReading) -> tuple[int | None, ...]:
+    return (
+        reading.capacity_tokens,
+        reading.used_tokens,
+        reading.running,
+        reading.waiting,
+        reading.preemptions_total,
+    )

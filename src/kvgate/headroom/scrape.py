@@ -1,4 +1,4 @@
-"""Fetch the local engine's /metrics page: the I/O half of `engine_metrics`.
+"""Fetch the local engine's /metrics page: the I/O half of `kvgate.headroom.engines`.
 
 A plain HTTP/1.1 GET over one kept-alive connection, on an asyncio Protocol rather than aiohttp's
 client: this runs every 100 ms, and at that cadence a scrape cost about 0.9 ms of CPU through
@@ -18,7 +18,7 @@ from typing import NamedTuple, cast
 from urllib.parse import urlsplit
 
 from kvgate.errors import ConfigError, HeadroomError
-from kvgate.headroom.engine_metrics import EngineStats, parse_engine_metrics
+from kvgate.headroom.engines import EngineReading, read_engine_page
 
 _HEX = re.compile(rb"[0-9A-Fa-f]+")
 _MAX_HEAD = 64 * 1024
@@ -69,8 +69,8 @@ class EngineScraper:
         # Prometheus text is UTF-8 by spec.
         return response.body.decode("utf-8", errors="replace")
 
-    async def sample(self) -> EngineStats:
-        return parse_engine_metrics(await self.scrape())
+    async def sample(self) -> EngineReading:
+        return read_engine_page(await self.scrape())
 
     async def close(self) -> None:
         if self._idle is not None:

@@ -20,6 +20,14 @@ class CapacitySource(StrEnum):
     NONE = "none"
 
 
+class UsageSource(StrEnum):
+    ENGINE = "engine"  # the engine's own KV figures
+    # No KV figure to read (TGI, llama.cpp, no engine metrics): the agent's reservations plus an
+    # allowance for the requests the engine runs that hold none.
+    RESERVATIONS = "reservations"
+    NONE = "none"  # nothing known: the node admits nothing
+
+
 @dataclass(frozen=True, slots=True)
 class GpuReading:
     uuid: str
@@ -56,6 +64,8 @@ class NodeHeadroom:
     reservations: int
     headroom_tokens: int
     healthy: bool
+    # Why the node is unhealthy; for a healthy node, what qualifies its figures (idle engine,
+    # reservation-only); empty otherwise.
     reason: str
     capacity_source: CapacitySource
     kv_usage: float | None
@@ -64,6 +74,13 @@ class NodeHeadroom:
     preemptions_total: int | None
     gpus: tuple[GpuReading, ...]
     period_ms: int
+    engine_kind: str = ""  # kvgate.headroom.engines.EngineKind values; "" without engine metrics
+    engines: tuple[str, ...] = ()  # the engines and ranks the page showed
+    capacity_rule: str = ""  # how capacity_tokens was found
+    usage_source: UsageSource = UsageSource.NONE
+    # Reservation-only: tokens charged for the engine's requests that hold no reservation.
+    unreserved_tokens: int | None = None
+    engine_sample_age_ms: int | None = None  # since the last good scrape of the engine
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ values travel as unset optional fields, never as zero.
 from __future__ import annotations
 
 from kvgate._proto.headroom.v1 import headroom_pb2 as pb
-from kvgate.headroom.snapshot import CapacitySource, GpuReading, NodeHeadroom
+from kvgate.headroom.snapshot import CapacitySource, GpuReading, NodeHeadroom, UsageSource
 
 
 class HeadroomEncoder:
@@ -50,6 +50,12 @@ def _scalars_to_proto(h: NodeHeadroom) -> pb.NodeHeadroom:
         waiting=h.waiting,
         preemptions_total=h.preemptions_total,
         period_ms=h.period_ms,
+        engine_kind=h.engine_kind,
+        engines=h.engines,
+        capacity_rule=h.capacity_rule,
+        usage_source=h.usage_source.value,
+        unreserved_tokens=h.unreserved_tokens,
+        engine_sample_age_ms=h.engine_sample_age_ms,
     )
 
 
@@ -58,6 +64,10 @@ def headroom_from_proto(m: pb.NodeHeadroom) -> NodeHeadroom:
         source = CapacitySource(m.capacity_source)
     except ValueError:
         source = CapacitySource.NONE
+    try:
+        usage = UsageSource(m.usage_source)
+    except ValueError:
+        usage = UsageSource.NONE
     return NodeHeadroom(
         node=m.node,
         endpoint=m.endpoint,
@@ -78,6 +88,12 @@ def headroom_from_proto(m: pb.NodeHeadroom) -> NodeHeadroom:
         preemptions_total=m.preemptions_total if m.HasField("preemptions_total") else None,
         gpus=tuple(_gpu_from_proto(g) for g in m.gpus),
         period_ms=m.period_ms,
+        engine_kind=m.engine_kind,
+        engines=tuple(m.engines),
+        capacity_rule=m.capacity_rule,
+        usage_source=usage,
+        unreserved_tokens=m.unreserved_tokens if m.HasField("unreserved_tokens") else None,
+        engine_sample_age_ms=m.engine_sample_age_ms if m.HasField("engine_sample_age_ms") else None,
     )
 
 

@@ -36,7 +36,7 @@ class GpuInfo(_message.Message):
     def __init__(self, uuid: _Optional[str] = ..., index: _Optional[int] = ..., name: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., healthy: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class NodeHeadroom(_message.Message):
-    __slots__ = ("node", "endpoint", "seq", "sample_time_unix_ns", "capacity_tokens", "safety_ratio", "used_tokens", "reserved_tokens", "reservations", "headroom_tokens", "healthy", "reason", "capacity_source", "kv_usage", "running", "waiting", "preemptions_total", "gpus", "period_ms")
+    __slots__ = ("node", "endpoint", "seq", "sample_time_unix_ns", "capacity_tokens", "safety_ratio", "used_tokens", "reserved_tokens", "reservations", "headroom_tokens", "healthy", "reason", "capacity_source", "kv_usage", "running", "waiting", "preemptions_total", "gpus", "period_ms", "engine_kind", "engines", "capacity_rule", "usage_source", "unreserved_tokens", "engine_sample_age_ms")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,12 @@ class NodeHeadroom(_message.Message):
     PREEMPTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     PERIOD_MS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_KIND_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_RULE_FIELD_NUMBER: _ClassVar[int]
+    USAGE_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    UNRESERVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_SAMPLE_AGE_MS_FIELD_NUMBER: _ClassVar[int]
     node: str
     endpoint: str
     seq: int
@@ -75,7 +81,13 @@ class NodeHeadroom(_message.Message):
     preemptions_total: int
     gpus: _containers.RepeatedCompositeFieldContainer[GpuInfo]
     period_ms: int
-    def __init__(self, node: _Optional[str] = ..., endpoint: _Optional[str] = ..., seq: _Optional[int] = ..., sample_time_unix_ns: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., safety_ratio: _Optional[float] = ..., used_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., reservations: _Optional[int] = ..., headroom_tokens: _Optional[int] = ..., healthy: _Optional[bool] = ..., reason: _Optional[str] = ..., capacity_source: _Optional[str] = ..., kv_usage: _Optional[float] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., period_ms: _Optional[int] = ...) -> None: ...
+    engine_kind: str
+    engines: _containers.RepeatedScalarFieldContainer[str]
+    capacity_rule: str
+    usage_source: str
+    unreserved_tokens: int
+    engine_sample_age_ms: int
+    def __init__(self, node: _Optional[str] = ..., endpoint: _Optional[str] = ..., seq: _Optional[int] = ..., sample_time_unix_ns: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., safety_ratio: _Optional[float] = ..., used_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., reservations: _Optional[int] = ..., headroom_tokens: _Optional[int] = ..., healthy: _Optional[bool] = ..., reason: _Optional[str] = ..., capacity_source: _Optional[str] = ..., kv_usage: _Optional[float] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., period_ms: _Optional[int] = ..., engine_kind: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., capacity_rule: _Optional[str] = ..., usage_source: _Optional[str] = ..., unreserved_tokens: _Optional[int] = ..., engine_sample_age_ms: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "tokens", "lease_s", "holder")

@@ -1,0 +1,118 @@
+"""vLLM's /metrics page, read as vLLM writes it.
+
+Rules, from vLLM's source (vllm-project/vllm v0.33.0, commit 4ba787ec9, unless said otherwise):
+- Every family carries the labels `model_name` and `engine`, one series per engine core behind this
+  API server: data-parallel engines are told apart by `engine` alone
+  (vllm/v1/metrics/loggers.py, PrometheusStatLogger.__init__, labelnames = ["model_name", "engine"]).
+  V0 pages (before 0.8) have no `engine` label: one engine.
+- KV usage is `vllm:kv_cache_usage_perc`, a fraction in [0, 1], per engine; before 0.10 it was
+  `vllm:gpu_cache_usage_perc` (loggers.py @005a810, "Deprecated in 0.9 - Renamed as
+  vllm:kv_cache_usage_perc"). It is the engine's block pool usage, so used tokens = usage x that
+  engine's capacity.
+- `vllm:cache_config_info` is a gauge set to 1 whose labels are every CacheConfig field as a string
+  (vllm/config/cache.py, CacheConfig.metrics_info), written once per engine with `engine` set
+  (loggers.py, PrometheusStatLogger.log_metrics_info). All engines carry the same CacheConfig: the
+  API server's, in which `num_gpu_blocks` is the SUM over every engine it manages
+  (vllm/v1/engine/core_client.py, MPClient._apply_ready_response: "Sum num_gpu_blocks from all
+  engines in DP case"), while `kv_cache_size_tokens` is ONE engine's capacity, the first to report
+  ("Keep these as per-engine cache_config_info values; do not sum across DP"). So one engine holds
+  num_gpu_blocks x block_size / (number of cache_config_info series) tokens, or kv_cache_size_tokens
+  where vLLM publishes it (it is "group-aware": for hybrid models blocks x block size is not request
+  tokens, vllm/config/cache.py). Adding the series up counts the pool once per engine: N times.
+- `num_gpu_blocks` is "None" until the engine has profiled its memory: the engine is not ready.
+- `vllm:num_requests_running` / `vllm:num_requests_waiting` are gauges per engine; the preemption
+  counter is `vllm:num_preemptions_total` (prometheus_client appends `_total` to the counter
+  `vllm:num_preemptions`).
+- Every gauge is set from the scheduler's stats of each engine step (loggers.py,
+  PrometheusStatLogger.record): while requests run, usage moves every few steps.
+"""
+
+from __future__ import annotations
+
+from kvgate.errors import HeadroomError
+from kvgate.headroom.engines import promtext
+from kvgate.headroom.engines.promtext import Sample
+from kvgate.headroom.engines.reading import EngineKind, EngineReading, PageState
+
+USAGE = "vllm:kv_cache_usage_perc"
+USAGE_BEFORE_0_10 = "vllm:gpu_cache_usage_perc"
+CACHE_INFO = "vllm:cache_config_info"
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+PREEMPTIONS = "vllm:num_preemptions_total"
+# Ten seconds without a change while requests run: far more than any engine step takes.
+BUSY_REFRESH_S = 10.0
+
+
+def read(text: str) -> EngineReading | None:
+    """The page as vLLM's, or None when it holds no vLLM KV usage family."""
+    usage = promtext.samples(text, USAGE) or promtext.samples(text, USAGE_BEFORE_0_10)
+    if not usage:
+        return None
+    fractions = {_engine(s): _fraction(s) for s in usage}
+    engines = tuple(f"engine {e}" if e else "engine" for e in sorted(fractions, key=_rank))
+    per_engine, rule = _engine_capacity(promtext.samples(text, CACHE_INFO))
+    running = _sum(promtext.samples(text, RUNNING), RUNNING)
+    waiting = _sum(promtext.samples(text, WAITING), WAITING)
+    preemptions = _sum(promtext.samples(text, PREEMPTIONS), PREEMPTIONS)
+    if per_engine is None:
+        state = PageState.NOT_READY
+        return EngineReading(
+            EngineKind.VLLM, state, None, None, running, waiting, preemptions, engines, rule, BUSY_REFRESH_S
+        )
+    used = sum(round(fraction * per_engine) for fraction in fractions.values())
+    return EngineReading(
+        EngineKind.VLLM,
+        PageState.READY,
+        per_engine * len(fractions),
+        used,
+        running,
+        waiting,
+        preemptions,
+        engines,
+        f"{rule} x {len(fractions)} engine{'s' if len(fractions) > 1 else ''}",
+        BUSY_REFRESH_S,
+    )
+
+
+def _engine_capacity(info: list[Sample]) -> tuple[int | None, str]:
+    """One engine's KV capacity in tokens, and the rule that gave it."""
+    if not info:
+        return None, f"no {CACHE_INFO} on the page yet"
+    first = info[0]
+    size_tokens = promtext.label(first, "kv_cache_size_tokens")
+    if size_tokens is not None and size_tokens.isdigit():
+        return int(size_tokens), f"kv_cache_size_tokens {size_tokens}"
+    blocks, block_size = promtext.label(first, "num_gpu_blocks"), promtext.label(first, "block_size")
+    if blocks == "None":
+        return None, f"{CACHE_INFO} num_gpu_blocks is None: memory not profiled yet"
+    if blocks is None or block_size is None or not blocks.isdigit() or not block_size.isdigit():
+        raise HeadroomError(
+            f"engine metrics: {CACHE_INFO} needs integer num_gpu_blocks and block_size labels, "
+            f"got {first.labels[:200]!r}"
+        )
+    engines = len({_engine(s) for s in info})
+    tokens = int(blocks) * int(block_size) // engines
+    summed = f" / {engines} engines" if engines > 1 else ""
+    return tokens, f"num_gpu_blocks {blocks} x block_size {block_size}{summed}"
+
+
+def _fraction(sample: Sample) -> float:
+    fraction = promtext.finite(sample, USAGE)
+    if fraction > 1.0:
+        raise HeadroomError(f"engine metrics: {USAGE} is {fraction}, beyond 1 (a fraction, not percent)")
+    return fraction
+
+
+def _engine(sample: Sample) -> str:
+    return promtext.label(sample, "engine") or ""
+
+
+def _rank(engine: str) -> tuple[int, str]:
+    return (int(engine), "") if engine.isdigit() else (-1, engine)
+
+
+def _sum(found: list[Sample], name: str) -> int | None:
+    if not found:
+        return None
+    return round(sum(promtext.finite(s, name) for s in found))
