@@ -152,7 +152,9 @@ def test_metrics_page_has_vllm_names_and_labels() -> None:
         assert 'vllm:cache_config_info{block_size="16",' in text
         assert 'num_gpu_blocks="256"' in text
         assert '\nvllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.0\n' in text
-        assert "# TYPE vllm:num_preemptions counter" in text
+        # As prometheus_client renders a counter: the `_total` family and its `_created` timestamp.
+        assert "# TYPE vllm:num_preemptions_total counter" in text
+        assert metric(text, "vllm:num_preemptions_created") > 1.7e9
         assert metric(text, "vllm:num_requests_running") == 0
         assert metric(text, "vllm:num_requests_waiting") == 0
         assert metric(text, "vllm:prompt_tokens_total") == 100

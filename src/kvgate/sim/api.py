@@ -2,12 +2,14 @@
 
 Requests are read into a `CompletionRequest`; a request vLLM would refuse raises `EngineError`
 with the status and message vLLM uses, and `error_body` renders it as vLLM's error JSON.
-Prompt tokens follow `kvgate.sim.tokens`: ceil(UTF-8 bytes / 4) per text part, summed; image parts
-are not charged; a completions prompt given as token ids counts one token per id.
+Prompt tokens are counted per text part and summed, by the counter the server is given: a real
+tokenizer (`kvgate sim --tokenizer`) or `kvgate.sim.tokens`' ceil(UTF-8 bytes / 4); image parts are
+not charged; a completions prompt given as token ids counts one token per id.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -15,6 +17,7 @@ from kvgate.errors import KvgateError
 from kvgate.sim.tokens import count_text_tokens
 
 Api = Literal["chat", "completion"]
+TokenCount = Callable[[str], int]
 
 # vLLM's completions endpoint generates 16 tokens when max_tokens is absent, like OpenAI's.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -50,19 +53,19 @@ def error_body(error: EngineError) -> dict[str, Any]:
     }
 
 
-def parse_request(api: Api, body: object) -> CompletionRequest:
+def parse_request(api: Api, body: object, count: TokenCount = count_text_tokens) -> CompletionRequest:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string")
     if api == "chat":
-        prompt_tokens = _chat_prompt_tokens(body.get("messages"))
+        prompt_tokens = _chat_prompt_tokens(body.get("messages"), count)
         max_tokens = _positive_int(body, "max_completion_tokens")
         if max_tokens is None:
             max_tokens = _positive_int(body, "max_tokens")
     else:
-        prompt_tokens = _completion_prompt_tokens(body.get("prompt"))
+        prompt_tokens = _completion_prompt_tokens(body.get("prompt"), count)
         max_tokens = _positive_int(body, "max_tokens")
         if max_tokens is None:
             max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -103,7 +106,7 @@ def _positive_int(body: dict[str, Any], key: str) -> int | None:
     return value
 
 
-def _chat_prompt_tokens(messages: object) -> int:
+def _chat_prompt_tokens(messages: object, count: TokenCount) -> int:
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list")
     total = 0
@@ -112,7 +115,7 @@ def _chat_prompt_tokens(messages: object) -> int:
             raise bad_request("each message must be an object")
         content = message.get("content")
         if isinstance(content, str):
-            total += count_text_tokens(content)
+            total += count(content)
         elif isinstance(content, list):
             for part in content:
                 if (
@@ -120,17 +123,17 @@ def _chat_prompt_tokens(messages: object) -> int:
                     and part.get("type") == "text"
                     and isinstance(part.get("text"), str)
                 ):
-                    total += count_text_tokens(part["text"])
+                    total += count(part["text"])
         elif content is not None:
             raise bad_request("a message's 'content' must be a string or a list of parts")
     return max(total, 1)
 
 
-def _completion_prompt_tokens(prompt: object) -> int:
+def _completion_prompt_tokens(prompt: object, count: TokenCount) -> int:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return max(count_text_tokens(prompt), 1)
+        return max(count(prompt), 1)
     if (
         isinstance(prompt, list)
         and prompt

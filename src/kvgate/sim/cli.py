@@ -1,4 +1,5 @@
-"""`kvgate sim`: run one simulated GPU node (an OpenAI-compatible server with vLLM-style /metrics)."""
+"""`kvgate sim`: run one simulated GPU node (an OpenAI-compatible server with vLLM's or SGLang's
+/metrics)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,14 @@ import argparse
 import asyncio
 import logging
 import signal
+from dataclasses import dataclass
+from pathlib import Path
 
 from kvgate.errors import ConfigError
+from kvgate.sim.api import TokenCount
 from kvgate.sim.engine import EngineConfig
+from kvgate.sim.layout import Layout
+from kvgate.sim.tokens import count_text_tokens, tokenizer_counter
 
 log = logging.getLogger(__name__)
 
@@ -18,17 +24,55 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "sim",
         help="run a simulated GPU inference node",
         description=(
-            "Serve /v1/chat/completions, /v1/completions (streaming and not), /v1/models, /health and a "
-            "vLLM-format /metrics from a model of one GPU node: KV blocks allocated chunk by chunk during "
-            "prefill and a block at a time during decode, batched prefill and decode throughput, and on "
-            "exhaustion either vLLM V1's preemption or a CUDA-OOM crash that fails every in-flight request "
-            "and keeps the node down for --restart-s. Prompt tokens are counted as ceil(UTF-8 bytes / 4) "
-            "of the text parts."
+            "Serve /v1/chat/completions, /v1/completions (streaming and not), /v1/models, /health and "
+            "/metrics from a model of one GPU node: KV blocks allocated chunk by chunk during prefill and a "
+            "block at a time during decode, batched prefill and decode throughput, and on exhaustion either "
+            "vLLM V1's preemption or a CUDA-OOM crash that fails every in-flight request and keeps the node "
+            "down for --restart-s. /metrics is rendered by prometheus_client as vLLM or SGLang (--engine) "
+            "render theirs, with their labels for data-parallel engines and TP/PP ranks. Prompt tokens are "
+            "counted with --tokenizer, else as ceil(UTF-8 bytes / 4) of the text parts."
         ),
     )
     parser.add_argument("--listen", required=True, metavar="HOST:PORT", help="address to serve on")
     parser.add_argument(
-        "--kv-capacity-tokens", type=int, required=True, metavar="N", help="KV-cache size in tokens"
+        "--kv-capacity-tokens",
+        type=int,
+        required=True,
+        metavar="N",
+        help="KV-cache size in tokens of each engine (each data-parallel rank)",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=["vllm", "sglang"],
+        default="vllm",
+        help="whose /metrics page to serve (default vllm)",
+    )
+    parser.add_argument(
+        "--data-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="engines behind this endpoint, each of --kv-capacity-tokens (default 1)",
+    )
+    parser.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="TP ranks per engine: one shared pool; SGLang's page shows every rank (default 1)",
+    )
+    parser.add_argument(
+        "--pipeline-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="PP stages per engine: one shared pool; SGLang's page shows every stage (default 1)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        metavar="PATH",
+        help="count prompt tokens with this tokenizer (sentencepiece .model or tokenizer.json)",
     )
     parser.add_argument(
         "--max-model-len",
@@ -106,17 +150,35 @@ def run(args: argparse.Namespace) -> int:
         restart_s=args.restart_s,
         seed=args.seed,
     )
-    asyncio.run(_serve(config, args.model_name, args.node_name or args.listen, (host, port)))
+    layout = Layout(args.engine, args.data_parallel, args.tensor_parallel, args.pipeline_parallel)
+    count: TokenCount = count_text_tokens if args.tokenizer is None else tokenizer_counter(args.tokenizer)
+    server = _Served(config, layout, count, args.model_name, args.node_name or args.listen)
+    asyncio.run(_serve(server, (host, port)))
     return 0
 
 
-async def _serve(config: EngineConfig, model_name: str, node_name: str, address: tuple[str, int]) -> None:
+@dataclass(frozen=True, slots=True)
+class _Served:
+    config: EngineConfig
+    layout: Layout
+    count: TokenCount
+    model_name: str
+    node_name: str
+
+
+async def _serve(served: _Served, address: tuple[str, int]) -> None:
     # Imported here so that `kvgate --help` does not load the HTTP stack.
     from aiohttp import web
 
     from kvgate.sim.server import SimServer
 
-    server = SimServer(config, model_name=model_name, node_name=node_name)
+    server = SimServer(
+        served.config,
+        model_name=served.model_name,
+        node_name=served.node_name,
+        layout=served.layout,
+        count_tokens=served.count,
+    )
     host, port = address
     runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()

@@ -98,6 +98,7 @@ class Step:
     batch: tuple[tuple[str, int], ...]
     duration_s: float
     crashed: tuple[str, ...] = ()
+    prefill_tokens: int = 0  # of the batch's tokens, those computed for prompts (or recomputed ones)
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,9 +222,11 @@ class Engine:
             self._running.append(self._waiting.popleft())
             batch.append((sequence, count))
             budget -= count
+        prefill = self._prefill_tokens(batch)
         return Step(
             batch=tuple((s.request_id, n) for s, n in batch),
-            duration_s=self._step_seconds(batch),
+            duration_s=self._step_seconds(batch, prefill),
+            prefill_tokens=prefill,
         )
 
     def complete(self, step: Step) -> list[TokenEvent]:
@@ -302,9 +305,12 @@ class Engine:
         self._down_until = self._clock() + self.config.restart_s
         return Step(batch=(), duration_s=0.0, crashed=failed)
 
-    def _step_seconds(self, batch: list[tuple[_Sequence, int]]) -> float:
+    @staticmethod
+    def _prefill_tokens(batch: list[tuple[_Sequence, int]]) -> int:
+        return sum(n for s, n in batch if s.output_tokens == 0 or s.known_tokens - s.computed_tokens > 1)
+
+    def _step_seconds(self, batch: list[tuple[_Sequence, int]], prefill: int) -> float:
         if not batch:
             return 0.0
-        prefill = sum(n for s, n in batch if s.output_tokens == 0 or s.known_tokens - s.computed_tokens > 1)
         decode_s = (1 + len(batch) / self.config.batch_knee) / self.config.decode_tokens_per_s
         return decode_s + prefill / self.config.prefill_tokens_per_s

@@ -1,26 +1,34 @@
-"""The HTTP adapter of a simulated node: aiohttp handlers around the engine model, in real time.
+"""The HTTP adapter of a simulated node: aiohttp handlers around the engine models, in real time.
 
-One task drives the engine: schedule a step, sleep its duration, commit it, hand the sampled tokens
-to the waiting handlers. While the engine is down after a simulated OOM, it behaves like a dead
-process: every connection is cut without an answer, /metrics and in-flight streams included.
+One task per engine drives it: schedule a step, sleep its duration, commit it, hand the sampled
+tokens to the waiting handlers. With data parallelism (`Layout.data_parallel`) several engines sit
+behind the one endpoint and each request goes to the one with the fewest requests in flight, ties
+to the lowest rank, as vLLM's front-end balances them (vllm/v1/engine/core_client.py,
+DPLBAsyncMPClient.get_core_engine_for_request @ v0.33.0: in-flight count first; SGLang's
+`total_requests` balancing is the same idea). While an engine is down after a simulated OOM, the
+node behaves like a dead process: every connection is cut without an answer, /metrics and
+in-flight streams included.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import random
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from kvgate.sim import api
 from kvgate.sim.engine import Engine, EngineConfig, TokenEvent
-from kvgate.sim.metrics import render_metrics
-from kvgate.sim.tokens import output_word, vocabulary_size
+from kvgate.sim.layout import Finished, Layout
+from kvgate.sim.metrics import metrics_page
+from kvgate.sim.tokens import count_text_tokens, output_word, vocabulary_size
 
 NODE_HEADER = "x-kvgate-sim-node"
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -30,6 +38,14 @@ class _EngineDied(Exception):
     """The engine crashed while this request was in flight."""
 
 
+@dataclass(slots=True)
+class _Admitted:
+    engine: int
+    prompt_tokens: int
+    started: float
+    first_token: float | None = None
+
+
 class SimServer:
     def __init__(
         self,
@@ -37,15 +53,32 @@ class SimServer:
         model_name: str = "kvgate-sim",
         node_name: str = "sim",
         clock: Callable[[], float] = time.monotonic,
+        *,
+        layout: Layout | None = None,
+        count_tokens: api.TokenCount = count_text_tokens,
     ) -> None:
-        self.engine = Engine(config, clock)
+        self.layout = layout or Layout()
+        # Each DP rank is an engine of the configured size; their outputs differ by seed.
+        self.engines = [
+            Engine(dataclasses.replace(config, seed=config.seed + rank), clock)
+            for rank in range(self.layout.data_parallel)
+        ]
+        self.config = config
+        self.page = metrics_page(config, self.layout, model_name, clock)
+        self._count_tokens = count_tokens
         self._clock = clock
         self.model_name = model_name
         self.node_name = node_name
         self._streams: dict[str, asyncio.Queue[TokenEvent | None]] = {}
+        self._admitted: dict[str, _Admitted] = {}
+        self._in_flight = [0] * len(self.engines)
         self._ids = itertools.count()
-        self._wake = asyncio.Event()
-        self._driver: asyncio.Task[None] | None = None
+        self._wakes = [asyncio.Event() for _ in self.engines]
+        self._drivers: list[asyncio.Task[None]] = []
+
+    def is_down(self) -> bool:
+        """An engine that crashed takes its API server down with it, as vLLM's does."""
+        return any(engine.is_down() for engine in self.engines)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._dead_engine])
@@ -59,15 +92,19 @@ class SimServer:
         return app
 
     async def _start(self, _app: web.Application) -> None:
-        self._driver = asyncio.create_task(self._drive(), name=f"sim-engine-{self.node_name}")
+        self._drivers = [
+            asyncio.create_task(self._drive(rank), name=f"sim-engine-{self.node_name}-{rank}")
+            for rank in range(len(self.engines))
+        ]
 
     async def _stop(self, _app: web.Application) -> None:
-        if self._driver is not None:
-            self._driver.cancel()
-            await asyncio.gather(self._driver, return_exceptions=True)
+        for driver in self._drivers:
+            driver.cancel()
+        await asyncio.gather(*self._drivers, return_exceptions=True)
 
-    async def _drive(self) -> None:
-        engine = self.engine
+    async def _drive(self, rank: int) -> None:
+        engine = self.engines[rank]
+        wake = self._wakes[rank]
         # Steps end on the model's timeline, not "sleep after the work": the time spent handling a
         # step and the event loop's lateness are made up in the next sleep, so a busy host does not
         # silently make the node slower than its configured throughput.
@@ -82,19 +119,38 @@ class SimServer:
             if step.crashed:
                 continue
             if not step.batch:
-                self._wake.clear()
-                await self._wake.wait()
+                wake.clear()
+                await wake.wait()
                 step_end = self._clock()
                 continue
             # Never more than one step behind: a stalled host must not be followed by a burst of steps.
             step_end = max(step_end, self._clock() - step.duration_s) + step.duration_s
             await asyncio.sleep(max(0.0, step_end - self._clock()))
             for event in engine.complete(step):
+                self._account(event)
                 self._streams[event.request_id].put_nowait(event)
+            self.page.stepped(rank, step.prefill_tokens, engine.stats())
+
+    def _account(self, event: TokenEvent) -> None:
+        admitted = self._admitted[event.request_id]
+        now = self._clock()
+        if admitted.first_token is None:
+            admitted.first_token = now
+        if event.finish_reason is not None:
+            self.page.finished(
+                Finished(
+                    admitted.engine,
+                    admitted.prompt_tokens,
+                    event.output_tokens,
+                    event.finish_reason,
+                    admitted.first_token - admitted.started,
+                    now - admitted.started,
+                )
+            )
 
     @web.middleware
     async def _dead_engine(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
-        if self.engine.is_down():
+        if self.is_down():
             _cut(request)
         try:
             return await handler(request)
@@ -110,15 +166,15 @@ class SimServer:
 
     async def _completion(self, request: web.Request, kind: api.Api) -> web.StreamResponse:
         raw = await request.read()
-        if self.engine.is_down():
+        if self.is_down():
             raise _EngineDied  # the engine crashed while the body arrived
         try:
             body = json.loads(raw)
         except ValueError:
             return _error(api.bad_request("the request body is not valid JSON"))
         try:
-            parsed = api.parse_request(kind, body)
-            api.check_context(parsed, self.engine.config.max_model_len)
+            parsed = api.parse_request(kind, body, self._count_tokens)
+            api.check_context(parsed, self.config.max_model_len)
         except api.EngineError as exc:
             return _error(exc)
         if parsed.model is not None and parsed.model != self.model_name:
@@ -128,9 +184,12 @@ class SimServer:
         request_id = f"{prefix}-{self.node_name}-{next(self._ids)}"
         queue: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
         self._streams[request_id] = queue
-        self.engine.add(request_id, parsed.prompt_tokens, parsed.max_tokens)
-        self._wake.set()
-        words = _Words(self.engine.config.seed, request_id)
+        rank = min(range(len(self.engines)), key=self._in_flight.__getitem__)
+        self._in_flight[rank] += 1
+        self._admitted[request_id] = _Admitted(rank, parsed.prompt_tokens, self._clock())
+        self.engines[rank].add(request_id, parsed.prompt_tokens, parsed.max_tokens)
+        self._wakes[rank].set()
+        words = _Words(self.config.seed, request_id)
         reply = api.Reply(parsed, request_id, int(time.time()), self.model_name)
         try:
             if parsed.stream:
@@ -138,7 +197,9 @@ class SimServer:
             return await self._collect(reply, queue, words)
         finally:
             del self._streams[request_id]
-            self.engine.abort(request_id)
+            del self._admitted[request_id]
+            self._in_flight[rank] -= 1
+            self.engines[rank].abort(request_id)
 
     async def _stream(
         self, request: web.Request, reply: api.Reply, queue: asyncio.Queue[TokenEvent | None], words: _Words
@@ -181,7 +242,7 @@ class SimServer:
             "created": int(time.time()),
             "owned_by": "kvgate-sim",
             "root": self.model_name,
-            "max_model_len": self.engine.config.max_model_len,
+            "max_model_len": self.config.max_model_len,
         }
         return web.json_response({"object": "list", "data": [card]})
 
@@ -189,7 +250,7 @@ class SimServer:
         return web.Response(status=200)
 
     async def _metrics(self, _request: web.Request) -> web.StreamResponse:
-        text = render_metrics(self.engine.config, self.engine.stats(), self.model_name)
+        text = self.page.render([engine.stats() for engine in self.engines])
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
 
