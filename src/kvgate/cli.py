@@ -18,6 +18,7 @@ SUBCOMMAND_MODULES = (
     "kvgate.estimate.cli",
     "kvgate.sim.cli",
     "kvgate.demo.cli",
+    "kvgate.queue.cli",
 )
 
 

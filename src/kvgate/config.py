@@ -20,6 +20,7 @@ import yaml
 from kvgate.bounds import at_least
 from kvgate.errors import ConfigError
 from kvgate.headroom.settings import HeadroomSettings
+from kvgate.queue.settings import QueueSettings
 from kvgate.tls import TlsConfig
 
 MiB = 1024 * 1024
@@ -128,6 +129,8 @@ class Config:
     models: tuple[ModelConfig, ...] = ()
     # TLS on the ext_proc listener (Envoy -> gate) and on the channels to agents; plaintext by default.
     tls: TlsConfig = field(default_factory=TlsConfig)
+    # `kvgate queue`, the async pool's upstream: bounds, hold time, leases (kvgate.queue.settings).
+    queue: QueueSettings = field(default_factory=QueueSettings)
     source: str = "<defaults>"
 
 

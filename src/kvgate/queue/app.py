@@ -1,0 +1,301 @@
+"""The queue's HTTP face for inference requests: held and deferred jobs, and the jobs resource.
+
+    POST <any inference path>         a job; held (answered on this connection) unless the request
+                                      says `Prefer: respond-async` (RFC 7240): then 202 + Location
+    GET    /v1/kvgate/jobs/{id}       the job (id, or the request's x-request-id), with the engine's
+                                      answer once it ended
+    DELETE /v1/kvgate/jobs/{id}       cancel it
+
+Every request is committed to the store before anything is answered. A held request is answered
+with the engine's own status, headers and body (streamed as the engine streams, when the job runs on
+this replica) up to `queue.max_hold_s` after it arrived; then 429 and the job is cancelled, unless the
+client has gone: its job stays, and the client finds the answer by its x-request-id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Executor
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from kvgate.config import Config
+from kvgate.headroom.snapshot import NodeView
+from kvgate.names import TOKENS_HEADER
+from kvgate.policy import Reason, Refusal
+from kvgate.policy.refusals import HttpAnswer, error_body
+from kvgate.queue import placement
+from kvgate.queue.database import StoreError
+from kvgate.queue.intake import Assessed, Intake
+from kvgate.queue.jobs import Job, JobError, JobRequest, JobState, NewJob, describe, new_id
+from kvgate.queue.live import LiveRun, LiveRuns, Signals
+from kvgate.queue.metrics import QueueMetrics
+from kvgate.queue.refusals import QUEUE_RULES, QueueReason, QueueRefusals
+from kvgate.queue.runner import JOB_ID_HEADER
+from kvgate.queue.store import Limits, QueueFull
+from kvgate.request import Api, api_for_path
+
+JOBS_PATH = "/v1/kvgate/jobs"
+# A held request looks at the store this often even without an event (a missed notification).
+POLL_S = 5.0
+HOLD_TIMEOUT = "hold_timeout"
+
+
+class JobsStore(Protocol):
+    async def add(self, job: NewJob, limits: Limits) -> Job | QueueFull: ...
+
+    async def get(self, key: str) -> Job | None: ...
+
+    async def position(self, job: Job) -> int: ...
+
+    async def cancel(self, key: str, error: JobError) -> Job | None: ...
+
+
+def prefers_async(values: Iterable[str]) -> bool:
+    """Whether the Prefer header(s) ask for `respond-async` (RFC 7240: comma-separated preferences,
+    each `token[=value][; parameters]`, tokens case-insensitive)."""
+    for value in values:
+        for preference in value.split(","):
+            if preference.split(";", 1)[0].split("=", 1)[0].strip().lower() == "respond-async":
+                return True
+    return False
+
+
+def respond(answer: HttpAnswer, job_id: str | None = None) -> web.Response:
+    headers = dict(answer.headers)
+    if job_id is not None:
+        headers[JOB_ID_HEADER] = job_id
+    return web.Response(status=answer.status, body=answer.body, headers=headers)
+
+
+class JobsApp:
+    def __init__(
+        self,
+        *,
+        config: Config,
+        store: JobsStore,
+        intake: Intake,
+        nodes: Callable[[], tuple[NodeView, ...]],
+        live: LiveRuns,
+        signals: Signals,
+        abort: Callable[[str], None],
+        refusals: QueueRefusals,
+        metrics: QueueMetrics,
+        executor: Executor,
+    ) -> None:
+        self._config = config
+        self._settings = config.queue
+        self._store = store
+        self._intake = intake
+        self._nodes = nodes
+        self._live = live
+        self._signals = signals
+        self._abort = abort
+        self._refusals = refusals
+        self._metrics = metrics
+        self._executor = executor
+        self._limits = Limits(config.queue.max_jobs, config.queue.max_tokens_waiting)
+        self._forward = config.queue.forward_headers
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_get(JOBS_PATH + "/{key}", self.show)
+        app.router.add_delete(JOBS_PATH + "/{key}", self.cancel)
+        app.router.add_post("/{tail:.*}", self.submit)
+
+    async def submit(self, request: web.Request) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        arrived = loop.time()
+        api = api_for_path(request.path)
+        contract = "deferred" if prefers_async(request.headers.getall("prefer", [])) else "held"
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            limit = self._config.request.max_body_bytes
+            return self._refused(contract, self._refusals.gate(_too_large(limit), api))
+        assessed = await loop.run_in_executor(
+            self._executor,
+            self._intake.assess,
+            request.path,
+            body,
+            request.headers.get(TOKENS_HEADER),
+            request.headers.get("content-encoding"),
+        )
+        if isinstance(assessed, Refusal):
+            return self._refused(contract, self._refusals.gate(assessed, api))
+        nodes = self._nodes()
+        if placement.fit(nodes, assessed.tokens) is placement.Fit.TOO_BIG:
+            error = placement.too_big_error(nodes, assessed.tokens)
+            return self._refused(
+                contract, self._refusals.queue(QueueReason.EXCEEDS_NODE_CAPACITY, error.message, api)
+            )
+        try:
+            added = await self._store.add(self._new_job(request, assessed), self._limits)
+        except StoreError:
+            return self._refused(contract, self._refusals.store_unavailable())
+        if isinstance(added, QueueFull):
+            return self._refused(contract, self._refusals.queue_full(added.why, assessed.tokens, api))
+        self._metrics.admitted(contract, "accepted")
+        if contract == "deferred":
+            return await self._accepted(added)
+        return await self._hold(request, added, arrived, assessed.api)
+
+    def _refused(self, contract: str, answer: HttpAnswer) -> web.Response:
+        self._metrics.admitted(contract, str(answer.status))
+        return respond(answer)
+
+    def _new_job(self, request: web.Request, assessed: Assessed) -> NewJob:
+        headers = {name: request.headers[name] for name in self._forward if name in request.headers}
+        headers.setdefault("content-type", "application/json")
+        return NewJob(
+            id=new_id("job_"),
+            request=JobRequest(request.path_qs, tuple(headers.items()), assessed.body),
+            tokens=assessed.tokens,
+            priority=self._intake.priority(request.headers),
+            tenant=self._intake.tenant(request.headers),
+            model=assessed.model,
+            stream=assessed.stream,
+            request_id=request.headers.get("x-request-id") or None,
+        )
+
+    async def _accepted(self, job: Job) -> web.Response:
+        body = await self._described(job)
+        return web.json_response(
+            body,
+            status=202,
+            headers={
+                "location": f"{JOBS_PATH}/{job.id}",
+                "preference-applied": "respond-async",
+                JOB_ID_HEADER: job.id,
+            },
+        )
+
+    async def show(self, request: web.Request) -> web.Response:
+        try:
+            job = await self._store.get(request.match_info["key"])
+            if job is None:
+                return respond(self._refusals.not_found(f"job {request.match_info['key']!r}"))
+            return web.json_response(await self._described(job), headers={JOB_ID_HEADER: job.id})
+        except StoreError:
+            return respond(self._refusals.store_unavailable())
+
+    async def cancel(self, request: web.Request) -> web.Response:
+        key = request.match_info["key"]
+        try:
+            job = await self._store.cancel(
+                key, JobError("cancelled", f"Cancelled by DELETE {JOBS_PATH}/{key}.")
+            )
+        except StoreError:
+            return respond(self._refusals.store_unavailable())
+        if job is None:
+            return respond(self._refusals.not_found(f"job {key!r}"))
+        self._abort(job.id)
+        return web.json_response(await self._described(job), headers={JOB_ID_HEADER: job.id})
+
+    async def _described(self, job: Job) -> dict[str, Any]:
+        position = await self._store.position(job) if job.state is JobState.QUEUED else None
+        return describe(job, self._config.admission.priorities, position)
+
+    async def _hold(self, request: web.Request, job: Job, arrived: float, api: Api) -> web.StreamResponse:
+        deadline = arrived + self._settings.max_hold_s
+        with self._signals.watch(job.id) as watch:
+            while True:
+                live = self._live.get(job.id)
+                if live is not None and not (live.ended and live.requeued):
+                    answered = await self._follow(request, job, live, deadline, api)
+                    if answered is not None:
+                        return answered
+                    continue
+                try:
+                    current = await self._store.get(job.id)
+                except StoreError:
+                    current = job
+                if current is None:
+                    return respond(self._refusals.not_found(f"job {job.id!r}"), job.id)
+                if current.terminal:
+                    return self._final(current, api)
+                remaining = deadline - asyncio.get_running_loop().time()
+                if remaining <= 0:
+                    return await self._give_up(request, job, api)
+                await watch.wait(min(remaining, POLL_S))
+
+    async def _follow(
+        self, request: web.Request, job: Job, live: LiveRun, deadline: float, api: Api
+    ) -> web.StreamResponse | None:
+        """The answer of the attempt running here; None when it went back to the queue unseen."""
+        loop = asyncio.get_running_loop()
+        while live.head is None and not live.ended:
+            if loop.time() >= deadline:
+                return await self._give_up(request, job, api)
+            await live.wait(deadline - loop.time())
+        head = live.head
+        if head is not None and job.stream and head.ok and not live.requeued:
+            return await self._relay(request, job, live)
+        while not live.ended:
+            if loop.time() >= deadline:
+                return await self._give_up(request, job, api)
+            await live.wait(deadline - loop.time())
+        if live.requeued:
+            return None
+        if head is None or live.error is not None:
+            # Cancelled or failed without an answer: the store says how, once the runner recorded it.
+            current = await self._store.get(job.id)
+            return self._final(current, api) if current is not None and current.terminal else None
+        headers = {"content-type": head.content_type, JOB_ID_HEADER: job.id}
+        return web.Response(status=head.status, body=b"".join(live.chunks), headers=headers)
+
+    async def _relay(self, request: web.Request, job: Job, live: LiveRun) -> web.StreamResponse:
+        assert live.head is not None
+        response = web.StreamResponse(
+            status=live.head.status, headers={"content-type": live.head.content_type, JOB_ID_HEADER: job.id}
+        )
+        try:
+            await response.prepare(request)
+            async for chunk in live.follow():
+                await response.write(chunk)
+            if live.error is not None:
+                # Cut mid-stream: an error event, which the openai SDK raises as APIError
+                # (openai 3.57.0, _streaming.py: a data line whose JSON has "error").
+                rule = QUEUE_RULES[QueueReason.ENGINE_FAILED]
+                await response.write(b"data: " + error_body(rule, live.error.message, None) + b"\n\n")
+            await response.write_eof()
+        except ConnectionResetError:
+            pass  # the client left; the job's answer is kept for GET by request id
+        return response
+
+    async def _give_up(self, request: web.Request, job: Job, api: Api) -> web.StreamResponse:
+        """The hold ran out: cancel the job and answer 429 (unless it ended meanwhile)."""
+        if request.transport is None or request.transport.is_closing():
+            # Nobody to answer: the job stays, for the client to find by its request id.
+            return web.Response(status=499)
+        error = JobError(HOLD_TIMEOUT, f"Held for {self._settings.max_hold_s:g} s without a node free.")
+        try:
+            current = await self._store.cancel(job.id, error)
+        except StoreError:
+            return respond(self._refusals.store_unavailable(), job.id)
+        self._abort(job.id)
+        if current is not None and current.terminal:
+            return self._final(current, api)
+        return respond(self._refusals.hold_timeout(self._settings.max_hold_s, api), job.id)
+
+    def _final(self, job: Job, api: Api | None) -> web.Response:
+        """An ended job as its held client gets it: the engine's answer, or why there is none."""
+        if job.result is not None:
+            headers = {"content-type": job.result.content_type, JOB_ID_HEADER: job.id}
+            return web.Response(status=job.result.status, body=job.result.body, headers=headers)
+        error = job.error or JobError(job.state.value, f"The job ended {job.state.value}.")
+        if job.state is JobState.CANCELLED and error.code == HOLD_TIMEOUT:
+            return respond(self._refusals.hold_timeout(self._settings.max_hold_s, api), job.id)
+        reason = _REASONS.get(error.code, QueueReason.JOB_CANCELLED)
+        return respond(self._refusals.queue(reason, error.message, api), job.id)
+
+
+_REASONS: Mapping[str, QueueReason] = {
+    "exceeds_node_capacity": QueueReason.EXCEEDS_NODE_CAPACITY,
+    "engine_failed": QueueReason.ENGINE_FAILED,
+}
+
+
+def _too_large(limit: int) -> Refusal:
+    return Refusal(Reason.BODY_TOO_LARGE, f"The request body exceeds {limit} bytes.")

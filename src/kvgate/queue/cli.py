@@ -1,0 +1,116 @@
+"""`kvgate queue`: the async pool's upstream, a durable queue that runs jobs as nodes free up."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import socket
+from pathlib import Path
+
+from kvgate.config import Config, load_config
+from kvgate.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "queue",
+        help="run the async pool's durable, headroom-aware queue",
+        description=(
+            "Serve the requests the gate routes to the async pool, and the OpenAI Batch API. Each request "
+            "is committed to the store before it is answered; a job runs only on a long-pool node whose "
+            "agent reserved its KV cache, in priority, tenant-fair, then age order. Held requests are "
+            "answered on their connection (up to queue.max_hold_s); `Prefer: respond-async` gets 202 and "
+            "a job URL (/v1/kvgate/jobs/{id}). kill -9 loses no acknowledged job: jobs that were running "
+            "run again. SIGTERM puts running jobs back in the queue and exits."
+        ),
+    )
+    parser.add_argument("--listen", default="127.0.0.1:8003", help="HOST:PORT to serve HTTP on")
+    parser.add_argument(
+        "--store",
+        required=True,
+        metavar="URL",
+        help="sqlite:///PATH (one replica) or postgresql://USER@HOST:PORT/DB (several replicas)",
+    )
+    parser.add_argument("--config", type=Path, help="the kvgate YAML file: headroom agents, models, queue")
+    parser.add_argument(
+        "--tokenizer", type=Path, help="tokenizer of the default model entry (estimates batch lines)"
+    )
+    parser.add_argument(
+        "--metrics-listen",
+        default="127.0.0.1:9466",
+        help="HOST:PORT of the Prometheus /metrics endpoint; 'off' disables it (default 127.0.0.1:9466)",
+    )
+    parser.add_argument(
+        "--replica-id",
+        default=None,
+        help="this replica's name in the store (default: host name, pid and a random suffix)",
+    )
+    parser.set_defaults(func=run)
+
+
+def resolve_config(args: argparse.Namespace) -> Config:
+    from kvgate.gate.cli import with_default_tokenizer
+
+    config = load_config(args.config) if args.config else Config()
+    if args.tokenizer:
+        config = with_default_tokenizer(config, str(args.tokenizer))
+    if not config.headroom.agents and not config.headroom.dns:
+        raise ConfigError(
+            f"{config.source}: kvgate queue needs headroom.agents or headroom.dns: it runs a job only on a "
+            "node whose agent reserved room for it"
+        )
+    return config
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from kvgate.headroom.settings import split_host_port
+
+    config = resolve_config(args)
+    host, port = split_host_port(args.listen, "--listen")
+    replica = args.replica_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+    metrics_listen = None if args.metrics_listen == "off" else args.metrics_listen
+    return uvloop.run(_serve(config, args.store, replica, (host, port), metrics_listen))
+
+
+async def _serve(
+    config: Config, store: str, replica: str, address: tuple[str, int], metrics_listen: str | None
+) -> int:
+    from aiohttp import web
+
+    from kvgate.queue.database import StoreError
+    from kvgate.queue.service import QueueService
+    from kvgate.telemetry import start_prometheus
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    start_prometheus(metrics_listen)
+    service = QueueService(config, store, replica)
+    try:
+        await service.start()
+    except StoreError as error:
+        log.error("%s", error)
+        return 1
+    runner = web.AppRunner(service.app(), access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, address[0], address[1]).start()
+        log.info("queue %s serving on http://%s:%d (store %s)", replica, address[0], address[1], store)
+        stopping = asyncio.ensure_future(stop.wait())
+        failing = asyncio.ensure_future(service.failed.wait())
+        await asyncio.wait({stopping, failing}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        failing.cancel()
+    finally:
+        await service.stop()
+        await runner.cleanup()
+    return 1 if service.failed.is_set() else 0

@@ -1,0 +1,75 @@
+"""What the queue's stores need of a SQL database, and the URL that picks one.
+
+    sqlite:///PATH          one replica (the file is locked); embedded, nothing to run
+    postgresql://…          several replicas; rows claimed with SKIP LOCKED, LISTEN/NOTIFY wakes them
+
+Both adapters take the same SQL (`?` placeholders, standard SQL the two share); the few places they
+differ are named here: the store's clock, row locking, and the lock that makes a bounds check and
+its insert one step across replicas. Database errors become StoreError at the adapter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Protocol
+
+from kvgate.errors import ConfigError, KvgateError
+
+Row = tuple[Any, ...]
+Listener = Callable[[str], None]
+
+# Events the stores announce (PostgreSQL: NOTIFY on this channel, delivered at commit).
+CHANNEL = "kvgate_queue"
+RESYNC = "resync"  # notifications may have been missed (the listening connection was lost)
+
+
+class StoreError(KvgateError):
+    """The store could not be read or written (unreachable, locked, corrupt)."""
+
+
+class Tx(Protocol):
+    async def execute(self, sql: str, params: Sequence[object] = ()) -> list[Row]: ...
+
+    async def executemany(self, sql: str, rows: Sequence[Sequence[object]]) -> None: ...
+
+    async def notify(self, event: str) -> None:
+        """Announce `event` to every replica's listeners once this transaction commits."""
+
+
+class Database(Protocol):
+    # SQL for "now" in seconds since the epoch, by the database's clock: with several replicas,
+    # leases are compared on one clock.
+    now_sql: str
+    # Appended to a SELECT that picks a row to claim: replicas skip rows another one is claiming.
+    skip_locked: str
+    # Run first in a transaction that checks the queue's bounds and then inserts.
+    lock_bounds: str
+    # True when one process owns the store: jobs found running at start-up belong to a dead process.
+    exclusive: bool
+
+    def transaction(self) -> AbstractAsyncContextManager[Tx]: ...
+
+    def subscribe(self, listener: Listener) -> None: ...
+
+    async def start(self) -> None:
+        """Connect, create the tables if missing, start listening."""
+
+    async def close(self) -> None: ...
+
+
+def open_database(url: str) -> Database:
+    """The adapter for a `--store` URL; ConfigError naming the flag when it is not one."""
+    if url.startswith("sqlite:///"):
+        from kvgate.queue.sqlite_db import SqliteDatabase
+
+        path = url.removeprefix("sqlite:///")
+        if not path:
+            raise ConfigError("--store: sqlite:///PATH needs a file path")
+        # sqlite:///relative/path and sqlite:////absolute/path, as SQLAlchemy spells them.
+        return SqliteDatabase(path)
+    if url.startswith(("postgresql://", "postgres://")):
+        from kvgate.queue.postgres_db import PostgresDatabase
+
+        return PostgresDatabase(url)
+    raise ConfigError(f"--store: expected sqlite:///PATH or postgresql://..., got {url!r}")

@@ -1,0 +1,52 @@
+"""The `queue:` section of kvgate.yaml: bounds, timeouts and leases of `kvgate queue`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvgate.bounds import at_least
+from kvgate.errors import ConfigError
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class QueueSettings:
+    # A held request is answered on its own connection up to this long after it arrived; then 429
+    # with Retry-After and the job is cancelled. Under common SDK timeouts (openai: 600 s), and
+    # Envoy's route must wait longer than this (its stream idle timeout defaults to 300 s).
+    max_hold_s: float = field(default=300.0, metadata=at_least(1))
+    # Finished jobs (their engine response) are kept this long for GET /v1/kvgate/jobs/{id}.
+    result_ttl_s: float = field(default=3600.0, metadata=at_least(1))
+    # Jobs queued or running, and tokens queued, past which new work is refused with 429.
+    max_jobs: int = field(default=10_000, metadata=at_least(1))
+    max_tokens_waiting: int = field(default=100_000_000, metadata=at_least(1))
+    # The header naming the tenant that fair sharing is computed over (set by your auth layer).
+    tenant_header: str = "x-tenant"
+    default_tenant: str = "default"
+    # Times a job is sent to an engine before it fails (an engine that drops the connection).
+    max_attempts: int = field(default=3, metadata=at_least(1))
+    # A replica renews its claim on running jobs every third of this; a replica that stops renewing
+    # loses them after it (PostgreSQL: another replica runs them again).
+    claim_lease_s: float = field(default=30.0, metadata=at_least(0.3))
+    # The agent's KV reservation lease, renewed while the job runs: what a crash leaves held.
+    reservation_lease_s: float = field(default=60.0, metadata=at_least(1))
+    retry_after_s: int = field(default=10, metadata=at_least(1))
+    # Request headers stored with a job and sent to the engine with it (never x-kvgate-*).
+    # `authorization` is left out on purpose: listing it stores clients' credentials in the store.
+    forward_headers: tuple[str, ...] = ("content-type", "accept", "traceparent", "tracestate")
+    # The Batch API: largest input file, most lines in one batch (OpenAI's limits).
+    max_file_bytes: int = field(default=200 * MiB, metadata=at_least(1))
+    max_batch_lines: int = field(default=50_000, metadata=at_least(1))
+    # Longest one engine call may take.
+    engine_timeout_s: float = field(default=3600.0, metadata=at_least(1))
+
+    def __post_init__(self) -> None:
+        for i, name in enumerate(self.forward_headers):
+            if name.lower().startswith("x-kvgate-") or name.lower() != name:
+                raise ConfigError(
+                    f"queue.forward_headers[{i}]: {name!r} must be lower case and not an x-kvgate- header"
+                )
+        # Both are renewed every third of claim_lease_s: a shorter reservation could lapse between two.
+        if self.reservation_lease_s < self.claim_lease_s:
+            raise ConfigError("queue.reservation_lease_s must be >= queue.claim_lease_s")

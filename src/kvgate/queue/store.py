@@ -1,0 +1,360 @@
+"""Jobs in the store: every transition one conditional write, every acknowledgement one commit.
+
+A job is acknowledged (the held answer is awaited, or 202 sent) only after `add` returned, that is
+after its row was committed; with SQLite's synchronous=FULL and PostgreSQL's defaults a committed
+row survives kill -9 of the queue. Claims carry a lease the owning replica renews; `recover` puts
+back in the queue the running jobs whose lease ran out (their replica died or lost the store), and
+on an exclusive store (SQLite) every running job at start-up.
+
+Events (see kvgate.queue.database): `new` when a job may have become runnable, `done:ID` when a job
+ended, `cancel:ID` when a running job was cancelled (its owner aborts the engine call).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvgate.queue.database import Database, Row, Tx
+from kvgate.queue.jobs import (
+    TERMINAL,
+    Job,
+    JobError,
+    JobRequest,
+    JobResult,
+    JobState,
+    NewJob,
+    Waiting,
+)
+
+NEW = "new"
+DONE = "done:"
+CANCEL = "cancel:"
+
+JOB_COLUMNS = (
+    "id, state, tokens, priority, tenant, created_at, model, stream, request_id, started_at, "
+    "finished_at, attempts, owner, node, reservation, batch_id, custom_id, line, result_status, "
+    "result_type, result_body, error_code, error_message"
+)
+_REQUEST_COLUMNS = "path, headers, body"
+_INSERT = (
+    "INSERT INTO kvgate_jobs (id, request_id, state, priority, tenant, tokens, model, stream, path, "
+    "headers, body, created_at, expires_at, batch_id, custom_id, line, finished_at, error_code, "
+    "error_message) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, {now}, ?, ?, ?, ?, {finished}, ?, ?)"
+)
+_OPEN = "('queued', 'running')"
+_ENDED = "(" + ", ".join(f"'{state.value}'" for state in sorted(TERMINAL)) + ")"
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_jobs: int
+    max_tokens_waiting: int
+
+
+@dataclass(frozen=True, slots=True)
+class QueueFull:
+    """The bound a new job would pass, in words for the 429."""
+
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStats:
+    jobs: dict[str, int]
+    oldest_queued_s: float | None
+    tokens_waiting: dict[str, int]
+
+
+class JobStore:
+    def __init__(self, database: Database) -> None:
+        self.database = database
+        self._now = database.now_sql
+
+    async def start(self) -> list[Job]:
+        """Open the store; on an exclusive store, requeue what a dead process left running (returned,
+        so their reservations can be released)."""
+        await self.database.start()
+        return await self.recover(everything=self.database.exclusive)
+
+    async def close(self) -> None:
+        await self.database.close()
+
+    async def add(self, job: NewJob, limits: Limits) -> Job | QueueFull:
+        """Commit `job`, or the job already holding its request id, or the bound it would pass."""
+        async with self.database.transaction() as tx:
+            if job.request_id is not None:
+                rows = await tx.execute(
+                    f"SELECT {JOB_COLUMNS} FROM kvgate_jobs WHERE request_id = ?", (job.request_id,)
+                )
+                if rows:
+                    return job_from_row(rows[0])
+            full = await self._check_bounds(tx, limits, 1, job.tokens)
+            if full is not None:
+                return full
+            await self._insert(tx, [job])
+            rows = await tx.execute(f"SELECT {JOB_COLUMNS} FROM kvgate_jobs WHERE id = ?", (job.id,))
+            await tx.notify(NEW)
+        return job_from_row(rows[0])
+
+    async def add_many(self, tx: Tx, jobs: Sequence[NewJob], limits: Limits) -> QueueFull | None:
+        """Insert a batch's lines inside the caller's transaction, all or none within the bounds."""
+        waiting = [job for job in jobs if job.error is None]
+        full = await self._check_bounds(tx, limits, len(waiting), sum(job.tokens for job in waiting))
+        if full is not None:
+            return full
+        await self._insert(tx, jobs)
+        if waiting:
+            await tx.notify(NEW)
+        return None
+
+    async def _check_bounds(self, tx: Tx, limits: Limits, jobs: int, tokens: int) -> QueueFull | None:
+        if self.database.lock_bounds:
+            await tx.execute(self.database.lock_bounds)
+        ((count, waiting),) = await tx.execute(
+            "SELECT count(*), CAST(coalesce(sum(CASE WHEN state = 'queued' THEN tokens ELSE 0 END), 0) "
+            f"AS BIGINT) FROM kvgate_jobs WHERE state IN {_OPEN}"
+        )
+        if count + jobs > limits.max_jobs:
+            return QueueFull(f"{count} jobs are queued or running (queue.max_jobs is {limits.max_jobs})")
+        if waiting + tokens > limits.max_tokens_waiting:
+            return QueueFull(
+                f"{waiting} tokens are waiting and this needs {tokens} more "
+                f"(queue.max_tokens_waiting is {limits.max_tokens_waiting})"
+            )
+        return None
+
+    async def _insert(self, tx: Tx, jobs: Sequence[NewJob]) -> None:
+        # Refused batch lines are stored already failed, for the batch's error file.
+        for failed in (False, True):
+            chosen = [job for job in jobs if (job.error is not None) == failed]
+            if not chosen:
+                continue
+            sql = _INSERT.format(now=self._now, finished=self._now if failed else "NULL")
+            await tx.executemany(sql, [_insert_row(job) for job in chosen])
+
+    async def get(self, key: str) -> Job | None:
+        """The job with this id, or the one created for this request id."""
+        async with self.database.transaction() as tx:
+            rows = await tx.execute(
+                f"SELECT {JOB_COLUMNS} FROM kvgate_jobs WHERE id = ? OR request_id = ?", (key, key)
+            )
+        return job_from_row(rows[0]) if rows else None
+
+    async def position(self, job: Job) -> int:
+        """Queued jobs ahead of `job` in priority-then-age order (fair sharing may reorder tenants)."""
+        async with self.database.transaction() as tx:
+            ((ahead,),) = await tx.execute(
+                "SELECT count(*) FROM kvgate_jobs WHERE state = 'queued' AND (priority < ? OR "
+                "(priority = ? AND seq < (SELECT seq FROM kvgate_jobs WHERE id = ?)))",
+                (job.priority, job.priority, job.id),
+            )
+        return int(ahead)
+
+    async def waiting(self, per_group: int) -> list[Waiting]:
+        """The oldest `per_group` queued jobs of every (priority, tenant)."""
+        async with self.database.transaction() as tx:
+            rows = await tx.execute(
+                "SELECT id, priority, tenant, tokens, seq, attempts FROM (SELECT id, priority, tenant, "
+                "tokens, seq, attempts, row_number() OVER (PARTITION BY priority, tenant ORDER BY seq) "
+                "AS n FROM kvgate_jobs WHERE state = 'queued') AS heads WHERE n <= ?",
+                (per_group,),
+            )
+        return [Waiting(r[0], int(r[1]), r[2], int(r[3]), int(r[4]), int(r[5])) for r in rows]
+
+    async def claim(self, job_id: str, owner: str, node: str, reservation: str, lease_s: float) -> Job | None:
+        """Mark a queued job running for `owner`; None when it is no longer queued (or another replica
+        is claiming it this instant). Returns the job with its request."""
+        async with self.database.transaction() as tx:
+            rows = await tx.execute(
+                f"UPDATE kvgate_jobs SET state = 'running', owner = ?, node = ?, reservation = ?, "
+                f"attempts = attempts + 1, started_at = {self._now}, lease_until = {self._now} + ? "
+                f"WHERE id = (SELECT id FROM kvgate_jobs WHERE id = ? AND state = 'queued'"
+                f"{self.database.skip_locked}) RETURNING {JOB_COLUMNS}, {_REQUEST_COLUMNS}",
+                (owner, node, reservation, lease_s, job_id),
+            )
+        if not rows:
+            return None
+        row = rows[0]
+        headers = tuple((str(k), str(v)) for k, v in json.loads(row[-2]))
+        request = JobRequest(row[-3], headers, bytes(row[-1]))
+        return job_from_row(row[:-3], request)
+
+    async def renew(self, owner: str, running: Sequence[str], lease_s: float) -> set[str]:
+        """Extend the lease of `owner`'s running jobs; the ids of `running` it no longer holds."""
+        async with self.database.transaction() as tx:
+            rows = await tx.execute(
+                f"UPDATE kvgate_jobs SET lease_until = {self._now} + ? WHERE owner = ? AND state = 'running' "
+                "RETURNING id",
+                (lease_s, owner),
+            )
+        return set(running) - {row[0] for row in rows}
+
+    async def finish(
+        self, job: Job, owner: str, result: JobResult | None, error: JobError | None = None
+    ) -> bool:
+        """Record how `owner`'s attempt ended; False when the job was taken from it meanwhile."""
+        state = JobState.SUCCEEDED if result is not None and result.ok and error is None else JobState.FAILED
+        async with self.database.transaction() as tx:
+            rows = await tx.execute(
+                f"UPDATE kvgate_jobs SET state = ?, finished_at = {self._now}, lease_until = NULL, "
+                "result_status = ?, result_type = ?, result_body = ?, error_code = ?, error_message = ? "
+                "WHERE id = ? AND state = 'running' AND owner = ? AND attempts = ? RETURNING id",
+                (
+                    state.value,
+                    result.status if result else None,
+                    result.content_type if result else None,
+                    result.body if result else None,
+                    error.code if error else None,
+                    error.message if error else None,
+                    job.id,
+                    owner,
+                    job.attempts,
+                ),
+            )
+            if rows:
+                await tx.notify(DONE + job.id)
+        return bool(rows)
+
+    async def requeue(self, job: Job, owner: str) -> bool:
+        """Put `owner`'s running attempt back in the queue (engine dropped it, replica stopping)."""
+        async with self.database.transaction() as tx:
+            rows = await tx.execute(
+                "UPDATE kvgate_jobs SET state = 'queued', owner = NULL, lease_until = NULL "
+                "WHERE id = ? AND state = 'running' AND owner = ? AND attempts = ? RETURNING id",
+                (job.id, owner, job.attempts),
+            )
+            if rows:
+                await tx.notify(NEW)
+        return bool(rows)
+
+    async def fail_waiting(self, job_id: str, error: JobError) -> bool:
+        """Fail a queued job that can never run (bigger than every node)."""
+        async with self.database.transaction() as tx:
+            rows = await tx.execute(
+                f"UPDATE kvgate_jobs SET state = 'failed', finished_at = {self._now}, error_code = ?, "
+                "error_message = ? WHERE id = ? AND state = 'queued' RETURNING id",
+                (error.code, error.message, job_id),
+            )
+            if rows:
+                await tx.notify(DONE + job_id)
+        return bool(rows)
+
+    async def cancel(self, key: str, error: JobError) -> Job | None:
+        """Cancel a queued or running job by id or request id; the job as it is now (None: unknown)."""
+        async with self.database.transaction() as tx:
+            rows = await tx.execute(
+                f"UPDATE kvgate_jobs SET state = 'cancelled', finished_at = {self._now}, lease_until = NULL, "
+                f"error_code = ?, error_message = ? WHERE (id = ? OR request_id = ?) AND state IN {_OPEN} "
+                f"RETURNING {JOB_COLUMNS}",
+                (error.code, error.message, key, key),
+            )
+            for row in rows:
+                await tx.notify(CANCEL + row[0])
+                await tx.notify(DONE + row[0])
+        return job_from_row(rows[0]) if rows else await self.get(key)
+
+    async def recover(self, everything: bool = False) -> list[Job]:
+        """Requeue running jobs whose claim lease ran out (all running ones if `everything`). They keep
+        their node and reservation, for the caller to release."""
+        async with self.database.transaction() as tx:
+            rows = await tx.execute(
+                "UPDATE kvgate_jobs SET state = 'queued', owner = NULL, lease_until = NULL "
+                f"WHERE state = 'running' AND (lease_until < {self._now} OR ? = 1) RETURNING {JOB_COLUMNS}",
+                (1 if everything else 0,),
+            )
+            if rows:
+                await tx.notify(NEW)
+        return [job_from_row(row) for row in rows]
+
+    async def expire(self) -> list[str]:
+        """Expire queued batch lines whose batch window closed; the batch ids touched."""
+        async with self.database.transaction() as tx:
+            rows = await tx.execute(
+                f"UPDATE kvgate_jobs SET state = 'expired', finished_at = {self._now}, "
+                "error_code = 'batch_expired', error_message = 'This request could not be executed before "
+                f"the completion window expired.' WHERE state = 'queued' AND expires_at < {self._now} "
+                "RETURNING batch_id"
+            )
+        return sorted({row[0] for row in rows if row[0] is not None})
+
+    async def sweep(self, result_ttl_s: float) -> int:
+        """Delete jobs that ended more than `result_ttl_s` ago (batch lines once their batch ended)."""
+        async with self.database.transaction() as tx:
+            rows = await tx.execute(
+                f"DELETE FROM kvgate_jobs WHERE state IN {_ENDED} AND finished_at < {self._now} - ? AND "
+                "(batch_id IS NULL OR batch_id IN (SELECT id FROM kvgate_batches WHERE status IN "
+                "('completed', 'failed', 'expired', 'cancelled'))) RETURNING id",
+                (result_ttl_s,),
+            )
+        return len(rows)
+
+    async def stats(self) -> QueueStats:
+        async with self.database.transaction() as tx:
+            states = await tx.execute("SELECT state, count(*) FROM kvgate_jobs GROUP BY state")
+            ((oldest,),) = await tx.execute(
+                f"SELECT {self._now} - min(created_at) FROM kvgate_jobs WHERE state = 'queued'"
+            )
+            tenants = await tx.execute(
+                "SELECT tenant, CAST(sum(tokens) AS BIGINT) FROM kvgate_jobs WHERE state = 'queued' "
+                "GROUP BY tenant"
+            )
+        return QueueStats(
+            {state: int(count) for state, count in states},
+            None if oldest is None else float(oldest),
+            {tenant: int(tokens) for tenant, tokens in tenants},
+        )
+
+
+def _insert_row(job: NewJob) -> tuple[object, ...]:
+    state = JobState.QUEUED if job.error is None else JobState.FAILED
+    return (
+        job.id,
+        job.request_id,
+        state.value,
+        job.priority,
+        job.tenant,
+        job.tokens,
+        job.model,
+        1 if job.stream else 0,
+        job.request.path,
+        json.dumps(job.request.headers),
+        job.request.body,
+        job.expires_at,
+        job.batch_id,
+        job.custom_id,
+        job.line,
+        job.error.code if job.error else None,
+        job.error.message if job.error else None,
+    )
+
+
+def job_from_row(row: Row, request: JobRequest | None = None) -> Job:
+    r: Sequence[Any] = row
+    result = None if r[18] is None else JobResult(int(r[18]), r[19] or "", bytes(r[20] or b""))
+    error = None if r[21] is None else JobError(r[21], r[22] or "")
+    return Job(
+        id=r[0],
+        state=JobState(r[1]),
+        tokens=int(r[2]),
+        priority=int(r[3]),
+        tenant=r[4],
+        created_at=float(r[5]),
+        model=r[6],
+        stream=bool(r[7]),
+        request_id=r[8],
+        started_at=r[9],
+        finished_at=r[10],
+        attempts=int(r[11]),
+        owner=r[12],
+        node=r[13],
+        reservation=r[14],
+        batch_id=r[15],
+        custom_id=r[16],
+        line=r[17],
+        result=result,
+        error=error,
+        request=request,
+    )
