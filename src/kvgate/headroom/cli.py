@@ -1,26 +1,30 @@
-"""`kvgate agent`: run the per-node headroom agent until SIGTERM or SIGINT."""
+"""`kvgate agent`: run the per-node headroom agent until SIGTERM or SIGINT; `kvgate status`: what a
+running agent sees, read from its Subscribe stream (rendered by kvgate.headroom.status)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
 import socket
+import sys
 import time
 from typing import TYPE_CHECKING
 
-from kvgate.errors import ConfigError
+from kvgate.errors import ConfigError, HeadroomError
 from kvgate.headroom.capacity import DTYPE_BYTES, ModelShape
 from kvgate.headroom.node import NodeSettings
 from kvgate.headroom.scrape import metrics_url
 from kvgate.headroom.settings import join_host_port, split_host_port
 from kvgate.telemetry import start_prometheus
-from kvgate.tls import ServerTls
+from kvgate.tls import ClientTls, ServerTls
 
 if TYPE_CHECKING:
     from kvgate.headroom.agent import Agent
+    from kvgate.headroom.snapshot import NodeHeadroom
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +42,11 @@ reservation-only: with --capacity-tokens, usage is the live reservations plus
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    _register_agent(subparsers)
+    _register_status(subparsers)
+
+
+def _register_agent(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "agent",
         help="run the per-node headroom agent",
@@ -227,3 +236,72 @@ async def _serve(args: argparse.Namespace) -> None:
     await stop.wait()
     log.info("stopping: draining subscribers")
     await agent.stop(grace_s=1.0)
+
+
+STATUS_DESCRIPTION = """\
+What a running agent sees: the engine it reads (kind, engines and ranks), capacity and where it comes
+from, used tokens and where they come from (the engine's KV figures, or reservations on a
+reservation-only node), reserved tokens, headroom, health and its reason, and how old all that is.
+Read from the agent's gRPC Subscribe stream, as a gate reads it. Exit status 0 when the node is
+healthy, 1 when it is not, 2 when the agent cannot be read.
+"""
+
+
+def _register_status(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "status",
+        help="show what a running agent sees",
+        description=STATUS_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--agent", required=True, metavar="HOST:PORT", help="the agent's gRPC address")
+    parser.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    parser.add_argument(
+        "--timeout-s", type=float, default=5.0, help="give up when no message arrives this soon (default 5)"
+    )
+    tls = parser.add_argument_group("TLS to an agent started with --tls-cert (see docs/tls.md)")
+    tls.add_argument("--tls-ca", metavar="PEM", help="CA that signed the agent's certificate")
+    tls.add_argument("--tls-cert", metavar="PEM", help="client certificate, for agents with --tls-client-ca")
+    tls.add_argument("--tls-key", metavar="PEM", help="the client certificate's private key")
+    tls.add_argument("--tls-server-name", metavar="NAME", help="name the agent's certificate carries")
+    parser.set_defaults(func=run_status)
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from kvgate.headroom.status import status_json, status_text
+
+    split_host_port(args.agent, "--agent")
+    if args.timeout_s <= 0:
+        raise ConfigError(f"--timeout-s must be > 0, got {args.timeout_s}")
+    tls = ClientTls(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+    try:
+        headroom, age_s = asyncio.run(_first_message(args.agent, tls, args.timeout_s))
+    except HeadroomError as exc:
+        print(f"kvgate status: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(status_json(headroom, args.agent, age_s), indent=2))
+    else:
+        print(status_text(headroom, args.agent, age_s))
+    return 0 if headroom.healthy else 1
+
+
+async def _first_message(agent: str, tls: ClientTls, timeout_s: float) -> tuple[NodeHeadroom, float]:
+    """The agent's next streamed message, and its age by this machine's wall clock."""
+    from kvgate.headroom.client import AgentClient
+    from kvgate.headroom.credentials import ChannelSecurity
+
+    security = ChannelSecurity(tls, "kvgate status TLS") if tls.enabled else None
+    client = AgentClient(agent, 0.1, 1.0, security)
+    stream = client.subscribe(f"kvgate status on {socket.gethostname()} pid {os.getpid()}")
+    try:
+        async with asyncio.timeout(timeout_s):
+            message = await stream.next()
+    except TimeoutError as exc:
+        raise HeadroomError(f"agent {agent}: no message within {timeout_s:g} s") from exc
+    finally:
+        stream.cancel()
+        await client.close()
+    if message is None:
+        raise HeadroomError(f"agent {agent}: the stream ended before its first message")
+    return message, max(0.0, (time.time_ns() - message.sample_time_unix_ns) / 1e9)

@@ -1,0 +1,94 @@
+"""What an agent sees, for operators and tests: `kvgate status` renders one streamed NodeHeadroom.
+
+Pure: the command (registered by kvgate.headroom.cli) fetches the message over the agent's gRPC
+Subscribe stream and hands it here with its age. Unknown figures print as "unknown" (null in JSON),
+never as zero.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from kvgate.headroom.snapshot import NodeHeadroom
+
+
+def status_json(h: NodeHeadroom, agent: str, age_s: float) -> dict[str, Any]:
+    return {
+        "agent": agent,
+        "node": h.node,
+        "endpoint": h.endpoint,
+        "healthy": h.healthy,
+        "reason": h.reason,
+        "age_s": round(age_s, 3),
+        "engine": {
+            "kind": h.engine_kind or None,
+            "engines": list(h.engines),
+            "sample_age_ms": h.engine_sample_age_ms,
+        },
+        "capacity": {
+            "tokens": h.capacity_tokens,
+            "source": h.capacity_source.value,
+            "rule": h.capacity_rule,
+            "safety_ratio": h.safety_ratio,
+            "admissible_tokens": math.floor(h.capacity_tokens * h.safety_ratio),
+        },
+        "used": {
+            "tokens": h.used_tokens,
+            "source": h.usage_source.value,
+            "unreserved_tokens": h.unreserved_tokens,
+            "kv_usage": h.kv_usage,
+        },
+        "reserved": {"tokens": h.reserved_tokens, "reservations": h.reservations},
+        "headroom_tokens": h.headroom_tokens,
+        "requests": {"running": h.running, "waiting": h.waiting, "preemptions_total": h.preemptions_total},
+        "gpus": [
+            {"uuid": g.uuid, "name": g.name, "healthy": g.healthy, "used_bytes": g.used_bytes} for g in h.gpus
+        ],
+        "period_ms": h.period_ms,
+        "seq": h.seq,
+    }
+
+
+def status_text(h: NodeHeadroom, agent: str, age_s: float) -> str:
+    health = "healthy" if h.healthy else "UNHEALTHY"
+    engine = "none (no --engine-metrics)"
+    if h.engine_kind:
+        engine = f"{h.engine_kind}: {'; '.join(h.engines) or 'no engines listed'}"
+    admissible = math.floor(h.capacity_tokens * h.safety_ratio)
+    rule = f", {h.capacity_rule}" if h.capacity_rule else ""
+    used = "unknown"
+    if h.used_tokens is not None:
+        used = f"{h.used_tokens:,} tokens, from {h.usage_source.value}"
+        if h.unreserved_tokens is not None:
+            used += f" ({h.unreserved_tokens:,} for unreserved requests)"
+        if h.kv_usage is not None:
+            used += f", {h.kv_usage:.1%} of capacity"
+    scraped = "" if h.engine_sample_age_ms is None else f"; engine scraped {h.engine_sample_age_ms} ms before"
+    lines = [
+        f"agent     {agent}  node {h.node}  endpoint {h.endpoint}",
+        f"health    {health}" + (f": {h.reason}" if h.reason else ""),
+        f"engine    {engine}",
+        f"capacity  {h.capacity_tokens:,} tokens from {h.capacity_source.value}{rule}; "
+        f"x {h.safety_ratio:g} safety = {admissible:,} admissible",
+        f"used      {used}",
+        f"reserved  {h.reserved_tokens:,} tokens in {h.reservations} reservation{_plural(h.reservations)}",
+        f"headroom  {h.headroom_tokens:,} tokens",
+        f"requests  {_count(h.running)} running, {_count(h.waiting)} waiting, "
+        f"{_count(h.preemptions_total)} preempted since start",
+        f"age       {age_s:.3f} s since the agent's sample{scraped}",
+    ]
+    if h.gpus:
+        sick = [g.uuid for g in h.gpus if not g.healthy]
+        lines.append(
+            f"gpus      {len(h.gpus)}" + (f", unhealthy: {', '.join(sick)}" if sick else ", all healthy")
+        )
+    return "\n".join(lines)
+
+
+def _plural(count: int) -> str:
+    return "" if count == 1 else "s"
+
+
+def _count(value: int | None) -> str:
+    return "unknown" if value is None else str(value)
