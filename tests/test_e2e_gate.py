@@ -81,6 +81,10 @@ def test_short_chat_goes_interactive(stack: Stack, texts: dict[str, str]) -> Non
     assert received.headers["x-kvgate-reason"] == "short"
     exact_total = 700 + 1024 + 4  # prompt + default output budget + one message's template overhead
     assert abs(int(received.headers["x-kvgate-tokens"]) - exact_total) <= 0.1 * exact_total
+    # Envoy echoes the decision to the client from the gate's metadata.
+    assert reply.headers["x-kvgate-pool"] == "interactive"
+    assert reply.headers["x-kvgate-reason"] == "short"
+    assert reply.headers["x-kvgate-tokens"] == received.headers["x-kvgate-tokens"]
 
 
 def test_8k_chat_goes_long(stack: Stack, texts: dict[str, str]) -> None:
@@ -130,10 +134,20 @@ def test_missing_messages_gets_400_naming_the_field(stack: Stack) -> None:
     assert "'messages'" in reply.json()["error"]["message"]
 
 
-def test_gzip_body_is_understood(stack: Stack, texts: dict[str, str]) -> None:
-    reply = stack.send(gzip.compress(chat(texts["8k"])), headers={"content-encoding": "gzip"})
+def test_gzip_body_is_understood_and_reaches_the_engine_inflated(stack: Stack, texts: dict[str, str]) -> None:
+    body = chat(texts["8k"])
+    reply = stack.send(gzip.compress(body), headers={"content-encoding": "gzip"})
+    assert reply.status == 200, reply.body
+    assert reply.json() == {"pool": "long", "body_bytes": len(body)}
+    assert "content-encoding" not in stack.upstreams.received[-1].headers
+
+
+def test_json_sent_as_a_form_is_sized_like_json(stack: Stack, texts: dict[str, str]) -> None:
+    """`curl -d` labels JSON as a form; engines parse it anyway, so the gate sizes it."""
+    reply = stack.send(chat(texts["8k"]), headers={"content-type": "application/x-www-form-urlencoded"})
     assert reply.status == 200, reply.body
     assert reply.json()["pool"] == "long"
+    assert reply.headers["x-kvgate-reason"] == "long"
 
 
 def test_gzip_bomb_gets_413(stack: Stack) -> None:
