@@ -150,11 +150,14 @@ def test_json_sent_as_a_form_is_sized_like_json(stack: Stack, texts: dict[str, s
     assert reply.headers["x-kvgate-reason"] == "long"
 
 
-def test_gzip_bomb_gets_413(stack: Stack) -> None:
+def test_gzip_bomb_gets_413_and_reaches_no_engine(stack: Stack) -> None:
+    """Envoy inflates request bodies; past its buffer limit it answers 413 itself (the gate's own
+    inflation, the fallback without Envoy's decompressor, answers 413 body_too_large)."""
+    before = len(stack.upstreams.received)
     bomb = gzip.compress(b'{"messages": "' + b"a" * (80 * 1024 * 1024) + b'"}')
     reply = stack.send(bomb, headers={"content-encoding": "gzip"})
     assert reply.status == 413
-    assert reply.json()["error"]["code"] == "request_too_large"
+    assert len(stack.upstreams.received) == before
 
 
 def test_10mb_body_reaches_the_gate_not_an_envoy_413(stack: Stack) -> None:
