@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
     HttpBody,
     HttpHeaders,
@@ -313,3 +314,11 @@ def test_a_json_body_is_sized_whatever_its_content_type_says() -> None:
     assert set_headers(routed)["x-kvgate-pool"] == "long"
     _, plain = drive(make_processor(), [headers(**form), body(b"a=1&b=2")])
     assert set_headers(plain)["x-kvgate-reason"] == "unparsed"
+
+
+def test_a_buffered_body_is_whole_even_without_end_of_stream() -> None:
+    """Envoy's request decompressor adds trailers: the BUFFERED body then comes without end_of_stream."""
+    first = headers()
+    first.protocol_config.request_body_mode = ProcessingMode.BUFFERED
+    _, routed = drive(make_processor(), [first, body(chat("word " * 6000), end=False)])
+    assert set_headers(routed)["x-kvgate-pool"] == "long"

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 from envoy.config.core.v3.base_pb2 import HeaderValue
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
     BodyResponse,
@@ -54,7 +55,7 @@ _PASS_THROUGH = {
 class _Stream:
     """Per-request state between the headers and the body message."""
 
-    __slots__ = ("body", "decided", "forged", "head", "ticket")
+    __slots__ = ("body", "buffered", "decided", "forged", "head", "ticket")
 
     def __init__(self) -> None:
         self.head: RequestHead | None = None
@@ -62,6 +63,8 @@ class _Stream:
         self.forged: list[str] = []
         self.body = bytearray()
         self.ticket: Ticket | None = None
+        # Envoy said (protocol_config, on its first message) that it buffers the whole body.
+        self.buffered = False
 
 
 ATTRIBUTES_NAMESPACE = "envoy.filters.http.ext_proc"
@@ -141,6 +144,8 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
             async for message in requests:
                 kind = message.WhichOneof("request")
                 self._metrics.message(kind)
+                if message.HasField("protocol_config"):
+                    stream.buffered = message.protocol_config.request_body_mode == ProcessingMode.BUFFERED
                 if kind == "request_headers":
                     yield self._on_headers(message.request_headers, stream)
                 elif kind == "request_body":
@@ -197,8 +202,10 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
             # One round trip: what two would decide on the headers message alone (paths and content
             # types the gate does not read) is decided now.
             stream.decided = self._pipeline.on_headers(head)
-        if not message.end_of_stream:
-            # Only BUFFERED mode is supported; a chunked body is collected until its last piece.
+        if not message.end_of_stream and not stream.buffered:
+            # A body in pieces (an Envoy that does not say it buffers) is collected until its last
+            # one. A BUFFERED body comes whole in one message, without end_of_stream when trailers
+            # follow (Envoy's request decompressor adds some).
             stream.body += message.body
             return responses.CONTINUE_BODY
         if stream.decided is not None:
