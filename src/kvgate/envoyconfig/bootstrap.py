@@ -42,6 +42,7 @@ with warnings.catch_warnings():
         HeaderValueOption,
         HeaderValueOptionHeaderAppendAction,
         Http2ProtocolOptions,
+        RuntimeFeatureFlag,
         SocketAddress,
         TransportSocket,
         TypedExtensionConfig,
@@ -61,7 +62,14 @@ with warnings.catch_warnings():
         RouteMatch,
         VirtualHost,
     )
+    from envoy_data_plane.envoy.extensions.compression.gzip.decompressor.v3 import Gzip
     from envoy_data_plane.envoy.extensions.filters.http.buffer.v3 import Buffer
+    from envoy_data_plane.envoy.extensions.filters.http.decompressor.v3 import (
+        Decompressor,
+        DecompressorCommonDirectionConfig,
+        DecompressorRequestDirectionConfig,
+        DecompressorResponseDirectionConfig,
+    )
     from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
         ExternalProcessor,
         MetadataOptions,
@@ -101,7 +109,13 @@ with warnings.catch_warnings():
 
 from kvgate.envoyconfig.settings import EnvoySettings, GateTls, HostPort
 from kvgate.gate.processor import request_attributes
-from kvgate.names import ENDPOINT_HEADER, HEADER_FOR_METADATA, POOL_HEADER
+from kvgate.names import (
+    ENDPOINT_HEADER,
+    HEADER_FOR_METADATA,
+    POOL_HEADER,
+    REASON_HEADER,
+    TOKENS_HEADER,
+)
 
 GATE_CLUSTER = "kvgate_gate"
 PINNED_CLUSTER = "kvgate_pinned"
@@ -185,6 +199,43 @@ def _headers_from_metadata(settings: EnvoySettings) -> list[HeaderValueOption]:
     ]
 
 
+def _decision_for_the_client(settings: EnvoySettings) -> list[HeaderValueOption]:
+    """The gate's pool, tokens and reason echoed in the response from its metadata (no extra round
+    trip). A refusal the gate answers itself carries its own, which these never replace."""
+    return [
+        HeaderValueOption(
+            header=HeaderValue(
+                key=header,
+                value=f"%DYNAMIC_METADATA({settings.metadata_namespace}:{HEADER_FOR_METADATA[header]})%",
+            ),
+            append_action=HeaderValueOptionHeaderAppendAction.ADD_IF_ABSENT,
+        )
+        for header in (POOL_HEADER, TOKENS_HEADER, REASON_HEADER)
+    ]
+
+
+# zlib's own ceiling: Envoy's default ratio (100) silently truncates repetitive prompts; a zip bomb
+# stops at the listener's buffer limit instead, with Envoy's 413.
+_MAX_INFLATE_RATIO = 1032
+
+
+def decompressor_filter() -> HttpFilter:
+    """Inflates gzip request bodies ahead of ext_proc: engines do not, and the gate must size what
+    the engine will read. Responses are left alone, and upstreams are not told Envoy accepts gzip."""
+    decompressor = Decompressor(
+        decompressor_library=TypedExtensionConfig(
+            name="gzip", typed_config=AnyMessage.pack(Gzip(max_inflate_ratio=_MAX_INFLATE_RATIO))
+        ),
+        request_direction_config=DecompressorRequestDirectionConfig(advertise_accept_encoding=False),
+        response_direction_config=DecompressorResponseDirectionConfig(
+            common_config=DecompressorCommonDirectionConfig(
+                enabled=RuntimeFeatureFlag(default_value=False, runtime_key="kvgate.decompress_responses")
+            )
+        ),
+    )
+    return HttpFilter(name="envoy.filters.http.decompressor", typed_config=AnyMessage.pack(decompressor))
+
+
 def ext_proc_filter(settings: EnvoySettings) -> HttpFilter:
     one_trip = settings.round_trips == 1
     processor = ExternalProcessor(
@@ -233,8 +284,14 @@ def ingress_listener(settings: EnvoySettings) -> Listener:
             name="pools",
             virtual_hosts=[VirtualHost(name="pools", domains=["*"], routes=routes(settings))],
             request_headers_to_add=_headers_from_metadata(settings) if one_trip else [],
+            response_headers_to_add=_decision_for_the_client(settings),
         ),
-        http_filters=[ext_proc_filter(settings), *([_buffer(settings)] if one_trip else []), _router()],
+        http_filters=[
+            decompressor_filter(),
+            ext_proc_filter(settings),
+            *([_buffer(settings)] if one_trip else []),
+            _router(),
+        ],
     )
     return Listener(
         name="ingress",
