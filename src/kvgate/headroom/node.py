@@ -182,7 +182,9 @@ class NodeState:
             return UsageSource.NONE, None, None, ""
         if engine is not None and engine.used_tokens is not None:
             if engine.state is PageState.IDLE:
-                return UsageSource.ENGINE, 0, None, f"engine idle, usage not yet published ({engine.rule})"
+                writes = f"{engine.kind.value} writes it from its first request on"
+                note = f"engine idle, usage not yet published ({writes})"
+                return UsageSource.ENGINE, 0, None, note
             if engine.state is PageState.NOT_READY:
                 return UsageSource.ENGINE, engine.used_tokens, None, f"{_not_ready(engine)} ({engine.rule})"
             return UsageSource.ENGINE, engine.used_tokens, None, ""

@@ -54,7 +54,7 @@ def status_text(h: NodeHeadroom, agent: str, age_s: float) -> str:
     health = "healthy" if h.healthy else "UNHEALTHY"
     engine = "none (no --engine-metrics)"
     if h.engine_kind:
-        engine = f"{h.engine_kind}: {'; '.join(h.engines) or 'no engines listed'}"
+        engine = h.engine_kind + (f": {'; '.join(h.engines)}" if h.engines else "")
     admissible = math.floor(h.capacity_tokens * h.safety_ratio)
     rule = f", {h.capacity_rule}" if h.capacity_rule else ""
     used = "unknown"

@@ -35,7 +35,7 @@ def read(text: str) -> EngineReading | None:
                 _sum(running, running_name),
                 _sum(waiting, waiting_name),
                 None,
-                (kind.value,),
+                (),
                 f"{kind.value} publishes no KV-cache figures",
                 None,
             )
