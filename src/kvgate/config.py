@@ -20,6 +20,7 @@ import yaml
 from kvgate.bounds import at_least
 from kvgate.errors import ConfigError
 from kvgate.headroom.settings import HeadroomSettings
+from kvgate.names import METADATA_NAMESPACE, PRIORITY_HEADER
 from kvgate.queue.settings import QueueSettings
 from kvgate.tls import TlsConfig
 
@@ -35,7 +36,7 @@ class ServerConfig:
     drain_seconds: float = field(default=30.0, metadata=at_least(0))
     # Envoy dynamic-metadata namespace of the decision (pool, tokens, reason, endpoint, model); it
     # must be listed in the ext_proc filter's metadata_options.receiving_namespaces.untyped.
-    metadata_namespace: str = "kvgate"
+    metadata_namespace: str = METADATA_NAMESPACE
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +91,7 @@ class WaterThresholds:
 @dataclass(frozen=True, slots=True)
 class AdmissionConfig:
     # Client-chosen priority; names listed most important first. Unknown values get the default.
-    priority_header: str = "x-kvgate-priority"
+    priority_header: str = PRIORITY_HEADER
     priorities: tuple[str, ...] = ("high", "normal", "low")
     default_priority: str = "normal"
     # A long request that fits nowhere waits this long, in priority order, for a node to free up.
