@@ -36,6 +36,7 @@ def test_flags_build_node_settings() -> None:
     settings = settings_from_args(
         parse("--capacity-tokens", "40000", "--period-ms", "50", "--node-name", "gpu-7")
     )
+    assert settings.unreserved_request_tokens == 4096
     assert (settings.node, settings.capacity_tokens, settings.period_s, settings.safety_ratio) == (
         "gpu-7",
         40_000,
@@ -74,6 +75,7 @@ def test_flags_build_node_settings() -> None:
         (("--capacity-tokens", "5", "--default-lease-s", "600", "--max-lease-s", "60"), "leases"),
         (("--capacity-tokens", "5", "--gpu-memory-utilization", "0"), "gpu-memory-utilization"),
         (("--engine-metrics", "https://127.0.0.1:8000/metrics"), "--engine-metrics must be an http://"),
+        (("--capacity-tokens", "5", "--unreserved-request-tokens", "-1"), "--unreserved-request-tokens"),
     ],
 )
 def test_bad_flags_are_config_errors(argv: tuple[str, ...], message: str) -> None:
