@@ -1,6 +1,6 @@
 """KV-cache capacity from a model's shape, for engines that do not report their KV pool.
 
-Bytes per token (DESIGN §1): 2 * layers * kv_heads * head_dim * dtype_bytes for standard attention
+Bytes per token: 2 * layers * kv_heads * head_dim * dtype_bytes for standard attention
 (one K and one V per KV head); layers * (kv_lora_rank + qk_rope_head_dim) * dtype_bytes for MLA
 (DeepSeek), which caches one compressed latent plus the rotary key per layer.
 """
