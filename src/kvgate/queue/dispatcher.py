@@ -88,6 +88,7 @@ class Dispatcher:
         self._wake = asyncio.Event()
         # The next job fits no node now: headroom updates are worth a round.
         self._blocked = False
+        self._stopping = False
 
     def poke(self, reload: bool = False) -> None:
         """Something changed: a job was added or ended (`reload`: the waiting set may differ)."""
@@ -105,17 +106,21 @@ class Dispatcher:
                 except StoreError as error:
                     log.warning("dispatch round failed: %s", error)
                     self._fair.needs_reload = True
+                # Not asyncio.wait_for: on Python 3.11 a cancel that meets the event being set is lost.
                 try:
-                    await asyncio.wait_for(self._wake.wait(), self._refresh_s)
+                    async with asyncio.timeout(self._refresh_s):
+                        await self._wake.wait()
                 except TimeoutError:
                     # A missed event must not leave a job waiting: read the store again now and then.
                     self._fair.needs_reload = True
         finally:
+            self._stopping = True
             follower.cancel()
             await asyncio.gather(follower, return_exceptions=True)
 
     async def _follow_headroom(self) -> None:
-        while True:
+        # The flag as well as the cancel: a source's wait_update may lose a cancel (see above).
+        while not self._stopping:
             if await self._source.wait_update(1.0) and self._blocked:
                 self._wake.set()
 

@@ -59,7 +59,8 @@ class LiveRun:
         """Until something changes, or `timeout_s`."""
         changed = self._changed
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(changed.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await changed.wait()
 
     async def follow(self) -> AsyncIterator[bytes]:
         """Every chunk from the first, as they arrive, until the attempt ends."""
@@ -115,8 +116,10 @@ class Watch:
         self._signals.discard(self._job_id, self.event)
 
     async def wait(self, timeout_s: float) -> None:
+        # Not asyncio.wait_for: on Python 3.11 a cancel that meets the event being set is lost.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.event.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self.event.wait()
         self.event.clear()
 
 

@@ -1,0 +1,91 @@
+"""Who runs next: priority, then a token-fair share across tenants, then age (kvgate.queue.fairness)."""
+
+from __future__ import annotations
+
+import itertools
+
+from kvgate.queue.fairness import FairQueue
+from kvgate.queue.jobs import Waiting
+
+_seq = itertools.count(1)
+
+
+def jobs(tenant: str, count: int, tokens: int = 8000, priority: int = 1) -> list[Waiting]:
+    return [Waiting(f"{tenant}{i + 1}", priority, tenant, tokens, next(_seq)) for i in range(count)]
+
+
+def dispatch(fair: FairQueue, count: int) -> list[str]:
+    order = []
+    for _ in range(count):
+        job = fair.next()
+        assert job is not None
+        fair.dispatched(job)
+        order.append(job.id)
+    return order
+
+
+def test_one_tenant_runs_in_arrival_order() -> None:
+    fair = FairQueue()
+    fair.load(jobs("a", 4), per_group=10)
+    assert dispatch(fair, 4) == ["a1", "a2", "a3", "a4"]
+    assert fair.next() is None
+
+
+def test_a_tenant_that_arrives_behind_a_flood_waits_for_one_flood_job_at_most() -> None:
+    fair = FairQueue()
+    flood = jobs("a", 10)
+    fair.load(flood, per_group=100)
+    assert dispatch(fair, 1) == ["a1"]  # running when the other tenant arrives
+    late = jobs("b", 2)
+    fair.load(flood[1:] + late, per_group=100)
+    assert dispatch(fair, 4) == ["b1", "a2", "b2", "a3"]
+
+
+def test_shares_are_by_tokens_not_by_count() -> None:
+    fair = FairQueue()
+    huge, small = jobs("a", 30, tokens=30_000), jobs("b", 40, tokens=1000)
+    fair.load(huge + small, per_group=100)
+    order = dispatch(fair, 33)
+    # After one 30k-token prompt, the other tenant's 1k-token ones run until it has had as many tokens.
+    assert order[:2] == ["a1", "b1"]
+    assert order.index("a2") == 31
+    assert sum(1 for name in order if name.startswith("b")) == 31
+
+
+def test_a_tenant_that_was_idle_does_not_cash_in_credit() -> None:
+    fair = FairQueue()
+    a, b = jobs("a", 20), jobs("b", 1)
+    fair.load(a + b, per_group=100)
+    assert dispatch(fair, 2) == ["a1", "b1"]
+    assert dispatch(fair, 8) == [f"a{i}" for i in range(2, 10)]  # b idle meanwhile
+    back = jobs("b", 5)
+    fair.load(a[9:] + back, per_group=100)
+    # b starts level with a: one turn each, not eight b's in a row.
+    assert dispatch(fair, 4) == ["b1", "a10", "b2", "a11"]
+
+
+def test_a_higher_priority_goes_first_and_ties_go_to_the_older_job() -> None:
+    fair = FairQueue()
+    normal = jobs("a", 2) + jobs("b", 2)
+    urgent = jobs("c", 1, priority=0)
+    fair.load(normal + urgent, per_group=100)
+    assert dispatch(fair, 5) == ["c1", "a1", "b1", "a2", "b2"]
+
+
+def test_a_job_taken_elsewhere_is_dropped_without_charging_its_tenant() -> None:
+    fair = FairQueue()
+    fair.load(jobs("a", 2) + jobs("b", 2), per_group=100)
+    first = fair.next()
+    assert first is not None and first.id == "a1"
+    fair.drop(first)  # another replica claimed it
+    assert dispatch(fair, 3) == ["a2", "b1", "b2"]
+
+
+def test_a_group_read_only_in_part_asks_for_a_reload_once_it_runs_out() -> None:
+    fair = FairQueue()
+    fair.load(jobs("a", 2) + jobs("b", 1), per_group=2)
+    assert not fair.needs_reload
+    dispatch(fair, 2)
+    assert not fair.needs_reload  # b was read whole; a still has one here
+    dispatch(fair, 1)
+    assert fair.needs_reload

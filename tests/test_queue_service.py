@@ -1,0 +1,360 @@
+"""The queue in-process: its HTTP app, dispatcher and runner over a SQLite store, with FakeHeadroom
+for the agents and scripted engines, so each contract and rule runs in a second or two.
+
+The engines here answer when the test says so; FakeHeadroom grants through the agent's own ledger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiohttp
+from aiohttp.test_utils import TestServer
+
+from kvgate.config import parse_config
+from kvgate.headroom.fake_source import FakeHeadroom
+from kvgate.queue.engines import EngineFailure
+from kvgate.queue.jobs import JobRequest
+from kvgate.queue.live import Head
+from kvgate.queue.service import QueueService
+
+T = TypeVar("T")
+CHAT = "/v1/chat/completions"
+BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello"}]}).encode()
+
+
+def run(scenario: Callable[[], Awaitable[T]]) -> T:
+    return asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+@dataclass
+class Call:
+    job_id: str
+    endpoint: str
+    request: JobRequest
+    answer: asyncio.Future[tuple[int, bytes] | None] = field(default_factory=asyncio.Future)
+
+
+class _Answer:
+    def __init__(self, head: Head, body: bytes) -> None:
+        self.head = head
+        self._body = body
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        yield self._body
+
+
+class ScriptedEngines:
+    """Engines that answer each call when the test resolves it: (status, body), or None to drop it."""
+
+    def __init__(self) -> None:
+        self.calls: list[Call] = []
+        self._arrived = asyncio.Event()
+
+    @asynccontextmanager
+    async def send(
+        self, endpoint: str, request: JobRequest, headers: Mapping[str, str]
+    ) -> AsyncIterator[_Answer]:
+        call = Call(headers["x-kvgate-job-id"], endpoint, request)
+        self.calls.append(call)
+        self._arrived.set()
+        answer = await call.answer
+        if answer is None:
+            raise EngineFailure(f"engine {endpoint} dropped the connection")
+        yield _Answer(Head(answer[0], "application/json"), answer[1])
+
+    async def wait_calls(self, count: int, timeout_s: float = 5.0) -> list[Call]:
+        deadline = time.monotonic() + timeout_s
+        while len(self.calls) < count:
+            assert time.monotonic() < deadline, f"{len(self.calls)} engine calls, waited for {count}"
+            self._arrived.clear()
+            with suppress(TimeoutError):
+                async with asyncio.timeout(0.1):
+                    await self._arrived.wait()
+        return self.calls
+
+    def running(self) -> list[Call]:
+        return [c for c in self.calls if not c.answer.done()]
+
+    def answer(self, call: Call, status: int = 200) -> None:
+        call.answer.set_result((status, json.dumps({"job": call.job_id}).encode()))
+
+
+@dataclass
+class Queue:
+    service: QueueService
+    server: TestServer
+    client: aiohttp.ClientSession
+    source: FakeHeadroom
+    engines: ScriptedEngines
+
+    async def post(self, tokens: int, **headers: str) -> aiohttp.ClientResponse:
+        all_headers = {"x-kvgate-tokens": str(tokens), **{k.replace("_", "-"): v for k, v in headers.items()}}
+        return await self.client.post(self.server.make_url(CHAT), data=BODY, headers=all_headers)
+
+    async def defer(self, tokens: int, **headers: str) -> str:
+        response = await self.post(tokens, prefer="respond-async", **headers)
+        assert response.status == 202, await response.text()
+        job_id: str = (await response.json())["id"]
+        return job_id
+
+    async def job(self, key: str) -> dict[str, Any]:
+        response = await self.client.get(self.server.make_url(f"/v1/kvgate/jobs/{key}"))
+        found: dict[str, Any] = await response.json()
+        return found
+
+
+@asynccontextmanager
+async def queue(tmp_path: Path, queue_yaml: str = "", capacity: int = 10_000) -> AsyncIterator[Queue]:
+    config = parse_config(f"headroom: {{agents: ['fake:1']}}\nqueue: {{{queue_yaml}}}\n")
+    source = FakeHeadroom(time.monotonic, stale_after_s=3600)
+    source.add_node("node-a", capacity)
+    engines = ScriptedEngines()
+    service = QueueService(
+        config, f"sqlite:///{tmp_path / 'queue.db'}", "replica-1", source=source, engines=engines
+    )
+    await service.start()
+    server = TestServer(service.app())
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession() as client:
+            yield Queue(service, server, client, source, engines)
+    finally:
+        await server.close()
+        await service.stop()
+
+
+async def tenant_of(q: Queue, call: Call) -> str:
+    tenant: str = (await q.job(call.job_id))["tenant"]
+    return tenant
+
+
+async def next_call(q: Queue, after: int) -> Call:
+    """The one call running once `after` calls were made."""
+    await q.engines.wait_calls(after + 1)
+    (running,) = q.engines.running()
+    return running
+
+
+def test_held_request_is_answered_with_the_engines_answer_once_a_node_has_room(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with queue(tmp_path) as q:
+            q.source.update("node-a", used_tokens=9_000)  # the node is busy: the job must wait
+            held = asyncio.ensure_future(q.post(8000, x_request_id="req-held"))
+            await asyncio.sleep(0.3)
+            assert q.engines.calls == [] and (await q.job("req-held"))["status"] == "queued"
+            q.source.update("node-a", used_tokens=0)
+            (call,) = await q.engines.wait_calls(1)
+            assert call.endpoint == "node-a.engine:8000" and call.request.body == BODY
+            assert q.source.reserved_tokens("node-a") == 8000  # the job runs on its reservation
+            q.engines.answer(call)
+            response = await held
+            assert response.status == 200 and await response.json() == {"job": call.job_id}
+            assert response.headers["x-kvgate-job-id"] == call.job_id
+            await asyncio.sleep(0.05)
+            assert q.source.reserved_tokens("node-a") == 0  # released when the answer ended
+
+    run(scenario)
+
+
+def test_deferred_request_gets_202_a_job_url_and_its_answer_when_done(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with queue(tmp_path) as q:
+            q.source.update("node-a", used_tokens=9_000)
+            response = await q.post(8000, prefer="respond-async, wait=5", x_tenant="acme")
+            assert response.status == 202
+            assert response.headers["preference-applied"] == "respond-async"
+            job = await response.json()
+            assert response.headers["location"] == f"/v1/kvgate/jobs/{job['id']}"
+            assert (job["status"], job["estimated_tokens"], job["tenant"], job["position"]) == (
+                "queued",
+                8000,
+                "acme",
+                0,
+            )
+            q.source.update("node-a", used_tokens=0)
+            (call,) = await q.engines.wait_calls(1)
+            assert (await q.job(job["id"]))["status"] == "running"
+            q.engines.answer(call)
+            await asyncio.sleep(0.1)
+            done = await q.job(job["id"])
+            assert done["status"] == "succeeded" and done["attempts"] == 1
+            assert done["response"] == {
+                "status_code": 200,
+                "content_type": "application/json",
+                "body": {"job": job["id"]},
+            }
+
+    run(scenario)
+
+
+def test_one_tenant_flooding_delays_another_by_one_flood_job_at_most(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with queue(tmp_path) as q:
+            for _ in range(6):
+                await q.defer(8000, x_tenant="flood")  # one runs at a time (8k of a 10k node)
+            await q.engines.wait_calls(1)
+            for _ in range(2):
+                await q.defer(8000, x_tenant="quiet")
+            tenants = []
+            for done in range(6):
+                running = await next_call(q, done)
+                tenants.append(await tenant_of(q, running))
+                q.engines.answer(running)
+            assert tenants == ["flood", "quiet", "flood", "quiet", "flood", "flood"]
+
+    run(scenario)
+
+
+def test_a_higher_priority_job_runs_before_older_normal_ones(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with queue(tmp_path) as q:
+            first = await q.defer(8000)
+            await q.engines.wait_calls(1)
+            normal = [await q.defer(8000) for _ in range(2)]
+            urgent = await q.defer(8000, x_kvgate_priority="high")
+            order = []
+            for done in range(4):
+                running = await next_call(q, done)
+                order.append(running.job_id)
+                q.engines.answer(running)
+            assert order == [first, urgent, *normal]
+
+    run(scenario)
+
+
+def test_a_job_bigger_than_every_node_fails_at_once_with_its_reason(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with queue(tmp_path, capacity=10_000) as q:
+            for headers in ({}, {"prefer": "respond-async"}):
+                response = await q.post(12_000, **headers)
+                assert response.status == 413
+                assert response.headers["x-kvgate-reason"] == "exceeds_node_capacity"
+                error = (await response.json())["error"]
+                assert error["code"] == "exceeds_node_capacity" and "12000 tokens" in error["message"]
+                assert "admits 10000" in error["message"]
+            assert q.engines.calls == []
+
+    run(scenario)
+
+
+def test_bounds_refuse_with_429_and_the_reason(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with queue(tmp_path, "max_jobs: 2, max_tokens_waiting: 9000, retry_after_s: 7") as q:
+            q.source.update("node-a", used_tokens=9_500)  # nothing runs
+            await q.defer(6000)
+            response = await q.post(5000, prefer="respond-async")
+            assert response.status == 429 and response.headers["retry-after"] == "7"
+            assert response.headers["x-kvgate-reason"] == "queue_full"
+            assert "queue.max_tokens_waiting is 9000" in (await response.json())["error"]["message"]
+            await q.defer(1000)
+            response = await q.post(10, prefer="respond-async")
+            assert response.status == 429
+            assert "queue.max_jobs is 2" in (await response.json())["error"]["message"]
+
+    run(scenario)
+
+
+def test_a_held_request_past_max_hold_gets_429_and_its_job_is_cancelled(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with queue(tmp_path, "max_hold_s: 1, retry_after_s: 3") as q:
+            q.source.update("node-a", used_tokens=9_500)
+            started = time.monotonic()
+            response = await q.post(8000, x_request_id="req-timeout")
+            assert 1.0 <= time.monotonic() - started < 3
+            assert response.status == 429 and response.headers["retry-after"] == "3"
+            assert (await response.json())["error"]["code"] == "queue_timeout"
+            job = await q.job("req-timeout")
+            assert job["status"] == "cancelled" and job["error"]["code"] == "hold_timeout"
+            q.source.update("node-a", used_tokens=0)
+            await asyncio.sleep(0.3)
+            assert q.engines.calls == []
+
+    run(scenario)
+
+
+def test_delete_cancels_a_waiting_job_and_cuts_a_running_one(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with queue(tmp_path) as q:
+            running_id = await q.defer(8000)
+            waiting_id = await q.defer(8000)
+            (call,) = await q.engines.wait_calls(1)
+            for job_id in (waiting_id, running_id):
+                response = await q.client.delete(q.server.make_url(f"/v1/kvgate/jobs/{job_id}"))
+                assert response.status == 200 and (await response.json())["status"] == "cancelled"
+            await asyncio.sleep(0.2)
+            assert call.answer.cancelled()  # the engine call was cut
+            assert q.source.reserved_tokens("node-a") == 0
+            assert len(q.engines.calls) == 1  # the waiting one never ran
+            gone = await q.client.get(q.server.make_url("/v1/kvgate/jobs/job_nope"))
+            assert gone.status == 404 and (await gone.json())["error"]["code"] == "not_found"
+
+    run(scenario)
+
+
+def test_a_dropped_engine_call_runs_again_and_the_last_allowed_attempt_fails(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with queue(tmp_path, "max_attempts: 2") as q:
+            held = asyncio.ensure_future(q.post(8000))
+            first = await next_call(q, 0)
+            first.answer.set_result(None)
+            second = await next_call(q, 1)
+            assert second.job_id == first.job_id
+            q.engines.answer(second)
+            assert (await held).status == 200
+            assert (await q.job(first.job_id))["attempts"] == 2
+            doomed = await q.defer(8000)
+            for done in (2, 3):
+                (await next_call(q, done)).answer.set_result(None)
+            await asyncio.sleep(0.2)
+            job = await q.job(doomed)
+            assert job["status"] == "failed" and job["error"]["code"] == "engine_failed"
+
+    run(scenario)
+
+
+def test_a_client_that_comes_back_with_its_request_id_gets_the_same_job(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with queue(tmp_path) as q:
+            q.source.update("node-a", used_tokens=9_500)
+            lost = asyncio.ensure_future(q.post(8000, x_request_id="req-again"))
+            await asyncio.sleep(0.2)
+            lost.cancel()  # the client's connection dropped
+            again = asyncio.ensure_future(q.post(8000, x_request_id="req-again"))
+            q.source.update("node-a", used_tokens=0)
+            (call,) = await q.engines.wait_calls(1)
+            q.engines.answer(call, status=400)
+            response = await again
+            # The engine's own answer, error status included; one job, one engine call.
+            assert response.status == 400 and await response.json() == {"job": call.job_id}
+            assert len(q.engines.calls) == 1
+
+    run(scenario)
+
+
+def test_requests_the_gate_did_not_estimate_are_estimated_and_refused_as_the_gate_would(
+    tmp_path: Path,
+) -> None:
+    async def scenario() -> None:
+        async with queue(tmp_path) as q:
+            url = q.server.make_url(CHAT)
+            response = await q.client.post(url, data=BODY, headers={"prefer": "respond-async"})
+            job = await response.json()
+            assert response.status == 202 and 1024 < job["estimated_tokens"] < 1100
+            too_long = json.dumps({"model": "m", "messages": [], "max_tokens": 20_000}).encode()
+            response = await q.client.post(url, data=too_long, headers={"prefer": "respond-async"})
+            assert response.status == 413
+            assert (await response.json())["error"]["code"] == "context_length_exceeded"
+            response = await q.client.post(url, data=b"{not json", headers={"prefer": "respond-async"})
+            assert response.status == 400
+            response = await q.client.post(q.server.make_url("/v1/unknown"), data=BODY)
+            assert response.status == 404
+
+    run(scenario)
