@@ -40,8 +40,9 @@ CACHE_INFO = "vllm:cache_config_info"
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 PREEMPTIONS = "vllm:num_preemptions_total"
-# Ten seconds without a change while requests run: far more than any engine step takes.
-BUSY_REFRESH_S = 10.0
+# vLLM writes every step, but usage only moves when a request takes a new block (every block_size
+# decode steps): 30 s without any change while requests run allows below one token per second.
+BUSY_REFRESH_S = 30.0
 
 
 def read(text: str) -> EngineReading | None:
