@@ -321,3 +321,39 @@ def test_a_stream_cancelled_mid_reserve_gives_the_reservation_back() -> None:
         return view.released
 
     assert run(scenario) == ["r1"]
+
+
+def test_the_clients_prefer_wait_shortens_the_wait_but_never_lengthens_it() -> None:
+    async def waited(wait_s: float | None, max_wait_s: float) -> float:
+        source, _, admission = setup(("a", 20000), max_wait_s=max_wait_s)
+        source.update("a", used_tokens=15000)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        admitted = await admission.admit(long_route(10000), MODEL, None, "r1", wait_s)
+        assert refused(admitted) is Reason.NO_CAPACITY
+        return loop.time() - started
+
+    async def scenario() -> None:
+        assert await waited(0.0, 5.0) < 0.5
+        assert await waited(60.0, 0.1) < 1.0
+
+    run(scenario)
+
+
+def test_a_models_async_mode_decides_what_overflow_becomes() -> None:
+    async def scenario() -> None:
+        for mode, fallback, expected in (
+            ("allow", False, "async"),
+            ("never", True, None),
+            (None, True, "async"),
+        ):
+            source, _, admission = setup(("a", 20000), async_fallback=fallback)
+            source.update("a", used_tokens=15000)
+            model = ModelConfig(async_mode=mode)  # type: ignore[arg-type]
+            admitted = await admission.admit(long_route(10000), model, None, f"r-{mode}")
+            if expected is None:
+                assert refused(admitted) is Reason.NO_CAPACITY
+            else:
+                assert admitted.decision == Route(expected, Reason.ASYNC, 10000)
+
+    run(scenario)

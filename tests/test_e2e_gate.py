@@ -105,6 +105,17 @@ def test_20k_chat_gets_413_json(stack: Stack, texts: dict[str, str]) -> None:
     assert len(stack.upstreams.received) == before, "a refused request must not reach any pool"
 
 
+def test_a_virtual_hosts_policy_in_the_envoy_config_sets_the_limit(stack: Stack) -> None:
+    """envoy/*.yaml's strict.local caps requests at 2,000 tokens; the default host does not."""
+    request = chat("word " * 2000)  # about 2,000 prompt tokens + the 1,024-token default budget
+    strict = stack.send(request, headers={"host": "strict.local"})
+    assert strict.status == 413, strict.body
+    assert "2000" in strict.json()["error"]["message"]
+    default = stack.send(request)
+    assert default.status == 200, default.body
+    assert default.json()["pool"] == "interactive"
+
+
 def test_output_budget_counts(stack: Stack, texts: dict[str, str]) -> None:
     reply = stack.send(chat("Write a long story about a lighthouse.", max_tokens=6000))
     assert reply.json()["pool"] == "long"

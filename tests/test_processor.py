@@ -67,13 +67,28 @@ def make_processor(config: Config | None = None, spans: DecisionSpans | None = N
     return ExternalProcessor(pipeline, config.admission.priority_header, GateMetrics(), spans, "kvgate")
 
 
-def drive(processor: ExternalProcessor, messages: Sequence[ProcessingRequest]) -> list[ProcessingResponse]:
+class StreamContext:
+    """What the processor reads of grpc.aio's ServicerContext: the stream's metadata."""
+
+    def __init__(self, metadata: Sequence[tuple[str, str]]) -> None:
+        self._metadata = tuple(metadata)
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+
+def drive(
+    processor: ExternalProcessor,
+    messages: Sequence[ProcessingRequest],
+    metadata: Sequence[tuple[str, str]] = (),
+) -> list[ProcessingResponse]:
     async def requests() -> AsyncIterator[ProcessingRequest]:
         for message in messages:
             yield message
 
     async def run() -> list[ProcessingResponse]:
-        return [response async for response in processor.Process(requests(), None)]  # type: ignore[arg-type]
+        context = StreamContext(metadata)
+        return [response async for response in processor.Process(requests(), context)]  # type: ignore[arg-type]
 
     return asyncio.run(asyncio.wait_for(run(), 10))
 
@@ -322,3 +337,38 @@ def test_a_buffered_body_is_whole_even_without_end_of_stream() -> None:
     first.protocol_config.request_body_mode = ProcessingMode.BUFFERED
     _, routed = drive(make_processor(), [first, body(chat("word " * 6000), end=False)])
     assert set_headers(routed)["x-kvgate-pool"] == "long"
+
+
+def test_envoy_route_metadata_sets_the_limits() -> None:
+    strict = [("x-kvgate-max-total-tokens", "2000")]
+    _, refused = drive(make_processor(), [headers(), body(chat("word " * 1500))], strict)
+    assert refused.immediate_response.status.code == 413
+    assert "2000" in json.loads(refused.immediate_response.body)["error"]["message"]
+    _, routed = drive(make_processor(), [headers(), body(chat("word " * 1500))])
+    assert set_headers(routed)["x-kvgate-pool"] == "interactive"
+
+
+def test_a_route_may_prefer_the_async_pool_through_a_named_policy() -> None:
+    processor = make_processor(parse_config("policies: {batch: {async_mode: prefer}}"))
+    _, routed = drive(
+        processor, [headers(), body(chat("word " * 6000))], [("x-kvgate-model-policy", "batch")]
+    )
+    assert set_headers(routed)["x-kvgate-pool"] == "async"
+    assert set_headers(routed)["x-kvgate-reason"] == "async"
+
+
+def test_a_bad_route_value_is_logged_once_and_ignored(caplog: Any) -> None:
+    processor = make_processor()
+    bad = [("x-kvgate-max-total-tokens", "many")]
+    for _ in range(3):
+        _, routed = drive(processor, [headers(), body(chat("word " * 6000))], bad)
+        assert set_headers(routed)["x-kvgate-pool"] == "long", "the model's own limits apply"
+    assert caplog.text.count("x-kvgate-max-total-tokens: 'many' is not a whole number") == 1
+
+
+def test_the_client_may_ask_for_the_async_pool_where_the_route_allows_it() -> None:
+    long = [headers(prefer="respond-async"), body(chat("word " * 6000))]
+    _, default = drive(make_processor(), long)
+    assert set_headers(default)["x-kvgate-pool"] == "long", "admission.async_fallback is off by default"
+    _, allowed = drive(make_processor(), long, [("x-kvgate-async", "allow")])
+    assert set_headers(allowed)["x-kvgate-pool"] == "async"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -48,6 +49,9 @@ class PoolNames:
     async_: str = "async"
 
 
+AsyncMode = Literal["prefer", "allow", "never"]
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     match: str = "*"
@@ -60,6 +64,20 @@ class ModelConfig:
     image_tokens: int = field(default=1024, metadata=at_least(0))
     message_overhead_tokens: int = field(default=4, metadata=at_least(0))
     pools: PoolNames = PoolNames()
+    # Long requests and the async pool: `prefer` sends them there at once, `allow` when no node has
+    # room (instead of 429), `never` refuses them; unset follows admission.async_fallback.
+    async_mode: AsyncMode | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelPolicy:
+    """A named set of overrides (`policies:`) that an Envoy route or virtual host picks with
+    `x-kvgate-model-policy`; a key left out keeps the request's model entry's value."""
+
+    interactive_max_tokens: int | None = field(default=None, metadata=at_least(1))
+    max_total_tokens: int | None = field(default=None, metadata=at_least(1))
+    default_output_tokens: int | None = field(default=None, metadata=at_least(0))
+    async_mode: AsyncMode | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +146,8 @@ class Config:
     interactive_headroom: HeadroomSettings = field(default_factory=HeadroomSettings)
     default_model: ModelConfig = ModelConfig()
     models: tuple[ModelConfig, ...] = ()
+    # Named overrides for Envoy routes and virtual hosts (x-kvgate-model-policy: NAME).
+    policies: Mapping[str, ModelPolicy] = field(default_factory=dict)
     # TLS on the ext_proc listener (Envoy -> gate) and on the channels to agents; plaintext by default.
     tls: TlsConfig = field(default_factory=TlsConfig)
     # `kvgate queue`, the async pool's upstream: bounds, hold time, leases (kvgate.queue.settings).
@@ -188,6 +208,17 @@ class _Loader:
             return self.convert(inner, node, where, metadata)
         if dataclasses.is_dataclass(hint):
             return self.build(hint, node, where)  # type: ignore[arg-type]
+        if origin is Mapping:
+            if not isinstance(node, yaml.MappingNode):
+                raise self.fail(node, where, f"expected a mapping, got {_describe(node)}")
+            found: dict[str, Any] = {}
+            for key_node, value_node in node.value:
+                key = self.convert(str, key_node, where, {})
+                if key in found:
+                    raise self.fail(key_node, f"{where}.{key}", "key given twice")
+                found[key] = self.convert(args[1], value_node, f"{where}.{key}", metadata)
+            # A plain dict: the config is pickled to every gate worker process (mappingproxy is not).
+            return found
         if origin is tuple:
             if not isinstance(node, yaml.SequenceNode):
                 raise self.fail(node, where, f"expected a list, got {_describe(node)}")
@@ -297,6 +328,14 @@ def _check(config: Config, loader: _Loader) -> None:
             raise ConfigError(
                 f"{config.source}: {name}.interactive_max_tokens ({model.interactive_max_tokens}) "
                 f"must not exceed {name}.max_total_tokens ({model.max_total_tokens})"
+            )
+    for name, policy in config.policies.items():
+        interactive = policy.interactive_max_tokens
+        total = policy.max_total_tokens
+        if interactive is not None and total is not None and interactive > total:
+            raise ConfigError(
+                f"{config.source}: policies.{name}.interactive_max_tokens ({interactive}) must not exceed "
+                f"policies.{name}.max_total_tokens ({total})"
             )
     admission = config.admission
     if admission.default_priority not in admission.priorities:

@@ -17,8 +17,17 @@ ENDPOINT_HEADER = "x-kvgate-endpoint"
 # The headers the gate itself decides; a client's header of the same name is overwritten, never trusted.
 ROUTING_HEADERS = (POOL_HEADER, ENDPOINT_HEADER, TOKENS_HEADER, REASON_HEADER)
 
-# A client's own hint (read, never set, by the gate).
+# A client's own hints (read, never set, by the gate): its priority, and RFC 7240 preferences.
 PRIORITY_HEADER = "x-kvgate-priority"
+PREFER_HEADER = "prefer"
+
+# Per-route policy: gRPC metadata of the ext_proc stream, set by an Envoy route or virtual host
+# (ExtProcPerRoute overrides.grpc_initial_metadata); see kvgate.policy.route.
+ROUTE_INTERACTIVE_MAX_TOKENS = "x-kvgate-interactive-max-tokens"
+ROUTE_MAX_TOTAL_TOKENS = "x-kvgate-max-total-tokens"
+ROUTE_DEFAULT_OUTPUT_TOKENS = "x-kvgate-default-output-tokens"
+ROUTE_MODEL_POLICY = "x-kvgate-model-policy"
+ROUTE_ASYNC = "x-kvgate-async"
 
 # The dynamic-metadata namespace of the gate's decision, and its keys. Envoy routes on `pool` and
 # `endpoint` in the one-round-trip set-up and access logs read the rest.

@@ -32,6 +32,7 @@ DECISION_DURATION = "kvgate_gate_decision_duration_seconds"
 ESTIMATED_TOKENS = "kvgate_gate_estimated_tokens"
 ENVOY_MESSAGES = "kvgate.gate.envoy.messages"
 RESERVATIONS = "kvgate.gate.reservations"
+ROUTE_POLICY_IGNORED = "kvgate.gate.route_policy.ignored"
 ADMISSION_WAITING = "kvgate.gate.admission.waiting"
 EXACT_COUNTS_PENDING = "kvgate.gate.exact_counts.pending"
 POOL_WATER_LEVEL = "kvgate.pool.water_level"
@@ -229,6 +230,13 @@ class GateMetrics:
             "Reserve attempts by result (granted, refused, error)",
             ("result",),
         )
+        self._route_policy_ignored = Tally(
+            m,
+            ROUTE_POLICY_IGNORED,
+            "{value}",
+            "Envoy route policy values ignored because they did not parse, by metadata key",
+            ("key",),
+        )
         self.meter = m
 
     def decision(self, target: str, reason: str, method: str, tokens: int, seconds: float) -> None:
@@ -242,6 +250,9 @@ class GateMetrics:
 
     def reservation(self, result: str) -> None:
         self._reservations.add(result)
+
+    def route_policy_ignored(self, key: str) -> None:
+        self._route_policy_ignored.add(key)
 
 
 @dataclass(frozen=True, slots=True)

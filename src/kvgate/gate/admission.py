@@ -110,8 +110,14 @@ class Admission:
         return self._ranks.get(priority or "", self._ranks[self._config.default_priority])
 
     async def admit(
-        self, route: Route, model: ModelConfig, priority: str | None, request_id: str
+        self,
+        route: Route,
+        model: ModelConfig,
+        priority: str | None,
+        request_id: str,
+        wait_s: float | None = None,
     ) -> Admitted:
+        """`wait_s` (the client's `Prefer: wait=N`) can only shorten admission.max_wait_s."""
         rank = self.rank(priority)
         if route.reason is Reason.SHORT:
             return Admitted(self._admit_interactive(route, rank))
@@ -124,7 +130,8 @@ class Admission:
         if self._long_pressure.judge(signals, self._clock(), rank) is Verdict.SHED:
             why = f"the long-context pool is {self._long_pressure.level.name.lower()}"
             return Admitted(overflow(route, model, Reason.SHED, why, self._config.async_fallback))
-        return await self._place(self._long, route, model, rank, request_id)
+        max_wait_s = self._config.max_wait_s if wait_s is None else min(wait_s, self._config.max_wait_s)
+        return await self._place(self._long, route, model, rank, request_id, max_wait_s=max_wait_s)
 
     def _admit_interactive(self, route: Route, rank: int) -> Decision:
         if self._interactive is None:
@@ -135,7 +142,14 @@ class Admission:
         return route
 
     async def _place(
-        self, source: HeadroomSource, route: Route, model: ModelConfig, rank: int, request_id: str
+        self,
+        source: HeadroomSource,
+        route: Route,
+        model: ModelConfig,
+        rank: int,
+        request_id: str,
+        *,
+        max_wait_s: float,
     ) -> Admitted:
         """Wait in priority order, at most max_wait_s, until a node's agent grants the reservation.
 
@@ -147,7 +161,7 @@ class Admission:
             why = "the admission queue is full"
             return Admitted(overflow(route, model, Reason.QUEUE_FULL, why, self._config.async_fallback))
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._config.max_wait_s
+        deadline = loop.time() + max_wait_s
         try:
             while True:
                 if self._queue.is_head(place):

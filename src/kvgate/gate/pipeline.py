@@ -8,8 +8,9 @@ runs on a thread pool with a bounded queue, so one huge prompt never stalls the 
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,9 +19,22 @@ from kvgate.config import Config, ModelConfig
 from kvgate.errors import RequestError
 from kvgate.estimate import Estimator, PromptCosts, TokenEstimate, Unavailable, build_estimator
 from kvgate.gate.admission import Admission, Ticket
+from kvgate.names import PREFER_HEADER
 from kvgate.policy import Decision, Reason, Refusal, Route, decide, thresholds
 from kvgate.policy.models import ModelMatcher
 from kvgate.policy.refusals import Refusals, refusal_for
+from kvgate.policy.route import (
+    NO_HINTS,
+    NO_ROUTE_POLICY,
+    ROUTE_KEYS,
+    ClientHints,
+    RoutePolicy,
+    deferred,
+    effective_model,
+    limits_problem,
+    read_prefer,
+    read_route_policy,
+)
 from kvgate.request import (
     Api,
     ParseLimits,
@@ -30,9 +44,15 @@ from kvgate.request import (
     is_json_content_type,
     parse_body,
 )
+from kvgate.telemetry import GateMetrics
+
+log = logging.getLogger(__name__)
 
 # Bodies above this size are inflated and parsed off the event loop (json.loads runs ~30 ms per 10 MB).
 OFFLOAD_BYTES = 256 * 1024
+# Distinct route policies (and model x route combinations) remembered; they come from Envoy's
+# configuration, so a handful in practice.
+_ROUTE_CACHE_LIMIT = 1024
 
 _TRACE_HEADERS = ("traceparent", "tracestate")
 
@@ -52,12 +72,17 @@ class RequestHead:
     request_id: str = ""
     # W3C trace context from Envoy (traceparent / tracestate), empty when the request has none.
     trace_context: tuple[tuple[str, str], ...] = ()
+    # What the Envoy route says (from the stream's gRPC metadata), and what the client prefers.
+    route: RoutePolicy = NO_ROUTE_POLICY
+    hints: ClientHints = NO_HINTS
 
 
 HeaderReader = Callable[[str], "str | None"]
 
 
-def request_head(read: HeaderReader, has_body: bool, priority_header: str) -> RequestHead:
+def request_head(
+    read: HeaderReader, has_body: bool, priority_header: str, route: RoutePolicy = NO_ROUTE_POLICY
+) -> RequestHead:
     """The RequestHead of one request, however Envoy sent its headers: `read(name)` is a request
     header's value (pseudo-headers such as ":path" included) or None when the request lacks it."""
     path = read(":path") or ""
@@ -75,6 +100,8 @@ def request_head(read: HeaderReader, has_body: bool, priority_header: str) -> Re
         # Envoy sets x-request-id on every request; a request id is what reservations are keyed by.
         request_id=read("x-request-id") or uuid.uuid4().hex,
         trace_context=tuple((name, value) for name in _TRACE_HEADERS if (value := read(name)) is not None),
+        route=route,
+        hints=read_prefer(read(PREFER_HEADER)),
     )
 
 
@@ -87,6 +114,7 @@ def headers_read(priority_header: str) -> tuple[str, ...]:
         "content-type",
         "content-encoding",
         priority_header.lower(),
+        PREFER_HEADER,
         *_TRACE_HEADERS,
     )
 
@@ -128,9 +156,13 @@ class Pipeline:
         estimators: EstimatorFactory,
         admission: Admission | None = None,
         offload_slots: int = 32,
+        telemetry: GateMetrics | None = None,
     ) -> None:
         self._config = config
         self._admission = admission
+        self._metrics = telemetry or GateMetrics()
+        self._routes: dict[tuple[tuple[str, str], ...], RoutePolicy] = {}
+        self._effective: dict[tuple[ModelConfig, RoutePolicy], ModelConfig] = {}
         self.refusals = Refusals(config.refusals.too_long_status, config.admission.retry_after_s)
         self._parse_limits = ParseLimits(config.request.max_messages, config.request.max_json_depth)
         self._models = ModelMatcher(config)
@@ -151,6 +183,40 @@ class Pipeline:
         self._executor.shutdown(wait=False, cancel_futures=True)
         for estimator in self._distinct_estimators():
             estimator.close()
+
+    def route_policy(self, metadata: Iterable[tuple[str, str]]) -> RoutePolicy:
+        """The route's policy from the ext_proc stream's metadata. A value that does not parse is
+        logged once per route (per distinct set of values) and counted, and the request keeps its
+        model's policy for that key."""
+        pairs = tuple((key, value) for key, value in metadata if key in ROUTE_KEYS)
+        if not pairs:
+            return NO_ROUTE_POLICY
+        policy = self._routes.get(pairs)
+        if policy is None:
+            read = read_route_policy(pairs, self._config.policies)
+            for problem in read.problems:
+                log.warning("Envoy route policy: ignored %s", problem)
+                self._metrics.route_policy_ignored(problem.split(":", 1)[0])
+            if len(self._routes) >= _ROUTE_CACHE_LIMIT:
+                self._routes.clear()
+            policy = self._routes[pairs] = read.policy
+        return policy
+
+    def effective(self, model: ModelConfig, route: RoutePolicy) -> ModelConfig:
+        """The model entry with the route's policy laid over it (kvgate.policy.route)."""
+        if route is NO_ROUTE_POLICY:
+            return model
+        key = (model, route)
+        effective = self._effective.get(key)
+        if effective is None:
+            problem = limits_problem(model, route, self._config.policies)
+            if problem is not None:
+                log.warning("Envoy route policy for model %s: %s", model.match, problem)
+                self._metrics.route_policy_ignored("limits")
+            if len(self._effective) >= _ROUTE_CACHE_LIMIT:
+                self._effective.clear()
+            effective = self._effective[key] = effective_model(model, route, self._config.policies)
+        return effective
 
     def passthrough(self, head: RequestHead) -> Decision:
         """A request the gate does not interpret: the default pool, or a refusal in `reject` mode."""
@@ -183,14 +249,22 @@ class Pipeline:
             return Outcome(shape)
         if shape is None:
             return Outcome(self.passthrough(head))
-        model = self._models.lookup(shape.model)
-        estimate = await self._estimators[model].estimate(shape, thresholds(model))
+        entry = self._models.lookup(shape.model)
+        model = self.effective(entry, head.route)
+        estimate = await self._estimators[entry].estimate(shape, thresholds(model))
         if isinstance(estimate, Unavailable):
             return Outcome(Refusal(Reason.OVERLOADED, estimate.message), shape)
         decision = decide(estimate.prompt_tokens, estimate.output_tokens, model)
-        if self._admission is None or not isinstance(decision, Route):
+        if not isinstance(decision, Route):
             return Outcome(decision, shape, estimate)
-        admitted = await self._admission.admit(decision, model, head.priority, head.request_id)
+        to_async = deferred(decision, model, head.hints, self._config.admission.async_fallback)
+        if to_async is not None:
+            return Outcome(to_async, shape, estimate)
+        if self._admission is None:
+            return Outcome(decision, shape, estimate)
+        admitted = await self._admission.admit(
+            decision, model, head.priority, head.request_id, head.hints.wait_s
+        )
         return Outcome(admitted.decision, shape, estimate, admitted.ticket)
 
     async def release(self, ticket: Ticket) -> None:

@@ -40,6 +40,7 @@ from kvgate.gate.admission import Ticket
 from kvgate.gate.pipeline import Outcome, Pipeline, RequestHead, headers_read, request_head
 from kvgate.names import HEADER_PREFIX, METADATA_NAMESPACE
 from kvgate.policy import Decision, Reason, Refusal
+from kvgate.policy.route import NO_ROUTE_POLICY, RoutePolicy
 from kvgate.telemetry import DecisionSpans, GateMetrics
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ _PASS_THROUGH = {
 class _Stream:
     """Per-request state between the headers and the body message."""
 
-    __slots__ = ("body", "buffered", "decided", "forged", "head", "ticket")
+    __slots__ = ("body", "buffered", "decided", "forged", "head", "route", "ticket")
 
     def __init__(self) -> None:
         self.head: RequestHead | None = None
@@ -65,6 +66,7 @@ class _Stream:
         self.ticket: Ticket | None = None
         # Envoy said (protocol_config, on its first message) that it buffers the whole body.
         self.buffered = False
+        self.route = NO_ROUTE_POLICY
 
 
 ATTRIBUTES_NAMESPACE = "envoy.filters.http.ext_proc"
@@ -91,7 +93,9 @@ def request_attributes(priority_header: str) -> tuple[str, ...]:
     return tuple(_attribute(header) for header in headers_read(priority_header))
 
 
-def read_head(message: HttpHeaders, stream: _Stream, priority_header: str) -> RequestHead:
+def read_head(
+    message: HttpHeaders, stream: _Stream, priority_header: str, route: RoutePolicy = NO_ROUTE_POLICY
+) -> RequestHead:
     """The RequestHead of a two-round-trip stream; only the headers the gate reads are decoded (a
     request carries twenty or more)."""
     headers = {header.key: header for header in message.headers.headers}
@@ -101,10 +105,12 @@ def read_head(message: HttpHeaders, stream: _Stream, priority_header: str) -> Re
         header = headers.get(key)
         return _value(header) if header is not None else None
 
-    return request_head(read, not message.end_of_stream, priority_header)
+    return request_head(read, not message.end_of_stream, priority_header, route)
 
 
-def head_from_attributes(message: ProcessingRequest, priority_header: str) -> RequestHead | None:
+def head_from_attributes(
+    message: ProcessingRequest, priority_header: str, route: RoutePolicy = NO_ROUTE_POLICY
+) -> RequestHead | None:
     """The RequestHead of a one-round-trip stream; None when Envoy sent no request path (its
     ext_proc filter lacks the `request_attributes` of `request_attributes()`)."""
     if ATTRIBUTES_NAMESPACE not in message.attributes:
@@ -117,7 +123,7 @@ def head_from_attributes(message: ProcessingRequest, priority_header: str) -> Re
         key = _attribute(header)
         return fields[key].string_value if key in fields else None
 
-    return request_head(read, True, priority_header)
+    return request_head(read, True, priority_header, route)
 
 
 class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -140,6 +146,9 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
         self, requests: AsyncIterator[ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ProcessingResponse]:
         stream = _Stream()
+        # The route's policy (Envoy's per-route ext_proc metadata), read once per stream.
+        metadata = context.invocation_metadata() if context is not None else None
+        stream.route = self._pipeline.route_policy(metadata) if metadata else NO_ROUTE_POLICY
         try:
             async for message in requests:
                 kind = message.WhichOneof("request")
@@ -167,7 +176,7 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
             await asyncio.gather(*self._releases, return_exceptions=True)
 
     def _on_headers(self, message: HttpHeaders, stream: _Stream) -> ProcessingResponse:
-        stream.head = head = read_head(message, stream, self._priority_header)
+        stream.head = head = read_head(message, stream, self._priority_header, stream.route)
         decision = self._pipeline.on_headers(head)
         if decision is None:
             return responses.CONTINUE_HEADERS
@@ -190,7 +199,7 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
     async def _on_body(self, request: ProcessingRequest, stream: _Stream) -> ProcessingResponse:
         message = request.request_body
         if stream.head is None:
-            head = head_from_attributes(request, self._priority_header)
+            head = head_from_attributes(request, self._priority_header, stream.route)
             if head is None:
                 log.warning(
                     "a body came without headers or request attributes: set the ext_proc filter's "

@@ -74,7 +74,7 @@ async def serve(
     if admission is not None:
         observe_admission(telemetry.meter, admission.gauges)
         await admission.start()
-    pipeline = Pipeline(config, estimator_factory(), admission)
+    pipeline = Pipeline(config, estimator_factory(), admission, telemetry=telemetry)
     observe(
         telemetry.meter,
         EXACT_COUNTS_PENDING,

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from kvgate.config import ModelConfig
 from kvgate.policy.decision import Decision, Reason, Refusal, Route
+from kvgate.policy.route import async_allowed
 
 
-def overflow(route: Route, model: ModelConfig, reason: Reason, why: str, async_fallback: bool) -> Decision:
-    """A long request that found no room (shed, queue full, waited in vain)."""
-    if async_fallback:
+def overflow(route: Route, model: ModelConfig, reason: Reason, why: str, async_default: bool) -> Decision:
+    """A long request that found no room (shed, queue full, waited in vain). `async_default` is
+    admission.async_fallback, for models whose policy does not say."""
+    if async_allowed(model, async_default):
         return Route(model.pools.async_, Reason.ASYNC, route.tokens)
     return Refusal(
         reason, f"No capacity for a {route.tokens}-token request now: {why}. Retry later.", route.tokens
