@@ -27,6 +27,7 @@ from kvgate.queue.database import StoreError
 from kvgate.queue.fairness import FairQueue
 from kvgate.queue.jobs import Job, JobError, Waiting
 from kvgate.queue.placement import Fit
+from kvgate.queue.runner import release
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +175,4 @@ class Dispatcher:
         return outcome.granted
 
     async def _release(self, agent: str, reservation: str) -> None:
-        try:
-            await self._source.release(agent, reservation)
-        except HeadroomError as error:
-            log.warning("release of %s on %s failed: %s", reservation, agent, error)
+        await release(self._source, agent, reservation)

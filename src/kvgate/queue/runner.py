@@ -69,6 +69,24 @@ class Reservations(Protocol):
     async def release(self, node: str, request_id: str) -> ReleaseOutcome: ...
 
 
+# Pauses between the tries of a Release that got no answer: a lost one holds a node's room until the
+# reservation's lease (queue.reservation_lease_s) ends, which a burst would feel.
+RELEASE_RETRIES_S = (0.05, 0.25, 1.0)
+
+
+async def release(reservations: Reservations, agent: str, reservation: str) -> None:
+    """Release, trying again a few times when the agent gives no answer; then its lease is the net."""
+    for pause in (*RELEASE_RETRIES_S, None):
+        try:
+            await reservations.release(agent, reservation)
+            return
+        except HeadroomError as error:
+            if pause is None:
+                log.warning("release of %s on %s failed, left to its lease: %s", reservation, agent, error)
+                return
+            await asyncio.sleep(pause)
+
+
 class Abort(enum.Enum):
     CANCELLED = "cancelled"  # the store already says so
     LOST = "lost"  # the claim was lost: leave the store alone
@@ -199,11 +217,7 @@ class Runner:
                 await self._store.requeue(entry.job, self._owner)
 
     async def _release(self, entry: _Running) -> None:
-        try:
-            await self._reservations.release(entry.agent, entry.reservation)
-        except HeadroomError as error:
-            # Its lease (queue.reservation_lease_s) returns the capacity.
-            log.warning("release of %s on %s failed: %s", entry.reservation, entry.agent, error)
+        await release(self._reservations, entry.agent, entry.reservation)
 
     async def keep_claims(self) -> None:
         """Forever: renew claims and reservations, and abort what could not be renewed in time."""

@@ -21,8 +21,8 @@ from typing import Any
 from aiohttp import web
 
 from kvgate.config import Config
-from kvgate.errors import HeadroomError
 from kvgate.headroom.credentials import ChannelSecurity
+from kvgate.headroom.snapshot import NodeView
 from kvgate.headroom.view import HeadroomView
 from kvgate.queue.app import JobsApp
 from kvgate.queue.batch_http import BatchApi
@@ -35,12 +35,13 @@ from kvgate.queue.jobs import Job
 from kvgate.queue.live import LiveRuns, Signals
 from kvgate.queue.metrics import QueueMetrics
 from kvgate.queue.refusals import QueueRefusals
-from kvgate.queue.runner import Abort, Engines, Runner
+from kvgate.queue.runner import Abort, Engines, Runner, release
 from kvgate.queue.settle import Settler
 from kvgate.queue.store import CANCEL, DONE, NEW, JobStore, QueueStats
 
 log = logging.getLogger(__name__)
 
+AGENT_CALL_TIMEOUT_S = 1.0
 _SWEEP_S = 60.0
 _STATS_S = 2.0
 _SETTLE_S = 5.0
@@ -84,7 +85,13 @@ class QueueService:
         leftovers = await self.jobs.start()
         if self._source is None:
             # The queue renews its reservations while a job runs: a short lease is what a crash leaves.
-            headroom = dataclasses.replace(config.headroom, lease_s=settings.reservation_lease_s)
+            # No client waits on its Reserve the way one waits on the gate's, and a Release that times
+            # out holds a node's room until the lease ends: give the agents time to answer.
+            headroom = dataclasses.replace(
+                config.headroom,
+                lease_s=settings.reservation_lease_s,
+                reserve_timeout_s=max(config.headroom.reserve_timeout_s, AGENT_CALL_TIMEOUT_S),
+            )
             agents_tls = config.tls.agents
             self._view = HeadroomView(
                 headroom,
@@ -172,6 +179,11 @@ class QueueService:
         await self._database.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
+    def nodes(self) -> tuple[NodeView, ...]:
+        """The long pool's nodes as this replica's dispatcher sees them."""
+        assert self._source is not None
+        return self._source.snapshot()
+
     async def _health(self, _request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
@@ -222,10 +234,7 @@ class QueueService:
         assert self._source is not None
         for job in jobs:
             if job.node is not None and job.reservation is not None:
-                try:
-                    await self._source.release(job.node, job.reservation)
-                except HeadroomError as error:
-                    log.info("old reservation %s left to its lease: %s", job.reservation, error)
+                await release(self._source, job.node, job.reservation)
 
     async def _housekeeping(self) -> None:
         settings = self.config.queue
