@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast bench soak lint format proto clean
+.PHONY: setup demo test test-fast bench soak lint format proto clean image
 
 setup: $(STAMP)
 
@@ -37,6 +37,12 @@ lint: setup
 format: setup
 	$(BIN)/ruff format src tests bench
 	$(BIN)/ruff check --fix src tests bench
+
+# The container image from wheels of this venv (scripts/build_image.py); prints its size and largest parts.
+IMAGE ?= kvgate:dev
+BASE_IMAGE ?= python:3.11-slim-bookworm
+image: setup
+	$(BIN)/python scripts/build_image.py --image $(IMAGE) --base-image $(BASE_IMAGE)
 
 proto: setup
 	$(BIN)/python -m kvgate.headroom.protogen
