@@ -276,6 +276,7 @@ def test_batch_api_through_the_openai_sdk(stack: Stack, sp_model_path: Path) -> 
     assert batch.request_counts is not None
     assert (batch.request_counts.completed, batch.request_counts.failed) == (3, 1)
     assert batch.output_file_id and batch.error_file_id and batch.metadata == {"run": "e2e"}
+    assert batch.id in [listed.id for listed in client.batches.list(limit=5)]
     output = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
     assert sorted(line["custom_id"] for line in output) == ["req-0", "req-1", "req-2"]
     assert all(line["response"]["status_code"] == 200 for line in output)
