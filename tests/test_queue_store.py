@@ -101,7 +101,13 @@ def test_bounds_refuse_past_max_jobs_and_past_max_tokens_waiting(opener: Opener)
     run(scenario)
 
 
-def test_two_replicas_claiming_one_job_at_once_get_it_once(opener: Opener) -> None:
+def test_two_replicas_claiming_one_job_at_once_get_it_once(postgres: PostgresServer) -> None:
+    """PostgreSQL only: SQLite serves one replica (see the last test)."""
+    url = postgres.new_database()
+
+    def opener() -> JobStore:
+        return JobStore(open_database(url))
+
     async def scenario() -> None:
         async with opened(opener) as one, opened(opener) as two:
             for _ in range(10):
@@ -114,8 +120,6 @@ def test_two_replicas_claiming_one_job_at_once_get_it_once(opener: Opener) -> No
                 assert len(winners) == 1
                 assert winners[0].request is not None and winners[0].attempts == 1
 
-    if opener().database.exclusive:
-        pytest.skip("SQLite serves one replica (its file is locked)")
     run(scenario)
 
 

@@ -15,6 +15,7 @@ client has gone: its job stays, and the client finds the answer by its x-request
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Executor
 from typing import Any, Protocol
@@ -41,6 +42,8 @@ JOBS_PATH = "/v1/kvgate/jobs"
 # A held request looks at the store this often even without an event (a missed notification).
 POLL_S = 5.0
 HOLD_TIMEOUT = "hold_timeout"
+# Framing of the request as it arrived: the stored body is inflated and sent with its own length.
+_NOT_FORWARDED = frozenset({"content-length", "content-encoding", "transfer-encoding", "host"})
 
 
 class JobsStore(Protocol):
@@ -146,7 +149,11 @@ class JobsApp:
         return respond(answer)
 
     def _new_job(self, request: web.Request, assessed: Assessed) -> NewJob:
-        headers = {name: request.headers[name] for name in self._forward if name in request.headers}
+        headers = {
+            name: request.headers[name]
+            for name in self._forward
+            if name in request.headers and name not in _NOT_FORWARDED
+        }
         headers.setdefault("content-type", "application/json")
         return NewJob(
             id=new_id("job_"),
@@ -194,7 +201,11 @@ class JobsApp:
         return web.json_response(await self._described(job), headers={JOB_ID_HEADER: job.id})
 
     async def _described(self, job: Job) -> dict[str, Any]:
-        position = await self._store.position(job) if job.state is JobState.QUEUED else None
+        position = None
+        if job.state is JobState.QUEUED:
+            # The job is committed whatever happens here: a lost position must not turn a 202 into a 500.
+            with contextlib.suppress(StoreError):
+                position = await self._store.position(job)
         return describe(job, self._config.admission.priorities, position)
 
     async def _hold(self, request: web.Request, job: Job, arrived: float, api: Api) -> web.StreamResponse:
@@ -202,7 +213,8 @@ class JobsApp:
         with self._signals.watch(job.id) as watch:
             while True:
                 live = self._live.get(job.id)
-                if live is not None and not (live.ended and live.requeued):
+                # An attempt that already ended is in the store (its result is written before it ends).
+                if live is not None and not live.ended:
                     answered = await self._follow(request, job, live, deadline, api)
                     if answered is not None:
                         return answered
@@ -223,7 +235,8 @@ class JobsApp:
     async def _follow(
         self, request: web.Request, job: Job, live: LiveRun, deadline: float, api: Api
     ) -> web.StreamResponse | None:
-        """The answer of the attempt running here; None when it went back to the queue unseen."""
+        """The answer of the attempt running here; None when the store has the rest to say (it went back
+        to the queue unseen, or ended without an answer)."""
         loop = asyncio.get_running_loop()
         while live.head is None and not live.ended:
             if loop.time() >= deadline:
@@ -236,12 +249,8 @@ class JobsApp:
             if loop.time() >= deadline:
                 return await self._give_up(request, job, api)
             await live.wait(deadline - loop.time())
-        if live.requeued:
+        if head is None or live.error is not None or live.requeued:
             return None
-        if head is None or live.error is not None:
-            # Cancelled or failed without an answer: the store says how, once the runner recorded it.
-            current = await self._store.get(job.id)
-            return self._final(current, api) if current is not None and current.terminal else None
         headers = {"content-type": head.content_type, JOB_ID_HEADER: job.id}
         return web.Response(status=head.status, body=b"".join(live.chunks), headers=headers)
 
