@@ -278,3 +278,21 @@ def test_sqlite_serves_one_process_and_requeues_what_a_dead_one_left_running(tmp
         await restarted.close()
 
     run(scenario)
+
+
+def test_stats_count_jobs_by_state_the_oldest_wait_and_tokens_per_tenant(opener: Opener) -> None:
+    async def scenario() -> None:
+        async with opened(opener) as store:
+            empty = await store.stats()
+            assert (empty.jobs, empty.oldest_queued_s, empty.tokens_waiting) == ({}, None, {})
+            first = await added(store, job(1000, tenant="a"))
+            await asyncio.sleep(0.2)
+            await added(store, job(2000, tenant="a"))
+            await added(store, job(500, tenant="b"))
+            assert await store.claim(first, "r1", "n", "res", 30) is not None
+            stats = await store.stats()
+            assert stats.jobs == {"queued": 2, "running": 1}
+            assert stats.tokens_waiting == {"a": 2000, "b": 500}
+            assert stats.oldest_queued_s is not None and 0 <= stats.oldest_queued_s < 5
+
+    run(scenario)

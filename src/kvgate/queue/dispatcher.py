@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -33,6 +34,9 @@ log = logging.getLogger(__name__)
 
 # Jobs read per (priority, tenant) group in one round; more are read once a group runs out.
 PER_GROUP = 8
+# Reading the waiting heads costs a scan of the queued jobs' index (~15 ms at 10,000 queued on
+# SQLite): during a burst of arrivals, read them at most this often.
+MIN_RELOAD_S = 0.05
 
 
 class HeadroomSource(Protocol):
@@ -90,6 +94,7 @@ class Dispatcher:
         # The next job fits no node now: headroom updates are worth a round.
         self._blocked = False
         self._stopping = False
+        self._last_reload = -math.inf
 
     def poke(self, reload: bool = False) -> None:
         """Something changed: a job was added or ended (`reload`: the waiting set may differ)."""
@@ -127,7 +132,7 @@ class Dispatcher:
 
     async def _round(self) -> None:
         if self._fair.needs_reload:
-            self._fair.load(await self._store.waiting(PER_GROUP), PER_GROUP)
+            await self._reload()
         self._blocked = False
         while (job := self._fair.next()) is not None:
             nodes = self._source.snapshot()
@@ -139,7 +144,14 @@ class Dispatcher:
                 self._blocked = True
                 return
             if self._fair.needs_reload:
-                self._fair.load(await self._store.waiting(PER_GROUP), PER_GROUP)
+                await self._reload()
+
+    async def _reload(self) -> None:
+        wait = self._last_reload + MIN_RELOAD_S - self._clock()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        self._last_reload = self._clock()
+        self._fair.load(await self._store.waiting(PER_GROUP), PER_GROUP)
 
     async def _dispatch(self, job: Waiting, nodes: tuple[NodeView, ...]) -> bool:
         """Reserve, claim and launch `job`; False when no node granted it room."""

@@ -37,7 +37,10 @@ def statements(serial_key: str, blob: str) -> list[str]:
             error_code TEXT,
             error_message TEXT
         )""",
-        "CREATE INDEX IF NOT EXISTS kvgate_jobs_waiting ON kvgate_jobs (state, priority, tenant, seq)",
+        # Covers what the dispatcher, the bounds check and the metrics read of waiting jobs, so they never
+        # touch the rows themselves (each holds a whole prompt).
+        "CREATE INDEX IF NOT EXISTS kvgate_jobs_waiting "
+        "ON kvgate_jobs (state, priority, tenant, seq, tokens, attempts, id)",
         "CREATE INDEX IF NOT EXISTS kvgate_jobs_batch ON kvgate_jobs (batch_id, line)",
         "CREATE INDEX IF NOT EXISTS kvgate_jobs_finished ON kvgate_jobs (finished_at)",
         f"""CREATE TABLE IF NOT EXISTS kvgate_files (

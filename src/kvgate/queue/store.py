@@ -295,7 +295,8 @@ class JobStore:
         async with self.database.transaction() as tx:
             states = await tx.execute("SELECT state, count(*) FROM kvgate_jobs GROUP BY state")
             ((oldest,),) = await tx.execute(
-                f"SELECT {self._now} - min(created_at) FROM kvgate_jobs WHERE state = 'queued'"
+                f"SELECT {self._now} - created_at FROM kvgate_jobs WHERE seq = "
+                "(SELECT min(seq) FROM kvgate_jobs WHERE state = 'queued') UNION ALL SELECT NULL LIMIT 1"
             )
             tenants = await tx.execute(
                 "SELECT tenant, CAST(sum(tokens) AS BIGINT) FROM kvgate_jobs WHERE state = 'queued' "
