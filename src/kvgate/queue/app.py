@@ -27,6 +27,7 @@ from kvgate.headroom.snapshot import NodeView
 from kvgate.names import TOKENS_HEADER
 from kvgate.policy import Reason, Refusal
 from kvgate.policy.refusals import HttpAnswer, error_body
+from kvgate.policy.route import read_prefer
 from kvgate.queue import placement
 from kvgate.queue.database import StoreError
 from kvgate.queue.intake import Assessed, Intake
@@ -57,13 +58,8 @@ class JobsStore(Protocol):
 
 
 def prefers_async(values: Iterable[str]) -> bool:
-    """Whether the Prefer header(s) ask for `respond-async` (RFC 7240: comma-separated preferences,
-    each `token[=value][; parameters]`, tokens case-insensitive)."""
-    for value in values:
-        for preference in value.split(","):
-            if preference.split(";", 1)[0].split("=", 1)[0].strip().lower() == "respond-async":
-                return True
-    return False
+    """Whether the Prefer header(s) ask for `respond-async`, read by the gate's rule (RFC 7240)."""
+    return read_prefer(", ".join(values)).respond_async
 
 
 def respond(answer: HttpAnswer, job_id: str | None = None) -> web.Response:
