@@ -144,6 +144,7 @@ CUSTOM_RESOURCES: dict[tuple[str, str], tuple[str, ...]] = {
     ("networking.istio.io/v1", "VirtualService"): ("hosts", "http"),
     ("gateway.envoyproxy.io/v1alpha1", "EnvoyExtensionPolicy"): ("targetRefs", "extProc"),
     ("gateway.envoyproxy.io/v1alpha1", "ClientTrafficPolicy"): ("targetRefs",),
+    ("gateway.envoyproxy.io/v1alpha1", "EnvoyPatchPolicy"): ("targetRef", "type", "jsonPatches"),
     ("gateway.networking.k8s.io/v1", "HTTPRoute"): ("parentRefs", "rules"),
     ("gateway.networking.k8s.io/v1beta1", "ReferenceGrant"): ("from", "to"),
 }
@@ -166,6 +167,12 @@ def check_custom_resource(doc: dict[str, Any]) -> None:
                 "Buffered",
                 "BufferedPartial",
             )
+    if doc["kind"] == "EnvoyPatchPolicy":
+        assert doc["spec"]["type"] == "JSONPatch"
+        assert doc["spec"]["targetRef"]["kind"] == "Gateway" and doc["spec"]["targetRef"]["name"]
+        for patch in doc["spec"]["jsonPatches"]:
+            assert patch["type"].startswith("type.googleapis.com/envoy.") and patch["name"]
+            assert patch["operation"]["op"] in ("add", "remove", "replace", "move", "copy", "test")
     if doc["kind"] == "EnvoyFilter":
         for patch in doc["spec"]["configPatches"]:
             assert patch["applyTo"] and patch["patch"]["operation"] and patch["patch"]["value"]
@@ -231,7 +238,9 @@ def test_each_mode_renders_valid_objects(helm: Helm, values_file: Path) -> None:
     for doc in docs:
         check_object(doc)
     kinds = {doc["kind"] for doc in docs}
-    assert {"Deployment", "DaemonSet", "ConfigMap", "Service", "HorizontalPodAutoscaler"} <= kinds
+    assert {"Deployment", "ConfigMap", "Service", "HorizontalPodAutoscaler"} <= kinds
+    # The agents run on GPU nodes, or beside the simulated nodes.
+    assert ("DaemonSet" in kinds) != bool(yaml.safe_load(values_file.read_text()).get("simulator"))
 
 
 @pytest.mark.parametrize("name", sorted(VALUE_MATRIX))
@@ -252,10 +261,22 @@ def test_mode_switch_renders_only_that_mesh(helm: Helm) -> None:
     modes = {
         path.stem.removesuffix("-values"): {d["kind"] for d in helm.template(path)} for path in CI_VALUES
     }
-    mesh_kinds = {"EnvoyFilter", "VirtualService", "EnvoyExtensionPolicy", "ClientTrafficPolicy", "HTTPRoute"}
+    mesh_kinds = {
+        "EnvoyFilter",
+        "VirtualService",
+        "EnvoyExtensionPolicy",
+        "ClientTrafficPolicy",
+        "EnvoyPatchPolicy",
+        "HTTPRoute",
+    }
     assert modes["standalone"] & mesh_kinds == set()
     assert mesh_kinds & modes["istio"] == {"EnvoyFilter", "VirtualService"}
-    assert mesh_kinds & modes["envoy-gateway"] == {"EnvoyExtensionPolicy", "ClientTrafficPolicy", "HTTPRoute"}
+    assert mesh_kinds & modes["envoy-gateway"] == {
+        "EnvoyExtensionPolicy",
+        "ClientTrafficPolicy",
+        "EnvoyPatchPolicy",
+        "HTTPRoute",
+    }
     gate_only = {d["kind"] for d in helm.render(VALUE_MATRIX["gate-only"])}
     assert not gate_only & mesh_kinds
     assert len([d for d in helm.render(VALUE_MATRIX["gate-only"]) if d["kind"] == "Deployment"]) == 1
@@ -467,6 +488,31 @@ def test_service_monitor_selects_only_the_gate_service(helm: Helm) -> None:
 
 # --- mesh modes ------------------------------------------------------------------------------------------
 
+RESPONSE_HEADERS = {
+    "x-kvgate-pool": "%DYNAMIC_METADATA(kvgate:pool)%",
+    "x-kvgate-tokens": "%DYNAMIC_METADATA(kvgate:tokens)%",
+    "x-kvgate-reason": "%DYNAMIC_METADATA(kvgate:reason)%",
+}
+
+
+def check_response_headers(headers_to_add: list[dict[str, Any]]) -> None:
+    """The gate's decision from its dynamic metadata, where the response has none of its own (a refusal
+    the gate answered itself carries them already)."""
+    assert {h["header"]["key"]: h["header"]["value"] for h in headers_to_add} == RESPONSE_HEADERS
+    assert [h["append_action"] for h in headers_to_add] == ["ADD_IF_ABSENT"] * 3
+
+
+def check_request_decompressor(http_filter: dict[str, Any]) -> None:
+    """gzip, requests only: responses and the upstream's Accept-Encoding stay as they were."""
+    assert http_filter["name"] == "envoy.filters.http.decompressor"
+    config = http_filter["typed_config"]
+    library = config["decompressor_library"]["typed_config"]
+    assert library["@type"].endswith("gzip.decompressor.v3.Gzip")
+    assert library["max_inflate_ratio"] == 1032, "deflate's ceiling: a valid body is never cut short"
+    assert "common_config" not in config["request_direction_config"], "requests: on by default"
+    assert config["request_direction_config"]["advertise_accept_encoding"] is False
+    assert config["response_direction_config"]["common_config"]["enabled"]["default_value"] is False
+
 
 def test_istio_envoy_filter_puts_ext_proc_before_the_router(helm: Helm) -> None:
     docs = helm.template(CHART / "ci" / "istio-values.yaml")
@@ -474,12 +520,19 @@ def test_istio_envoy_filter_puts_ext_proc_before_the_router(helm: Helm) -> None:
     assert envoy_filter["metadata"]["namespace"] == "istio-ingress"
     patches = envoy_filter["spec"]["configPatches"]
     http_filters = [p for p in patches if p["applyTo"] == "HTTP_FILTER"]
-    (ext_proc,) = http_filters
-    assert (
-        ext_proc["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"]
-        == "envoy.filters.http.router"
-    )
-    assert ext_proc["patch"]["operation"] == "INSERT_BEFORE"
+    # Both inserted before the router, in this order: the decompressor ends up ahead of ext_proc.
+    decompressor, ext_proc = http_filters
+    assert [f["patch"]["value"]["name"] for f in http_filters] == [
+        "envoy.filters.http.decompressor",
+        "envoy.filters.http.ext_proc",
+    ]
+    for patch in http_filters:
+        assert (
+            patch["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"]
+            == "envoy.filters.http.router"
+        )
+        assert patch["patch"]["operation"] == "INSERT_BEFORE"
+    check_request_decompressor(decompressor["patch"]["value"])
     config = ext_proc["patch"]["value"]["typed_config"]
     gate_service = one(docs, "Service", "-gate")["metadata"]["name"]
     assert (
@@ -494,6 +547,10 @@ def test_istio_envoy_filter_puts_ext_proc_before_the_router(helm: Helm) -> None:
     assert removed == ["x-kvgate-pool", "x-kvgate-endpoint", "x-kvgate-tokens", "x-kvgate-reason"]
     (listener,) = [p for p in patches if p["applyTo"] == "LISTENER"]
     assert listener["patch"]["value"]["per_connection_buffer_limit_bytes"] > 32 * 1024 * 1024
+    (route_config,) = [p for p in patches if p["applyTo"] == "ROUTE_CONFIGURATION"]
+    assert route_config["match"]["routeConfiguration"] == {"gateway": "istio-ingress/llm-gateway"}
+    assert route_config["patch"]["operation"] == "MERGE"
+    check_response_headers(route_config["patch"]["value"]["response_headers_to_add"])
     routes = one(docs, "VirtualService")["spec"]["http"]
     assert routes[0]["match"][0]["headers"]["x-kvgate-pool"] == {"exact": "long"}
     assert "match" not in routes[-1] and routes[-1]["route"][0]["destination"]["host"].startswith(
@@ -513,6 +570,17 @@ def test_envoy_gateway_policies(helm: Helm) -> None:
     assert int(traffic["spec"]["connection"]["bufferLimit"]) > 32 * 1024 * 1024
     removed = traffic["spec"]["headers"]["earlyRequestHeaders"]["remove"]
     assert removed == ["x-kvgate-pool", "x-kvgate-endpoint", "x-kvgate-tokens", "x-kvgate-reason"]
+    assert traffic["spec"]["headers"]["lateResponseHeaders"]["addIfAbsent"] == [
+        {"name": header, "value": value} for header, value in RESPONSE_HEADERS.items()
+    ]
+    (patch,) = one(docs, "EnvoyPatchPolicy")["spec"]["jsonPatches"]
+    assert patch["name"] == "gateways/llm/http", "the Gateway's listener named http (EG's name before v1.10)"
+    assert patch["type"] == "type.googleapis.com/envoy.config.listener.v3.Listener"
+    assert patch["operation"]["op"] == "add" and patch["operation"]["path"] == "/0"
+    assert patch["operation"]["jsonPath"] == (
+        "..filters[?(@.name == 'envoy.filters.network.http_connection_manager')].typed_config.http_filters"
+    )
+    check_request_decompressor(patch["operation"]["value"])
     grant = one(docs, "ReferenceGrant")
     assert grant["metadata"]["namespace"] == "llm" and grant["spec"]["from"][0]["namespace"] == "gateways"
     rules = one(docs, "HTTPRoute")["spec"]["rules"]

@@ -4,6 +4,7 @@ and working end to end with the gate and fake pools on 127.0.0.1."""
 from __future__ import annotations
 
 import argparse
+import gzip
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,7 +15,9 @@ import pytest
 import sentencepiece
 import yaml
 from envoy.config.bootstrap.v3 import bootstrap_pb2
+from envoy.extensions.compression.gzip.decompressor.v3 import gzip_pb2  # noqa: F401  (Any types in the bootstrap)
 from envoy.extensions.filters.http.buffer.v3 import buffer_pb2  # noqa: F401  (Any types in the bootstrap)
+from envoy.extensions.filters.http.decompressor.v3 import decompressor_pb2  # noqa: F401
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2  # noqa: F401  (Any types in the bootstrap)
 from envoy.extensions.filters.http.health_check.v3 import health_check_pb2  # noqa: F401
 from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
@@ -22,7 +25,15 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import http_con
 from envoy.extensions.http.early_header_mutation.header_mutation.v3 import header_mutation_pb2  # noqa: F401
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
 from google.protobuf import json_format
-from test_chart import Helm, HelmFailed, one, real_helm, standalone
+from test_chart import (
+    Helm,
+    HelmFailed,
+    check_request_decompressor,
+    check_response_headers,
+    one,
+    real_helm,
+    standalone,
+)
 
 from kvgate.config import parse_config
 from kvgate.envoyconfig.cli import register
@@ -155,10 +166,13 @@ def test_bootstrap_routes_pins_and_strips(helm: Helm) -> None:
         "x-kvgate-reason",
     ]
     assert [f["name"] for f in manager["http_filters"]] == [
+        "envoy.filters.http.decompressor",
         "envoy.filters.http.ext_proc",
         "envoy.filters.http.router",
     ]
-    ext_proc = manager["http_filters"][0]["typed_config"]
+    check_request_decompressor(manager["http_filters"][0])
+    check_response_headers(manager["route_config"]["response_headers_to_add"])
+    ext_proc = http_filter(manager, "envoy.filters.http.ext_proc")
     assert ext_proc["failure_mode_allow"] is False
     assert ext_proc["processing_mode"]["request_body_mode"] == "BUFFERED"
     assert ingress["per_connection_buffer_limit_bytes"] == 32 * 1024 * 1024 + 1024 * 1024
@@ -177,20 +191,28 @@ def ingress_manager(bootstrap: dict[str, Any]) -> dict[str, Any]:
     return manager
 
 
+def http_filter(manager: dict[str, Any], name: str) -> dict[str, Any]:
+    """The typed_config of the HTTP filter `name`."""
+    (config,) = [f["typed_config"] for f in manager["http_filters"] if f["name"] == name]
+    return config  # type: ignore[no-any-return]
+
+
 def test_one_trip_bootstrap_sends_the_body_alone_and_routes_on_metadata(helm: Helm) -> None:
     manager = ingress_manager(chart_bootstrap(helm, BOOTSTRAP_CASES["one-trip"]))
     assert [f["name"] for f in manager["http_filters"]] == [
+        "envoy.filters.http.decompressor",
         "envoy.filters.http.ext_proc",
         "envoy.filters.http.buffer",
         "envoy.filters.http.router",
     ]
-    ext_proc = manager["http_filters"][0]["typed_config"]
+    check_response_headers(manager["route_config"]["response_headers_to_add"])
+    ext_proc = http_filter(manager, "envoy.filters.http.ext_proc")
     assert ext_proc["processing_mode"]["request_header_mode"] == "SKIP"
     assert ext_proc["processing_mode"]["request_body_mode"] == "BUFFERED"
     assert ext_proc["request_attributes"] == list(request_attributes("X-Team-Priority"))
     assert "request.headers['x-team-priority']" in ext_proc["request_attributes"]
     assert ext_proc["metadata_options"]["receiving_namespaces"]["untyped"] == ["kvgate"]
-    buffer = manager["http_filters"][1]["typed_config"]
+    buffer = http_filter(manager, "envoy.filters.http.buffer")
     assert buffer["max_request_bytes"] == 32 * 1024 * 1024 + 1024 * 1024
     routes = manager["route_config"]["virtual_hosts"][0]["routes"]
     pinned = routes[1]["match"]
@@ -222,7 +244,7 @@ def test_envoy_config_uses_the_gates_metadata_namespace(round_trips: int) -> Non
     pools = {"interactive": HostPort("a", 1), "long": HostPort("b", 2)}
     settings = envoy_settings(config, pools, listen=HostPort("0.0.0.0", 10000), round_trips=round_trips)
     manager = ingress_manager(render_bootstrap(settings))
-    ext_proc = manager["http_filters"][0]["typed_config"]
+    ext_proc = http_filter(manager, "envoy.filters.http.ext_proc")
     assert ext_proc["metadata_options"]["receiving_namespaces"]["untyped"] == ["acme.kvgate"]
     pinned = manager["route_config"]["virtual_hosts"][0]["routes"][0]["match"]
     if round_trips == 1:
@@ -294,7 +316,7 @@ def test_cli_renders_one_round_trip(tmp_path: Path) -> None:
     output = tmp_path / "envoy.yaml"
     pools = ("--pool", "interactive=10.0.0.5:8000", "--pool", "long=10.0.0.6:8000")
     assert run_cli([*pools, "--round-trips", "1", "--output", str(output)]) == 0
-    ext_proc = ingress_manager(yaml.safe_load(output.read_text()))["http_filters"][0]["typed_config"]
+    ext_proc = http_filter(ingress_manager(yaml.safe_load(output.read_text())), "envoy.filters.http.ext_proc")
     assert ext_proc["processing_mode"]["request_header_mode"] == "SKIP"
     assert ext_proc["request_attributes"] == list(request_attributes("x-kvgate-priority"))
 
@@ -370,9 +392,19 @@ def test_rendered_bootstrap_routes_through_the_gate(chart_stack: dict[str, int],
     short = post(listener, "/v1/chat/completions", chat(text_of_about(sp_model_path, 600)))
     assert short.status == 200, short.body
     assert short.json()["pool"] == "interactive"
+    # The gate's decision comes back to the client, from its metadata.
+    assert short.headers["x-kvgate-pool"] == "interactive"
+    assert short.headers["x-kvgate-reason"] == "short"
+    assert 600 < int(short.headers["x-kvgate-tokens"]) < 4096
     long = post(listener, "/v1/chat/completions", chat(text_of_about(sp_model_path, 8000)))
     assert long.status == 200, long.body
     assert long.json()["pool"] == "long"
+    assert long.headers["x-kvgate-pool"] == "long"
+    # gzip: Envoy inflates it before the gate, and the upstream gets the plain body.
+    body = chat(text_of_about(sp_model_path, 8000))
+    inflated = post(listener, "/v1/chat/completions", gzip.compress(body), {"content-encoding": "gzip"})
+    assert inflated.status == 200, inflated.body
+    assert inflated.json() == {"pool": "long", "body_bytes": len(body)}
     forged = post(
         listener,
         "/v1/chat/completions",
@@ -382,6 +414,7 @@ def test_rendered_bootstrap_routes_through_the_gate(chart_stack: dict[str, int],
     assert forged.json()["pool"] == "interactive", "a client-sent x-kvgate-* header must not pick the pool"
     too_long = post(listener, "/v1/chat/completions", chat(text_of_about(sp_model_path, 24000)))
     assert too_long.status == 413
+    assert too_long.headers["x-kvgate-reason"] == "too_long"
     assert too_long.json()["error"]["code"] == "context_length_exceeded"
     ready = post(chart_stack["ready"], "/ready", None)  # type: ignore[arg-type]
     assert ready.status == 200

@@ -1,8 +1,9 @@
 {{/*
 The standalone Envoy bootstrap. `kvgate envoy-config` renders the same document from Python; a test
 keeps the two equal. An early header mutation strips the gate's headers from client requests (when
-ext_proc fails open the route must not follow a client's header), ext_proc asks the gate, the router
-routes on its decision. envoy.standalone.roundTrips 2: the gate sees the headers, then the body, and
+ext_proc fails open the route must not follow a client's header), a decompressor inflates gzip request
+bodies, ext_proc asks the gate, the router routes on its decision, and the route table copies the
+decision from the gate's metadata into the x-kvgate-pool/-tokens/-reason response headers. envoy.standalone.roundTrips 2: the gate sees the headers, then the body, and
 routes match the x-kvgate-pool header it sets. 1: the gate sees the body alone, with the headers it
 reads as request attributes; it answers with dynamic metadata, a buffer filter holds the request until
 then, routes match the metadata and the route table copies it into the x-kvgate-* upstream headers.
@@ -18,6 +19,7 @@ then, routes match the metadata and the route table copies it into the x-kvgate-
 {{- $routeTimeout := printf "%ds" (int $envoy.routeTimeoutSeconds) -}}
 {{- $longPools := include "kvgate.longPools" . | splitList "," -}}
 {{- $gateTls := .Values.tls.gate -}}
+{{- $pools := include "kvgate.pools" . | fromJson -}}
 {{- if $gateTls.enabled -}}
 # File-based SDS (the gate's certificates below) needs a node identity; no management server uses it.
 node:
@@ -49,6 +51,9 @@ static_resources:
                   {{- include "kvgate.stripGateHeaders" . | nindent 18 }}
                 route_config:
                   name: pools
+                  # The gate's decision, for the client.
+                  response_headers_to_add:
+                    {{- include "kvgate.responseHeadersToAdd" . | indent 20 }}
                   {{- if $oneTrip }}
                   # The gate's decision, from its metadata, for the upstream (and the pinned cluster,
                   # which reads x-kvgate-endpoint). Absent metadata adds nothing.
@@ -86,6 +91,7 @@ static_resources:
                             cluster: {{ printf "pool_%s" $envoy.defaultPool }}
                             timeout: {{ $routeTimeout }}
                 http_filters:
+                  - {{- include "kvgate.decompressorFilter" . | nindent 20 }}
                   - name: envoy.filters.http.ext_proc
                     typed_config:
                       "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
@@ -100,7 +106,7 @@ static_resources:
                         - request.path
                         - request.method
                         - request.id
-                        {{- range $header := list "content-type" "content-encoding" $priorityHeader "traceparent" "tracestate" }}
+                        {{- range $header := list "content-type" "content-encoding" $priorityHeader "prefer" "traceparent" "tracestate" }}
                         - {{ printf "request.headers['%s']" $header | quote }}
                         {{- end }}
                       {{- else }}
@@ -215,7 +221,7 @@ static_resources:
       original_dst_lb_config:
         use_http_header: true
         http_header_name: x-kvgate-endpoint
-    {{- range $name, $pool := $envoy.pools }}
+    {{- range $name, $pool := $pools }}
     {{- if $pool.address }}
     - name: {{ printf "pool_%s" $name }}
       type: STRICT_DNS
@@ -229,7 +235,7 @@ static_resources:
                   address:
                     socket_address:
                       address: {{ $pool.address }}
-                      port_value: {{ $pool.port }}
+                      port_value: {{ int $pool.port }}
     {{- end }}
     {{- end }}
 {{- end -}}

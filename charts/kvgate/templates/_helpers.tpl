@@ -22,6 +22,24 @@
 {{- define "kvgate.envoy.fullname" -}}{{ include "kvgate.base" . }}-envoy{{- end -}}
 {{/* The agents of one pool: include with (list $ "long"). */}}
 {{- define "kvgate.agent.fullname" -}}{{ include "kvgate.base" (index . 0) }}-agent-{{ index . 1 }}{{- end -}}
+{{/* The simulated nodes of one pool (simulator.enabled): include with (list $ "long"). */}}
+{{- define "kvgate.sim.fullname" -}}{{ include "kvgate.base" (index . 0) }}-sim-{{ index . 1 }}{{- end -}}
+
+{{/* A simulated pool's Service as envoy.pools names it: a DNS name, or `name.namespace` for Envoy Gateway. */}}
+{{- define "kvgate.sim.address" -}}
+{{- $root := index . 0 -}}
+{{- if eq $root.Values.envoy.mode "envoy-gateway" -}}
+{{- printf "%s.%s" (include "kvgate.sim.fullname" .) $root.Release.Namespace -}}
+{{- else -}}
+{{- printf "%s.%s.svc.cluster.local" (include "kvgate.sim.fullname" .) $root.Release.Namespace -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The pods an agent pool's headless Service selects: its DaemonSet's, or the simulated nodes' (an agent beside each sim). */}}
+{{- define "kvgate.agent.component" -}}
+{{- $root := index . 0 -}}
+{{- printf "%s-%s" (ternary "sim" "agent" (and $root.Values.simulator.enabled true)) (index . 1) -}}
+{{- end -}}
 
 {{- define "kvgate.labels" -}}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
@@ -115,9 +133,26 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- $names | uniq | sortAlpha | join "," -}}
 {{- end -}}
 
+{{/*
+envoy.pools as Envoy routes to them, as JSON (`include "kvgate.pools" . | fromJson`): with
+simulator.enabled, the simulators' Services are the interactive and long pools.
+*/}}
+{{- define "kvgate.pools" -}}
+{{- $pools := deepCopy .Values.envoy.pools -}}
+{{- if .Values.simulator.enabled -}}
+{{- range $name := list "interactive" "long" -}}
+{{- if (index $pools $name | default dict).address -}}
+{{- fail (printf "envoy.pools.%s.address must stay empty with simulator.enabled: the simulated %s pool (Service %s) takes its place" $name $name (include "kvgate.sim.fullname" (list $ $name))) -}}
+{{- end -}}
+{{- $_ := set $pools $name (dict "address" (include "kvgate.sim.address" (list $ $name)) "port" (int $.Values.simulator.port)) -}}
+{{- end -}}
+{{- end -}}
+{{- toJson $pools -}}
+{{- end -}}
+
 {{/* Fails the render, naming the value, when a pool the gate routes to has no address. */}}
 {{- define "kvgate.checkPools" -}}
-{{- $pools := .Values.envoy.pools -}}
+{{- $pools := include "kvgate.pools" . | fromJson -}}
 {{- range $name := splitList "," (include "kvgate.referencedPools" .) -}}
 {{- $pool := index $pools $name | default dict -}}
 {{- if not $pool.address -}}
@@ -132,7 +167,7 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{/* Pools in a stable order: the default pool's route must come last (it matches everything). */}}
 {{- define "kvgate.routedPools" -}}
 {{- $names := list -}}
-{{- range $name, $pool := .Values.envoy.pools -}}
+{{- range $name, $pool := include "kvgate.pools" . | fromJson -}}
 {{- if and $pool.address (ne $name $.Values.envoy.defaultPool) -}}
 {{- $names = append $names $name -}}
 {{- end -}}
@@ -176,7 +211,7 @@ name: {{ first $parts }}
 {{- if gt (len $parts) 1 }}
 namespace: {{ index $parts 1 }}
 {{- end }}
-port: {{ $pool.port }}
+port: {{ int $pool.port }}
 {{- end -}}
 
 {{/*
@@ -186,6 +221,59 @@ client's priority header (admission.priority_header) must still reach the gate.
 */}}
 {{- define "kvgate.gateHeaders" -}}
 x-kvgate-pool,x-kvgate-endpoint,x-kvgate-tokens,x-kvgate-reason
+{{- end -}}
+
+{{/*
+The gate's decision, copied from its dynamic metadata (namespace kvgate, the gate's
+server.metadata_namespace, which the chart leaves at its default) into response headers, so a client
+sees where its request went at no extra round trip. Absent metadata (ext_proc failed open, or a
+request the gate never saw) adds nothing: Envoy leaves out a header whose value formats empty. A
+refusal the gate answers itself already carries its own x-kvgate-reason and x-kvgate-tokens; these
+are added only when absent (as envoy/envoy.yaml).
+*/}}
+{{- define "kvgate.responseHeaders" -}}
+x-kvgate-pool,x-kvgate-tokens,x-kvgate-reason
+{{- end -}}
+
+{{- define "kvgate.responseHeadersToAdd" -}}
+{{- range $header := splitList "," (include "kvgate.responseHeaders" .) }}
+- header:
+    key: {{ $header }}
+    value: {{ printf "%%DYNAMIC_METADATA(kvgate:%s)%%" (trimPrefix "x-kvgate-" $header) | quote }}
+  append_action: ADD_IF_ABSENT
+{{- end }}
+{{- end -}}
+
+{{/*
+Envoy inflates gzip request bodies ahead of ext_proc, so the gate reads plain JSON and the engine
+(which does not inflate) gets it too; other encodings pass to the gate, which inflates deflate itself.
+Requests only, as envoy/envoy.yaml: a response stays as the engine sent it, and nothing is added to the
+upstream request's Accept-Encoding (envoy/extensions/filters/http/decompressor/v3/decompressor.proto,
+envoyproxy/envoy 040783c8c0b423531a51d33f2d4765ca3de0d96e: both directions are on unless `enabled`
+says otherwise).
+max_inflate_ratio 1032, deflate's largest possible ratio: at the default of 100 Envoy stops inflating a
+frame that grows past 100 times its size and passes on what it has, so a prompt of repeated text
+reached the gate and the engine cut short (source/extensions/compression/gzip/decompressor/
+zlib_decompressor_impl.cc, envoyproxy/envoy 0f470b1e3f786b4931f53bd2e33ba4aab7284d43; the field and its
+1..1032 bounds are in Envoy 1.40's gzip.proto, as xds-protos 1.85.0 ships it). A body that inflates past
+the buffer limit is refused whole, with 413.
+*/}}
+{{- define "kvgate.decompressorFilter" -}}
+name: envoy.filters.http.decompressor
+typed_config:
+  "@type": type.googleapis.com/envoy.extensions.filters.http.decompressor.v3.Decompressor
+  decompressor_library:
+    name: gzip
+    typed_config:
+      "@type": type.googleapis.com/envoy.extensions.compression.gzip.decompressor.v3.Gzip
+      max_inflate_ratio: 1032
+  request_direction_config:
+    advertise_accept_encoding: false
+  response_direction_config:
+    common_config:
+      enabled:
+        default_value: false
+        runtime_key: kvgate.decompress_responses
 {{- end -}}
 
 {{- define "kvgate.stripGateHeaders" -}}
