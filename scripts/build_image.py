@@ -96,7 +96,9 @@ def runtime_requirements() -> list[str]:
 
 def frozen_versions(python: str) -> str:
     """`pip freeze` of the venv, less kvgate itself: the exact versions the tests ran."""
-    return run([python, "-m", "pip", "freeze", "--exclude-editable", "--exclude", "kvgate"], "pip freeze", quiet=True)
+    return run(
+        [python, "-m", "pip", "freeze", "--exclude-editable", "--exclude", "kvgate"], "pip freeze", quiet=True
+    )
 
 
 def wheel_cache_dir(python: str, frozen: str, cache_root: Path) -> Path:
@@ -143,8 +145,25 @@ def dependency_wheels(python: str, cache_root: Path) -> Path:
     return target
 
 
+def check_python(python: str) -> None:
+    """The wheels must fit the image's Python: 3.11, as the base images have it."""
+    version = run([python, "-c", "import sys; print(*sys.version_info[:2])"], "python version", quiet=True)
+    if version.split() != ["3", "11"]:
+        raise BuildError(
+            f"{python} is Python {'.'.join(version.split())}; the image runs Python 3.11, so its wheels "
+            "must come from a Python 3.11 virtualenv (--python)"
+        )
+
+
 def kvgate_wheel(python: str, dest: Path) -> None:
-    """kvgate's own wheel from the working tree (no build isolation: the venv has setuptools)."""
+    """kvgate's own wheel from the working tree; with the venv's setuptools when it has one, so the
+    build needs no index."""
+    has_setuptools = run(
+        [python, "-c", "import importlib.util; print(importlib.util.find_spec('setuptools') is not None)"],
+        "python setuptools",
+        quiet=True,
+    ).strip()
+    isolation = ["--no-build-isolation"] if has_setuptools == "True" else []
     with tempfile.TemporaryDirectory() as build_dir:
         run(
             [
@@ -154,7 +173,7 @@ def kvgate_wheel(python: str, dest: Path) -> None:
                 "wheel",
                 "--quiet",
                 "--no-deps",
-                "--no-build-isolation",
+                *isolation,
                 "--wheel-dir",
                 str(dest),
                 str(ROOT),
@@ -234,6 +253,7 @@ def report(image: str, base_image: str) -> ImageReport:
 
 
 def build(image: str, base_image: str, python: str, cache_root: Path) -> ImageReport:
+    check_python(python)
     deps = dependency_wheels(python, cache_root)
     with tempfile.TemporaryDirectory(prefix="kvgate-image-") as tmp:
         context = Path(tmp)
