@@ -14,6 +14,7 @@ Docker is whatever `docker` reaches: set DOCKER_HOST for a private daemon.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -114,34 +115,40 @@ def wheel_cache_dir(python: str, frozen: str, cache_root: Path) -> Path:
 
 
 def dependency_wheels(python: str, cache_root: Path) -> Path:
-    """The runtime dependencies' wheels, from the cache or built now."""
+    """The runtime dependencies' wheels, from the cache or built now. A directory enters the cache
+    whole, by rename, so an interrupted or concurrent build never leaves half of one there."""
     frozen = frozen_versions(python)
     target = wheel_cache_dir(python, frozen, cache_root)
-    if (target / ".complete").exists():
+    if target.is_dir():
         print(f"dependency wheels: cached in {target}")
         return target
-    shutil.rmtree(target, ignore_errors=True)
-    target.mkdir(parents=True)
-    with tempfile.NamedTemporaryFile("w", suffix=".txt") as constraints:
-        constraints.write(frozen)
-        constraints.flush()
-        print(f"dependency wheels: building into {target}")
-        run(
-            [
-                python,
-                "-m",
-                "pip",
-                "wheel",
-                "--quiet",
-                "--wheel-dir",
-                str(target),
-                "--constraint",
-                constraints.name,
-                *runtime_requirements(),
-            ],
-            "pip wheel (dependencies)",
-        )
-    (target / ".complete").touch()
+    cache_root.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f"{target.name}.", dir=cache_root))
+    try:
+        with tempfile.NamedTemporaryFile("w", suffix=".txt") as constraints:
+            constraints.write(frozen)
+            constraints.flush()
+            print(f"dependency wheels: building into {target}")
+            run(
+                [
+                    python,
+                    "-m",
+                    "pip",
+                    "wheel",
+                    "--quiet",
+                    "--wheel-dir",
+                    str(partial),
+                    "--constraint",
+                    constraints.name,
+                    *runtime_requirements(),
+                ],
+                "pip wheel (dependencies)",
+            )
+        # A concurrent build that got there first keeps its copy (the rename fails on a full directory).
+        with contextlib.suppress(OSError):
+            partial.rename(target)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
     return target
 
 

@@ -187,7 +187,8 @@ def _mmdebstrap(tarball: Path) -> None:
     if os.geteuid() != 0:
         raise DockerUnavailable("building the Debian base image with mmdebstrap needs root")
     tarball.parent.mkdir(parents=True, exist_ok=True)
-    partial = tarball.with_suffix(".partial.tar")
+    # Our own name: another run building the same base at once writes its own.
+    partial = tarball.with_name(f"{tarball.stem}.{os.getpid()}.partial")
     argv = [
         "mmdebstrap",
         "--variant=minbase",
@@ -200,4 +201,4 @@ def _mmdebstrap(tarball: Path) -> None:
         partial.unlink(missing_ok=True)
         raise RuntimeError(f"mmdebstrap failed ({result.returncode}):\n{result.stderr[-3000:]}")
     # Renamed only when whole: an interrupted run leaves no cache entry behind.
-    partial.rename(tarball)
+    partial.replace(tarball)
