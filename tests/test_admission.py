@@ -17,7 +17,7 @@ from test_water import node
 from kvgate.config import AdmissionConfig, ModelConfig
 from kvgate.gate.admission import Admission, Admitted
 from kvgate.headroom.fake_source import FakeHeadroom, ManualClock
-from kvgate.headroom.snapshot import NodeView, ReleaseOutcome
+from kvgate.headroom.snapshot import NodeView, PrefixChain, ReleaseOutcome
 from kvgate.policy import Reason, Refusal, Route
 from kvgate.policy.water import BreakerState, Level
 
@@ -292,7 +292,9 @@ class SlowAgentView:
     def snapshot(self) -> tuple[NodeView, ...]:
         return (node("a", 30000),)
 
-    async def reserve(self, node: str, request_id: str, tokens: int) -> None:
+    async def reserve(
+        self, node: str, request_id: str, tokens: int, prefix: PrefixChain | None = None
+    ) -> None:
         self.reserving.set()
         await asyncio.sleep(3600)
 

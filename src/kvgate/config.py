@@ -127,6 +127,22 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class PlacementConfig:
+    """Where a long request goes among the nodes that fit it (kvgate.policy.nodes)."""
+
+    # Send a prompt that begins as one a node holds to that node, and reserve there only what live
+    # requests do not already hold (docs/operations.md, "Prefix-aware placement").
+    prefix_affinity: bool = False
+    # Estimated tokens of one prefix block, cut as block_tokens x 4 bytes of prompt text.
+    block_tokens: int = field(default=256, metadata=at_least(16))
+    # Blocks hashed per prompt: a longer prompt is matched on its first max_blocks blocks.
+    max_blocks: int = field(default=1024, metadata=at_least(1))
+    # A node is favoured for what it holds only while its requests in flight are at most
+    # load_bound x the pool's mean + 1.
+    load_bound: float = field(default=1.5, metadata=at_least(1))
+
+
+@dataclass(frozen=True, slots=True)
 class RefusalsConfig:
     # 413 is the field report's answer to a request past max_total_tokens; 400 with the same
     # `context_length_exceeded` code is what OpenAI, vLLM and Anthropic answer, so the official SDKs
@@ -139,6 +155,7 @@ class Config:
     server: ServerConfig = ServerConfig()
     request: RequestConfig = RequestConfig()
     admission: AdmissionConfig = AdmissionConfig()
+    placement: PlacementConfig = PlacementConfig()
     refusals: RefusalsConfig = RefusalsConfig()
     # Agents of the long-context pool: reservations and its water level.
     headroom: HeadroomSettings = field(default_factory=HeadroomSettings)

@@ -48,12 +48,22 @@ AGENT_RESERVATIONS_LIVE = "kvgate.agent.reservations.live"
 AGENT_RESERVATIONS = "kvgate.agent.reservations"
 AGENT_HEALTHY = "kvgate.agent.healthy"
 AGENT_SAMPLE_AGE = "kvgate.agent.sample.age"
+AGENT_PREFIX_CACHED = "kvgate.agent.prefix.cached"
+AGENT_PREFIX_SAVED = "kvgate.agent.prefix.saved"
+AGENT_PREFIX_INDEXED = "kvgate.agent.prefix.indexed"
+AGENT_PREFIX_SHARED = "kvgate.agent.prefix.shared"
+AGENT_PREFIX_FORGOTTEN = "kvgate.agent.prefix.forgotten"
+PREFIX_HIT_TOKENS = "kvgate.gate.prefix.hit"
+PREFIX_SAVED_TOKENS = "kvgate.gate.prefix.saved"
+PLACEMENTS = "kvgate.gate.placements"
+PLACEMENT_CACHED_FRACTION = "kvgate_gate_placement_cached_fraction"
 # OpenTelemetry hardware semantic conventions for GPUs.
 GPU_MEMORY_LIMIT = "hw.gpu.memory.limit"
 GPU_MEMORY_USAGE = "hw.gpu.memory.usage"
 
 # Token counts from a few hundred to far past any context window.
 _TOKEN_BUCKETS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
+_FRACTION_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99)
 _SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1, 2.5, 5)
 
 
@@ -138,8 +148,8 @@ class Tally:
 
         meter_.create_observable_counter(name, callbacks=[read], unit=unit, description=description)
 
-    def add(self, *key: str) -> None:
-        self.counts[key] = self.counts.get(key, 0) + 1
+    def add(self, *key: str, n: int = 1) -> None:
+        self.counts[key] = self.counts.get(key, 0) + n
 
 
 class Histogram:
@@ -237,6 +247,34 @@ class GateMetrics:
             "Envoy route policy values ignored because they did not parse, by metadata key",
             ("key",),
         )
+        self._placements = Tally(
+            m,
+            PLACEMENTS,
+            "{request}",
+            "Long requests placed with prefix affinity, by how: affinity (on a node holding the prefix), "
+            "bounded (the nodes holding it were past the load bound), cold (no node held it)",
+            ("placement",),
+        )
+        self._prefix_hit = Tally(
+            m,
+            PREFIX_HIT_TOKENS,
+            "{token}",
+            "Prompt tokens placed requests were expected to find in their node's prefix cache",
+            (),
+        )
+        self._prefix_saved = Tally(
+            m,
+            PREFIX_SAVED_TOKENS,
+            "{token}",
+            "Tokens placed requests did not reserve: prefix blocks live requests on their node already held",
+            (),
+        )
+        self._cached_fraction = histogram(
+            PLACEMENT_CACHED_FRACTION,
+            "Of a placed request's prefix, the fraction its node was expected to hold (the placement score)",
+            "placement",
+            _FRACTION_BUCKETS,
+        )
         self.meter = m
 
     def decision(self, target: str, reason: str, method: str, tokens: int, seconds: float) -> None:
@@ -253,6 +291,13 @@ class GateMetrics:
 
     def route_policy_ignored(self, key: str) -> None:
         self._route_policy_ignored.add(key)
+
+    def placed(self, placement: str, cached_tokens: int, saved_tokens: int, prefix_tokens: int) -> None:
+        self._placements.add(placement)
+        self._prefix_hit.add(n=cached_tokens)
+        self._prefix_saved.add(n=saved_tokens)
+        if prefix_tokens:
+            self._cached_fraction.record(min(1.0, cached_tokens / prefix_tokens), placement)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,9 +23,9 @@ from typing import Protocol
 from kvgate.config import AdmissionConfig, ModelConfig
 from kvgate.errors import HeadroomError
 from kvgate.gate.waitqueue import WaitQueue
-from kvgate.headroom.snapshot import NodeView, ReleaseOutcome, ReserveOutcome
+from kvgate.headroom.snapshot import NodeView, PrefixChain, ReleaseOutcome, ReserveOutcome
 from kvgate.policy import Decision, Reason, Route
-from kvgate.policy.nodes import choose_nodes
+from kvgate.policy.nodes import Affinity, choose_nodes
 from kvgate.policy.overflow import interactive_saturated, no_healthy_node, overflow
 from kvgate.policy.pressure import PoolPressure
 from kvgate.policy.shedding import PoolKind, Verdict
@@ -40,8 +40,11 @@ class HeadroomSource(Protocol):
 
     def snapshot(self) -> tuple[NodeView, ...]: ...
 
-    async def reserve(self, node: str, request_id: str, tokens: int) -> ReserveOutcome:
-        """The agent's answer, a refusal included; HeadroomError when it gives none."""
+    async def reserve(
+        self, node: str, request_id: str, tokens: int, prefix: PrefixChain | None = None
+    ) -> ReserveOutcome:
+        """The agent's answer, a refusal included; HeadroomError when it gives none. Blocks of `prefix`
+        that live reservations on the node hold are not charged again."""
         ...
 
     async def release(self, node: str, request_id: str) -> ReleaseOutcome: ...
@@ -56,6 +59,8 @@ class Ticket:
     agent: str
     request_id: str
     tokens: int
+    charged_tokens: int = 0  # what the agent added to its reserved tokens (less with shared prefixes)
+    cached_tokens: int = 0  # prompt tokens the engine is expected to find in its prefix cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,8 +121,11 @@ class Admission:
         priority: str | None,
         request_id: str,
         wait_s: float | None = None,
+        *,
+        affinity: Affinity | None = None,
     ) -> Admitted:
-        """`wait_s` (the client's `Prefer: wait=N`) can only shorten admission.max_wait_s."""
+        """`wait_s` (the client's `Prefer: wait=N`) can only shorten admission.max_wait_s. With
+        `affinity`, nodes that hold the prompt's prefix are tried first (kvgate.policy.nodes)."""
         rank = self.rank(priority)
         if route.reason is Reason.SHORT:
             return Admitted(self._admit_interactive(route, rank))
@@ -131,7 +139,9 @@ class Admission:
             why = f"the long-context pool is {self._long_pressure.level.name.lower()}"
             return Admitted(overflow(route, model, Reason.SHED, why, self._config.async_fallback))
         max_wait_s = self._config.max_wait_s if wait_s is None else min(wait_s, self._config.max_wait_s)
-        return await self._place(self._long, route, model, rank, request_id, max_wait_s=max_wait_s)
+        return await self._place(
+            self._long, route, model, rank, request_id, max_wait_s=max_wait_s, affinity=affinity
+        )
 
     def _admit_interactive(self, route: Route, rank: int) -> Decision:
         if self._interactive is None:
@@ -150,6 +160,7 @@ class Admission:
         request_id: str,
         *,
         max_wait_s: float,
+        affinity: Affinity | None = None,
     ) -> Admitted:
         """Wait in priority order, at most max_wait_s, until a node's agent grants the reservation.
 
@@ -165,12 +176,18 @@ class Admission:
         try:
             while True:
                 if self._queue.is_head(place):
-                    choice = choose_nodes(source.snapshot(), route.tokens, self._config.stale_nodes)
+                    choice = choose_nodes(source.snapshot(), route.tokens, self._config.stale_nodes, affinity)
                     if not choice.any_usable:
                         return Admitted(no_healthy_node(route))
+                    prefix = affinity.chain if affinity is not None else None
                     for node in choice.candidates:
-                        ticket = await self._try_reserve(source, node.agent, request_id, route.tokens)
+                        ticket = await self._try_reserve(source, node.agent, request_id, route.tokens, prefix)
                         if ticket is not None and node.headroom is not None:
+                            if prefix is not None:
+                                saved = ticket.tokens - ticket.charged_tokens
+                                self._metrics.placed(
+                                    choice.placement, ticket.cached_tokens, saved, prefix.tokens
+                                )
                             pinned = Route(route.pool, Reason.LONG, route.tokens, node.headroom.endpoint)
                             return Admitted(pinned, ticket)
                 remaining = deadline - loop.time()
@@ -184,10 +201,10 @@ class Admission:
             self._queue.leave(place)
 
     async def _try_reserve(
-        self, source: HeadroomSource, agent: str, request_id: str, tokens: int
+        self, source: HeadroomSource, agent: str, request_id: str, tokens: int, prefix: PrefixChain | None
     ) -> Ticket | None:
         try:
-            outcome = await source.reserve(agent, request_id, tokens)
+            outcome = await source.reserve(agent, request_id, tokens, prefix)
         except asyncio.CancelledError:
             # The stream went away mid-Reserve (client abort, Envoy timeout): the agent may have granted
             # already, so give it back now rather than hold the capacity until the lease runs out.
@@ -198,7 +215,9 @@ class Admission:
             self._metrics.reservation("error")
             return None
         self._metrics.reservation("granted" if outcome.granted else "refused")
-        return Ticket(agent, request_id, tokens) if outcome.granted else None
+        if not outcome.granted:
+            return None
+        return Ticket(agent, request_id, tokens, outcome.charged_tokens, outcome.cached_tokens)
 
     def _release_later(self, ticket: Ticket) -> None:
         task = asyncio.create_task(self.release(ticket))

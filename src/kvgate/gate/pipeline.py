@@ -22,6 +22,7 @@ from kvgate.gate.admission import Admission, Ticket
 from kvgate.names import PREFER_HEADER
 from kvgate.policy import Decision, Reason, Refusal, Route, decide, thresholds
 from kvgate.policy.models import ModelMatcher
+from kvgate.policy.nodes import Affinity
 from kvgate.policy.refusals import Refusals, refusal_for
 from kvgate.policy.route import (
     NO_HINTS,
@@ -44,6 +45,7 @@ from kvgate.request import (
     is_json_content_type,
     parse_body,
 )
+from kvgate.request.prefix import prefix_chain, renders_definitions_first
 from kvgate.telemetry import GateMetrics
 
 log = logging.getLogger(__name__)
@@ -262,10 +264,27 @@ class Pipeline:
             return Outcome(to_async, shape, estimate)
         if self._admission is None:
             return Outcome(decision, shape, estimate)
+        affinity = (
+            self._affinity(head, body, shape, estimate, entry) if decision.reason is Reason.LONG else None
+        )
         admitted = await self._admission.admit(
-            decision, model, head.priority, head.request_id, head.hints.wait_s
+            decision, model, head.priority, head.request_id, head.hints.wait_s, affinity=affinity
         )
         return Outcome(admitted.decision, shape, estimate, admitted.ticket)
+
+    def _affinity(
+        self, head: RequestHead, body: bytes, shape: RequestShape, estimate: TokenEstimate, entry: ModelConfig
+    ) -> Affinity | None:
+        """A long request's prompt as prefix blocks, to place it where its prefix is (placement:)."""
+        placement = self._config.placement
+        # Compressed bodies are not searched for tool definitions, which would come first in the prompt.
+        if not placement.prefix_affinity or head.content_encoding or renders_definitions_first(body):
+            return None
+        text_tokens = estimate.prompt_tokens - self._estimators[entry].fixed_prompt_tokens(shape)
+        chain = prefix_chain(
+            shape.texts, text_tokens, placement.block_tokens, placement.max_blocks, shape.model or ""
+        )
+        return None if chain is None else Affinity(chain, placement.load_bound)
 
     async def release(self, ticket: Ticket) -> None:
         assert self._admission is not None

@@ -27,9 +27,10 @@ from kvgate.headroom.agent_metrics import AgentMetrics
 from kvgate.headroom.broadcast import Broadcast
 from kvgate.headroom.credentials import add_port
 from kvgate.headroom.engines import EngineReading
+from kvgate.headroom.ledger import ReserveReason
 from kvgate.headroom.node import NodeSettings, NodeState
 from kvgate.headroom.snapshot import NodeHeadroom, NvmlReading
-from kvgate.headroom.wire import HeadroomEncoder
+from kvgate.headroom.wire import HeadroomEncoder, chain_from_proto
 from kvgate.tls import ServerTls
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ class Agent:
         self._server: grpc.aio.Server | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._latest: NodeHeadroom | None = None
-        self.metrics = AgentMetrics(lambda: self._latest)
+        self.metrics = AgentMetrics(lambda: self._latest, lambda: self.state.prefix_forgotten)
 
     async def start(self, listen: str, tls: ServerTls | None = None) -> int:
         """Serve on `listen` (host:port, port 0 picks one) and start sampling; returns the bound port.
@@ -210,16 +211,24 @@ class _AgentServicer(pb_grpc.AgentServicer):
     ) -> pb.ReserveResponse:
         try:
             result = self._agent.state.reserve(
-                request.request_id, request.tokens, request.lease_s, request.holder
+                request.request_id,
+                request.tokens,
+                request.lease_s,
+                request.holder,
+                prefix=chain_from_proto(request),
             )
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise AssertionError("abort returns by raising") from exc
         self._agent.metrics.reserve(result.granted, result.reason.value)
+        if result.reason is ReserveReason.GRANTED and request.prefix_blocks:
+            self._agent.metrics.prefix_granted(result.cached_tokens, request.tokens - result.charged_tokens)
         log.debug(
-            "reserve %s %d tokens by %r: %s",
+            "reserve %s %d tokens (%d charged, %d cached) by %r: %s",
             request.request_id,
             request.tokens,
+            result.charged_tokens,
+            result.cached_tokens,
             request.holder,
             result.reason,
         )
@@ -229,6 +238,9 @@ class _AgentServicer(pb_grpc.AgentServicer):
             headroom_tokens=result.headroom_tokens,
             reserved_tokens=result.reserved_tokens,
             lease_s=result.lease_s,
+            charged_tokens=result.charged_tokens,
+            cached_tokens=result.cached_tokens,
+            reservations=result.reservations,
         )
 
     async def Release(

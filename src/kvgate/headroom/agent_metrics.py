@@ -2,18 +2,27 @@
 
 Capacity carries where it came from (`source`: manual, engine, static) and the engine read
 (`engine`); usage carries what it is (`source`: engine KV figures, or reservations when the node is
-reservation-only), so a dashboard never mistakes an estimate for a measurement.
+reservation-only), so a dashboard never mistakes an estimate for a measurement. The prefix figures
+say what reservations that carry a prefix chain expected to find cached, what sharing saved, and what
+the agent believes its engine's prefix cache holds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from opentelemetry.metrics import Observation
+
 from kvgate.headroom.snapshot import NodeHeadroom
 from kvgate.telemetry import (
     AGENT_CAPACITY,
     AGENT_HEADROOM,
     AGENT_HEALTHY,
+    AGENT_PREFIX_CACHED,
+    AGENT_PREFIX_FORGOTTEN,
+    AGENT_PREFIX_INDEXED,
+    AGENT_PREFIX_SAVED,
+    AGENT_PREFIX_SHARED,
     AGENT_RESERVATIONS,
     AGENT_RESERVATIONS_LIVE,
     AGENT_RESERVED,
@@ -29,7 +38,9 @@ Reading = list[tuple[float, dict[str, str]]]
 
 
 class AgentMetrics:
-    def __init__(self, latest: Callable[[], NodeHeadroom | None]) -> None:
+    def __init__(
+        self, latest: Callable[[], NodeHeadroom | None], prefix_forgotten: Callable[[], int] = lambda: 0
+    ) -> None:
         m = meter("kvgate.agent")
         self._reservations = Tally(
             m,
@@ -37,6 +48,20 @@ class AgentMetrics:
             "{reservation}",
             "Reservation events: granted, refused (by reason), released, expired",
             ("event", "reason"),
+        )
+        self._prefix = Tally(
+            m,
+            AGENT_PREFIX_CACHED,
+            "{token}",
+            "Prompt tokens of granted reservations that the engine was expected to find in its prefix cache",
+            (),
+        )
+        self._saved = Tally(
+            m,
+            AGENT_PREFIX_SAVED,
+            "{token}",
+            "Tokens granted reservations did not charge: prefix blocks live reservations already held",
+            (),
         )
 
         def node_value(
@@ -107,6 +132,26 @@ class AgentMetrics:
         observe(
             m, AGENT_HEALTHY, "1", "1 when the node can take requests", node_value(lambda h: float(h.healthy))
         )
+        observe(
+            m,
+            AGENT_PREFIX_INDEXED,
+            "{token}",
+            "Tokens of prefix blocks the agent believes its engine holds, in use or cached",
+            node_value(lambda h: h.prefix.indexed_tokens),
+        )
+        observe(
+            m,
+            AGENT_PREFIX_SHARED,
+            "{token}",
+            "Tokens live reservations share instead of reserving each",
+            node_value(lambda h: h.prefix.saved_tokens),
+        )
+        m.create_observable_counter(
+            AGENT_PREFIX_FORGOTTEN,
+            callbacks=[lambda _options: [Observation(prefix_forgotten())]],
+            unit="{token}",
+            description="Idle prefix tokens forgotten because the engine's KV filled or its hits fell short",
+        )
         observe(m, GPU_MEMORY_LIMIT, "By", "GPU memory size", gpus(lambda total, _used: total))
         observe(m, GPU_MEMORY_USAGE, "By", "GPU memory in use", gpus(lambda _total, used: used))
 
@@ -118,3 +163,7 @@ class AgentMetrics:
 
     def expired(self) -> None:
         self._reservations.add("expired", "")
+
+    def prefix_granted(self, cached_tokens: int, saved_tokens: int) -> None:
+        self._prefix.add(n=cached_tokens)
+        self._saved.add(n=saved_tokens)

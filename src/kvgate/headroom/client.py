@@ -13,14 +13,15 @@ from kvgate._proto.headroom.v1 import headroom_pb2 as pb
 from kvgate._proto.headroom.v1 import headroom_pb2_grpc as pb_grpc
 from kvgate.errors import HeadroomError
 from kvgate.headroom.credentials import ChannelSecurity, open_channel
-from kvgate.headroom.snapshot import NodeHeadroom, ReleaseOutcome, ReserveOutcome
-from kvgate.headroom.wire import headroom_from_proto
+from kvgate.headroom.snapshot import NO_PREFIXES, NodeHeadroom, PrefixChain, ReleaseOutcome, ReserveOutcome
+from kvgate.headroom.wire import headroom_from_proto, reserve_request
 
 
 class HeadroomStream:
     def __init__(self, address: str, call: grpc.aio.UnaryStreamCall) -> None:
         self._address = address
         self._call = call
+        self._prefix = NO_PREFIXES  # the last summary: its block set is reused while it is unchanged
 
     async def next(self) -> NodeHeadroom | None:
         """The next message; None when the agent ended the stream (it is shutting down)."""
@@ -30,7 +31,9 @@ class HeadroomStream:
             raise _error(self._address, "Subscribe", exc) from exc
         if message is grpc.aio.EOF:
             return None
-        return headroom_from_proto(message)
+        headroom = headroom_from_proto(message, self._prefix)
+        self._prefix = headroom.prefix
+        return headroom
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -69,9 +72,16 @@ class AgentClient:
         return HeadroomStream(self.address, self._stub.Subscribe(pb.SubscribeRequest(subscriber=subscriber)))
 
     async def reserve(
-        self, request_id: str, tokens: int, lease_s: float, holder: str, timeout_s: float
+        self,
+        request_id: str,
+        tokens: int,
+        lease_s: float,
+        holder: str,
+        timeout_s: float,
+        *,
+        prefix: PrefixChain | None = None,
     ) -> ReserveOutcome:
-        request = pb.ReserveRequest(request_id=request_id, tokens=tokens, lease_s=lease_s, holder=holder)
+        request = reserve_request(request_id, tokens, lease_s, holder, prefix)
         try:
             response: pb.ReserveResponse = await self._stub.Reserve(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -82,6 +92,9 @@ class AgentClient:
             response.headroom_tokens,
             response.reserved_tokens,
             response.lease_s,
+            response.charged_tokens,
+            response.cached_tokens,
+            response.reservations,
         )
 
     async def release(self, request_id: str, timeout_s: float) -> ReleaseOutcome:

@@ -9,7 +9,9 @@ clock (`ManualClock` for tests): staleness of a node's last message and lease ex
 Script it: `update` is a message from the node's agent (new usage, health), `go_silent` stops its
 messages (it goes stale as the clock moves), `disconnect` drops its stream, `restart_agent` gives it
 a new, empty ledger (what a restarted agent remembers), `fail_reserves` makes its Reserve calls fail
-as an unreachable agent's do.
+as an unreachable agent's do, `evict_prefixes` is the node's engine evicting idle prefix blocks.
+Reservations that carry a prefix chain share held blocks as the agent's do, and each node's messages
+carry the agent's prefix summary.
 """
 
 from __future__ import annotations
@@ -20,7 +22,14 @@ from dataclasses import dataclass
 
 from kvgate.errors import HeadroomError
 from kvgate.headroom.ledger import Budget, ReservationLedger
-from kvgate.headroom.snapshot import CapacitySource, NodeHeadroom, NodeView, ReleaseOutcome, ReserveOutcome
+from kvgate.headroom.snapshot import (
+    CapacitySource,
+    NodeHeadroom,
+    NodeView,
+    PrefixChain,
+    ReleaseOutcome,
+    ReserveOutcome,
+)
 
 
 class ManualClock:
@@ -138,6 +147,13 @@ class FakeHeadroom:
         agent is unreachable."""
         self._nodes[name].failing_reserves = times
 
+    def evict_prefixes(self, name: str, tokens: int | None = None) -> None:
+        """The node's engine evicts idle prefix blocks (all of them, or `tokens` of them, least recently
+        used first), and its agent, told by the engine's signals, forgets them."""
+        prefixes = self._nodes[name].ledger.prefixes
+        prefixes.evict(prefixes.idle_tokens if tokens is None else tokens)
+        self.update(name)
+
     def reserved_tokens(self, name: str) -> int:
         return self._nodes[name].ledger.reserved_tokens
 
@@ -160,12 +176,14 @@ class FakeHeadroom:
             return False
         return True
 
-    async def reserve(self, node: str, request_id: str, tokens: int) -> ReserveOutcome:
+    async def reserve(
+        self, node: str, request_id: str, tokens: int, prefix: PrefixChain | None = None
+    ) -> ReserveOutcome:
         state = self._answering(node)
         if state.failing_reserves > 0:
             state.failing_reserves -= 1
             raise HeadroomError(f"agent {node} did not answer Reserve")
-        result = state.ledger.reserve(request_id, tokens, self._lease_s, state.budget())
+        result = state.ledger.reserve(request_id, tokens, self._lease_s, state.budget(), prefix=prefix)
         await asyncio.sleep(0)  # an answer arrives on a later turn of the loop, as over gRPC
         return ReserveOutcome(
             result.granted,
@@ -173,6 +191,9 @@ class FakeHeadroom:
             result.headroom_tokens,
             result.reserved_tokens,
             result.lease_s,
+            result.charged_tokens,
+            result.cached_tokens,
+            result.reservations,
         )
 
     async def release(self, node: str, request_id: str) -> ReleaseOutcome:
@@ -212,6 +233,7 @@ class FakeHeadroom:
             preemptions_total=None,
             gpus=(),
             period_ms=100,
+            prefix=node.ledger.prefixes.summary(node.ledger.saved_tokens),
         )
 
     def _new_ledger(self) -> ReservationLedger:

@@ -4,16 +4,23 @@ Every admission decision on a node goes through one ledger in one process, and `
 charges without yielding, so two gates asking at the same instant are served one after the other
 against the same numbers. A full node is a refusal (a return value); a negative token count is
 caller misuse (ValueError).
+
+A reservation may carry its prompt's prefix chain: the blocks that live reservations already hold are
+one copy in the engine's prefix cache, so they are charged once (kvgate.headroom.prefix_blocks). The
+reserved tokens are then each reservation's own part (its tokens less its chain) plus every held block
+once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
-from kvgate.headroom.snapshot import headroom_tokens
+from kvgate.headroom.prefix_blocks import PrefixBlocks
+from kvgate.headroom.snapshot import PrefixChain, headroom_tokens
 
 
 class ReserveReason(StrEnum):
@@ -33,6 +40,8 @@ class Reservation:
     tokens: int
     expires_at: float
     holder: str
+    blocks: tuple[int, ...] = ()  # its prefix chain's blocks, held in the ledger's PrefixBlocks
+    own_tokens: int = 0  # tokens beyond its chain: charged to it alone
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,17 +62,28 @@ class ReserveResult:
     headroom_tokens: int
     reserved_tokens: int
     lease_s: float
+    charged_tokens: int = 0  # what this decision added to reserved_tokens
+    cached_tokens: int = 0  # of the chain, tokens the engine is expected to find in its prefix cache
+    reservations: int = 0
 
 
 class ReservationLedger:
-    def __init__(self, clock: Callable[[], float], default_lease_s: float, max_lease_s: float) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float],
+        default_lease_s: float,
+        max_lease_s: float,
+        prefixes: PrefixBlocks | None = None,
+    ) -> None:
         if not 0 < default_lease_s <= max_lease_s:
             raise ValueError("leases must satisfy 0 < default_lease_s <= max_lease_s")
         self._clock = clock
         self._default_lease_s = default_lease_s
         self._max_lease_s = max_lease_s
+        self.prefixes = prefixes or PrefixBlocks()
         self._live: dict[str, Reservation] = {}
-        self._reserved = 0
+        self._reserved = 0  # own tokens of live reservations plus every held prefix block once
+        self._asked = 0  # tokens live reservations asked for: _asked - _reserved is what sharing saves
         # No lease ends before this (renewals may leave it early, never late): until then `expire`,
         # called on every snapshot and reservation, has nothing to scan for.
         self._next_expiry = math.inf
@@ -77,6 +97,12 @@ class ReservationLedger:
     def count(self) -> int:
         self.expire()
         return len(self._live)
+
+    @property
+    def saved_tokens(self) -> int:
+        """Tokens live reservations asked for but share with others (prefix blocks charged once)."""
+        self.expire()
+        return self._asked - self._reserved
 
     def expire(self) -> list[Reservation]:
         now = self._clock()
@@ -94,28 +120,50 @@ class ReservationLedger:
         )
 
     def reserve(
-        self, request_id: str, tokens: int, lease_s: float, budget: Budget, holder: str = ""
+        self,
+        request_id: str,
+        tokens: int,
+        lease_s: float,
+        budget: Budget,
+        holder: str = "",
+        *,
+        prefix: PrefixChain | None = None,
     ) -> ReserveResult:
-        """Charge `tokens` if they fit in the headroom, else refuse. `lease_s` <= 0 takes the default."""
+        """Charge `tokens` if they fit in the headroom, else refuse. `lease_s` <= 0 takes the default.
+
+        With a `prefix` chain, the chain's blocks that live reservations hold are not charged again.
+        """
         if tokens <= 0 or not request_id:
             raise ValueError(f"a reservation needs a request_id and tokens > 0, got {request_id!r}, {tokens}")
+        if prefix is not None and (prefix.block_tokens <= 0 or prefix.tokens > tokens):
+            raise ValueError(
+                f"a prefix chain of {len(prefix.blocks)} blocks x {prefix.block_tokens} tokens does not "
+                f"fit in the {tokens} tokens asked"
+            )
         lease = self._lease(lease_s)
         self.expire()
         existing = self._live.get(request_id)
         if existing is not None:
             if existing.tokens != tokens:
                 return self._result(False, ReserveReason.REQUEST_ID_CONFLICT, budget, 0.0)
-            self._hold(Reservation(request_id, tokens, self._clock() + lease, holder))
+            self._hold(dataclasses.replace(existing, expires_at=self._clock() + lease, holder=holder))
             return self._result(True, ReserveReason.ALREADY_RESERVED, budget, lease)
         if not budget.healthy:
             return self._result(False, ReserveReason.UNHEALTHY, budget, 0.0)
         if budget.capacity_tokens <= 0:
             return self._result(False, ReserveReason.NO_CAPACITY, budget, 0.0)
-        if tokens > self.headroom(budget):
-            return self._result(False, ReserveReason.INSUFFICIENT_HEADROOM, budget, 0.0)
-        self._hold(Reservation(request_id, tokens, self._clock() + lease, holder))
-        self._reserved += tokens
-        return self._result(True, ReserveReason.GRANTED, budget, lease)
+        chain = prefix if prefix is not None and prefix.blocks else None
+        own = tokens - chain.tokens if chain is not None else tokens
+        cached = self.prefixes.cached_blocks(chain) * chain.block_tokens if chain is not None else 0
+        cost = own + (self.prefixes.cost(chain) if chain is not None else 0)
+        if cost > self.headroom(budget):
+            return self._result(False, ReserveReason.INSUFFICIENT_HEADROOM, budget, 0.0, cached=cached)
+        held = self.prefixes.hold(chain) if chain is not None else 0
+        blocks = chain.blocks if chain is not None else ()
+        self._hold(Reservation(request_id, tokens, self._clock() + lease, holder, blocks, own))
+        self._reserved += own + held
+        self._asked += tokens
+        return self._result(True, ReserveReason.GRANTED, budget, lease, charged=own + held, cached=cached)
 
     def release(self, request_id: str) -> bool:
         self.expire()
@@ -129,7 +177,8 @@ class ReservationLedger:
         reservation = self._live.pop(request_id, None)
         if reservation is None:
             return False
-        self._reserved -= reservation.tokens
+        self._reserved -= reservation.own_tokens + self.prefixes.release(reservation.blocks)
+        self._asked -= reservation.tokens
         return True
 
     def _lease(self, lease_s: float) -> float:
@@ -137,5 +186,16 @@ class ReservationLedger:
             return self._default_lease_s
         return min(lease_s, self._max_lease_s)
 
-    def _result(self, granted: bool, reason: ReserveReason, budget: Budget, lease: float) -> ReserveResult:
-        return ReserveResult(granted, reason, self.headroom(budget), self._reserved, lease)
+    def _result(
+        self,
+        granted: bool,
+        reason: ReserveReason,
+        budget: Budget,
+        lease: float,
+        *,
+        charged: int = 0,
+        cached: int = 0,
+    ) -> ReserveResult:
+        return ReserveResult(
+            granted, reason, self.headroom(budget), self._reserved, lease, charged, cached, len(self._live)
+        )

@@ -12,6 +12,9 @@ them; a younger one may not have reached the engine yet and is not subtracted (e
 A node whose usage is unknown must not look empty: engine figures older than
 `engine_stale_after_s`, and figures that stay frozen while the engine says requests run (longer than
 the engine's own refresh promise), make it unhealthy.
+Reservations that carry a prefix chain share the blocks live reservations hold
+(kvgate.headroom.prefix_blocks); idle prefix blocks are forgotten as the engine's KV fills and when its
+hit counters fall short (kvgate.headroom.prefix_audit).
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from dataclasses import dataclass
 from kvgate.headroom.capacity import ModelShape, kv_bytes_per_token, static_capacity_tokens
 from kvgate.headroom.engines import EngineReading, PageState
 from kvgate.headroom.ledger import Budget, ReservationLedger, ReserveReason, ReserveResult
-from kvgate.headroom.snapshot import CapacitySource, NodeHeadroom, NvmlReading, UsageSource
+from kvgate.headroom.prefix_audit import PrefixAudit
+from kvgate.headroom.prefix_blocks import PrefixBlocks
+from kvgate.headroom.snapshot import CapacitySource, NodeHeadroom, NvmlReading, PrefixChain, UsageSource
 
 # A granted request reaches its engine (and the engine's request count) within this long.
 ARRIVAL_S = 1.0
@@ -43,6 +48,9 @@ class NodeSettings:
     engine_stale_after_s: float = 1.0
     # Reservation-only: what one engine request holding no reservation is assumed to hold.
     unreserved_request_tokens: int = 4096
+    # Prefix blocks remembered (in use or idle), and how many the stream's summary shows.
+    prefix_index_blocks: int = 16384
+    prefix_summary_blocks: int = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +79,10 @@ class NodeState:
         self._clock = clock
         self._uses_engine = uses_engine
         self._uses_nvml = uses_nvml
-        self.ledger = ReservationLedger(clock, settings.default_lease_s, settings.max_lease_s)
+        prefixes = PrefixBlocks(settings.prefix_index_blocks, settings.prefix_summary_blocks)
+        self.ledger = ReservationLedger(clock, settings.default_lease_s, settings.max_lease_s, prefixes)
+        self._audit = PrefixAudit(ARRIVAL_S)
+        self.prefix_forgotten = 0  # idle prefix tokens forgotten by the engine's signals, in all
         self._engine = _EngineSample(None, float("-inf"), "engine metrics: no sample yet", float("-inf"))
         self._nvml: NvmlReading | None = None
         self._seq = 0
@@ -84,6 +95,18 @@ class NodeState:
         if self._engine.reading is None or _figures(reading) != _figures(self._engine.reading):
             changed = now
         self._engine = _EngineSample(reading, now, "", changed)
+        self._age_prefixes(now, reading)
+
+    def _age_prefixes(self, now: float, reading: EngineReading) -> None:
+        """Forget idle prefix blocks the engine can no longer hold: they must fit in its free KV (it
+        evicts cached blocks only to make room), and its hit counters must not fall short."""
+        prefixes = self.ledger.prefixes
+        if reading.capacity_tokens is not None and reading.used_tokens is not None:
+            self.prefix_forgotten += prefixes.fit_idle(reading.capacity_tokens - reading.used_tokens)
+        shortfall = self._audit.observe(
+            now, reading.prefix_hits_total, reading.cache_hit_rate, reading.waiting
+        )
+        self.prefix_forgotten += prefixes.evict(shortfall)
 
     def engine_failed(self, error: str) -> None:
         self._engine = _EngineSample(
@@ -96,10 +119,20 @@ class NodeState:
     def budget(self) -> Budget:
         return self._assess().budget
 
-    def reserve(self, request_id: str, tokens: int, lease_s: float, holder: str = "") -> ReserveResult:
-        result = self.ledger.reserve(request_id, tokens, lease_s, self.budget(), holder)
+    def reserve(
+        self,
+        request_id: str,
+        tokens: int,
+        lease_s: float,
+        holder: str = "",
+        *,
+        prefix: PrefixChain | None = None,
+    ) -> ReserveResult:
+        result = self.ledger.reserve(request_id, tokens, lease_s, self.budget(), holder, prefix=prefix)
         if result.reason is ReserveReason.GRANTED:
-            self._grants.append(self._clock())
+            now = self._clock()
+            self._grants.append(now)
+            self._audit.expect(now, result.cached_tokens)
         return result
 
     def release(self, request_id: str) -> bool:
@@ -144,6 +177,7 @@ class NodeState:
             engine_sample_age_ms=(
                 round((now - self._engine.taken_at) * 1000) if self._engine.reading is not None else None
             ),
+            prefix=self.ledger.prefixes.summary(self.ledger.saved_tokens),
         )
 
     def _assess(self) -> _Assessment:

@@ -29,6 +29,45 @@ class UsageSource(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixChain:
+    """A prompt as prefix blocks (cut by kvgate.request.prefix): one chained 64-bit hash per full block,
+    in prompt order, each standing for `block_tokens` estimated tokens. Block i's hash covers every byte
+    before its end, so two prompts share block i exactly when they share blocks 0..i."""
+
+    blocks: tuple[int, ...]
+    block_tokens: int
+
+    @property
+    def tokens(self) -> int:
+        return len(self.blocks) * self.block_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixSummary:
+    """What a node's agent tells every gate of the prefixes its engine holds (kvgate.headroom.prefix_blocks).
+
+    `blocks` holds hashes of blocks the node holds, a sample of each chain (every few blocks, and its
+    tip), so a gate finds how much of a request's chain the node holds within a few blocks.
+    `generation` changes whenever the content does: a gate reuses the set it built when it does not.
+    """
+
+    blocks: frozenset[int] = frozenset()
+    indexed_tokens: int = 0  # tokens of prefix blocks the agent believes the engine holds
+    saved_tokens: int = 0  # tokens live reservations share instead of reserving each
+    generation: int = 0
+
+    def matched_blocks(self, chain: PrefixChain) -> int:
+        """Leading blocks of `chain` the node holds, as far as the summary shows (never more)."""
+        for index in range(len(chain.blocks) - 1, -1, -1):
+            if chain.blocks[index] in self.blocks:
+                return index + 1
+        return 0
+
+
+NO_PREFIXES = PrefixSummary()
+
+
+@dataclass(frozen=True, slots=True)
 class GpuReading:
     uuid: str
     index: int
@@ -81,6 +120,7 @@ class NodeHeadroom:
     # Reservation-only: tokens charged for the engine's requests that hold no reservation.
     unreserved_tokens: int | None = None
     engine_sample_age_ms: int | None = None  # since the last good scrape of the engine
+    prefix: PrefixSummary = NO_PREFIXES
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +144,13 @@ class ReserveOutcome:
     headroom_tokens: int  # after this decision
     reserved_tokens: int
     lease_s: float
+    # Of the tokens asked, those this reservation added to the node's reserved tokens: prefix blocks
+    # that live reservations there already hold are charged once. Equal to the tokens asked without a
+    # prefix chain; 0 for a refusal.
+    charged_tokens: int = 0
+    # Tokens of the chain's prefix the agent expects the engine to find in its prefix cache.
+    cached_tokens: int = 0
+    reservations: int = 0  # live reservations on the node after this decision
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,14 @@ from kvgate.headroom.client import AgentClient, HeadroomStream
 from kvgate.headroom.credentials import ChannelSecurity
 from kvgate.headroom.resolve import Resolver, resolve_agents
 from kvgate.headroom.settings import HeadroomSettings, split_host_port
-from kvgate.headroom.snapshot import NodeHeadroom, NodeView, ReleaseOutcome, ReserveOutcome
+from kvgate.headroom.snapshot import (
+    NodeHeadroom,
+    NodeView,
+    PrefixChain,
+    PrefixSummary,
+    ReleaseOutcome,
+    ReserveOutcome,
+)
 
 log = logging.getLogger(__name__)
 
@@ -109,15 +116,22 @@ class HeadroomView:
         return True
 
     async def reserve(
-        self, node: str, request_id: str, tokens: int, lease_s: float | None = None
+        self,
+        node: str,
+        request_id: str,
+        tokens: int,
+        prefix: PrefixChain | None = None,
+        lease_s: float | None = None,
     ) -> ReserveOutcome:
         """Ask the agent `node` (a NodeView.agent) to charge `tokens`. See the module doc for errors."""
         link = self._link(node)
         lease = self.settings.lease_s if lease_s is None else lease_s
         outcome = await link.client.reserve(
-            request_id, tokens, lease, self._subscriber, self.settings.reserve_timeout_s
+            request_id, tokens, lease, self._subscriber, self.settings.reserve_timeout_s, prefix=prefix
         )
-        self._merge(link, outcome.headroom_tokens, outcome.reserved_tokens)
+        self._merge(link, outcome.headroom_tokens, outcome.reserved_tokens, outcome.reservations)
+        if outcome.granted and prefix is not None:
+            self._merge_prefix(link, prefix)
         return outcome
 
     async def release(self, node: str, request_id: str) -> ReleaseOutcome:
@@ -133,12 +147,27 @@ class HeadroomView:
         return link
 
     @staticmethod
-    def _merge(link: _Link, headroom_tokens: int, reserved_tokens: int) -> None:
+    def _merge(
+        link: _Link, headroom_tokens: int, reserved_tokens: int, reservations: int | None = None
+    ) -> None:
         # The agent's answer is newer than the last pushed sample; keep the sample's age, though.
         if link.latest is not None:
             link.latest = dataclasses.replace(
-                link.latest, headroom_tokens=headroom_tokens, reserved_tokens=reserved_tokens
+                link.latest,
+                headroom_tokens=headroom_tokens,
+                reserved_tokens=reserved_tokens,
+                reservations=link.latest.reservations if reservations is None else reservations,
             )
+
+    @staticmethod
+    def _merge_prefix(link: _Link, chain: PrefixChain) -> None:
+        """The node now holds `chain`: the next request with its prefix finds it before the agent's next
+        message says so (which replaces this, generation and all)."""
+        if link.latest is not None:
+            known = link.latest.prefix
+            blocks = known.blocks | frozenset(chain.blocks)
+            summary = PrefixSummary(blocks, known.indexed_tokens, known.saved_tokens, generation=0)
+            link.latest = dataclasses.replace(link.latest, prefix=summary)
 
     def _add(self, address: str) -> None:
         if address in self._links:

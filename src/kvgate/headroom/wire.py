@@ -7,27 +7,41 @@ values travel as unset optional fields, never as zero.
 from __future__ import annotations
 
 from kvgate._proto.headroom.v1 import headroom_pb2 as pb
-from kvgate.headroom.snapshot import CapacitySource, GpuReading, NodeHeadroom, UsageSource
+from kvgate.headroom.snapshot import (
+    NO_PREFIXES,
+    CapacitySource,
+    GpuReading,
+    NodeHeadroom,
+    PrefixChain,
+    PrefixSummary,
+    UsageSource,
+)
 
 
 class HeadroomEncoder:
     """Each NodeHeadroom to its serialized message, once for every subscriber.
 
-    The GPU list is encoded again only when it changed: the NVML sampler hands back the same tuple while
-    the figures stay the same, and the encoded list is appended to the rest of the message as it is.
-    Concatenated protobuf messages parse as their merge, and the first part leaves `gpus` unset.
+    The GPU list and the prefix blocks are encoded again only when they changed: the NVML sampler hands
+    back the same tuple while the figures stay the same, a prefix summary keeps its generation while
+    its blocks do, and each encoded part is appended to the rest of the message as it is.
+    Concatenated protobuf messages parse as their merge, and the first part leaves them unset.
     """
 
     def __init__(self) -> None:
         self._gpus: tuple[GpuReading, ...] = ()
         self._encoded_gpus = b""
+        self._prefix: PrefixSummary = NO_PREFIXES
+        self._encoded_prefix = b""
 
     def encode(self, h: NodeHeadroom) -> bytes:
         if h.gpus is not self._gpus:
             self._gpus = h.gpus
             self._encoded_gpus = pb.NodeHeadroom(gpus=[_gpu_to_proto(g) for g in h.gpus]).SerializeToString()
+        if h.prefix != self._prefix:
+            self._prefix = h.prefix
+            self._encoded_prefix = pb.NodeHeadroom(prefix=_prefix_to_proto(h.prefix)).SerializeToString()
         scalars: bytes = _scalars_to_proto(h).SerializeToString()
-        return scalars + self._encoded_gpus
+        return scalars + self._encoded_gpus + self._encoded_prefix
 
 
 def _scalars_to_proto(h: NodeHeadroom) -> pb.NodeHeadroom:
@@ -59,7 +73,39 @@ def _scalars_to_proto(h: NodeHeadroom) -> pb.NodeHeadroom:
     )
 
 
-def headroom_from_proto(m: pb.NodeHeadroom) -> NodeHeadroom:
+def _prefix_to_proto(p: PrefixSummary) -> pb.PrefixSummary:
+    return pb.PrefixSummary(
+        blocks=sorted(p.blocks),
+        indexed_tokens=p.indexed_tokens,
+        saved_tokens=p.saved_tokens,
+        generation=p.generation,
+    )
+
+
+def prefix_from_proto(m: pb.PrefixSummary, previous: PrefixSummary = NO_PREFIXES) -> PrefixSummary:
+    """The summary; `previous`'s block set when the generation says the blocks did not change."""
+    unchanged = m.generation and m.generation == previous.generation
+    blocks = previous.blocks if unchanged else frozenset(m.blocks)
+    return PrefixSummary(blocks, m.indexed_tokens, m.saved_tokens, m.generation)
+
+
+def reserve_request(
+    request_id: str, tokens: int, lease_s: float, holder: str, prefix: PrefixChain | None
+) -> pb.ReserveRequest:
+    request = pb.ReserveRequest(request_id=request_id, tokens=tokens, lease_s=lease_s, holder=holder)
+    if prefix is not None:
+        request.prefix_blocks.extend(prefix.blocks)
+        request.prefix_block_tokens = prefix.block_tokens
+    return request
+
+
+def chain_from_proto(m: pb.ReserveRequest) -> PrefixChain | None:
+    if not m.prefix_blocks:
+        return None
+    return PrefixChain(tuple(m.prefix_blocks), m.prefix_block_tokens)
+
+
+def headroom_from_proto(m: pb.NodeHeadroom, previous: PrefixSummary = NO_PREFIXES) -> NodeHeadroom:
     try:
         source = CapacitySource(m.capacity_source)
     except ValueError:
@@ -94,6 +140,7 @@ def headroom_from_proto(m: pb.NodeHeadroom) -> NodeHeadroom:
         usage_source=usage,
         unreserved_tokens=m.unreserved_tokens if m.HasField("unreserved_tokens") else None,
         engine_sample_age_ms=m.engine_sample_age_ms if m.HasField("engine_sample_age_ms") else None,
+        prefix=prefix_from_proto(m.prefix, previous) if m.HasField("prefix") else NO_PREFIXES,
     )
 
 

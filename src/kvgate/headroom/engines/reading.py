@@ -42,6 +42,11 @@ class EngineReading:
     # While requests run, the engine refreshes its figures at least this often (its own promise):
     # figures frozen for longer mean its scheduler stopped, whatever the page's HTTP server says.
     busy_refresh_s: float | None
+    # Prefix cache: tokens looked up and found, summed over engines (vLLM's counters), or the hit rate
+    # of the latest prefill batch (SGLang's gauge). None where the page has none.
+    prefix_queries_total: int | None = None
+    prefix_hits_total: int | None = None
+    cache_hit_rate: float | None = None
 
     @property
     def kv_usage(self) -> float | None:

@@ -28,6 +28,10 @@ Rules, from SGLang's source (sgl-project/sglang v0.5.23 unless said otherwise):
 - `num_used_tokens` counts the tokens running requests hold; radix-cache tokens that can be evicted
   are not in it (metrics_collector.py, SchedulerStats). Requests retracted when the pool runs out
   during decode are counted by `sglang:num_retracted_requests_total`.
+- `sglang:cache_hit_rate` is the prefix-cache hit rate of the latest prefill batch (cached tokens over
+  cached + new), written with the other per-step gauges; the periodic decode write sets it to 0
+  (python/sglang/srt/managers/scheduler_components/metrics_reporter.py @00df707,
+  report_prefill_stats and report_decode_stats; the gauge: metrics_collector.py @016d860).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ USED = "sglang:num_used_tokens"
 RUNNING = "sglang:num_running_reqs"
 WAITING = "sglang:num_queue_reqs"
 RETRACTIONS = "sglang:num_retracted_requests_total"
+HIT_RATE = "sglang:cache_hit_rate"
 # While requests run, a write every 40 decode batches: 30 s allows 0.75 s per batch, and is the bound
 # SGLang keeps even when idle.
 BUSY_REFRESH_S = 30.0
@@ -60,6 +65,9 @@ def read(text: str) -> EngineReading | None:
     running = _per_pool(promtext.samples(text, RUNNING), RUNNING, max)
     waiting = _per_pool(promtext.samples(text, WAITING), WAITING, max)
     retracted = _per_pool(promtext.samples(text, RETRACTIONS), RETRACTIONS, max)
+    # One pool's new hits are what the audit looks for: the highest rate of any pool.
+    rates = [promtext.finite(s, HIT_RATE) for s in promtext.samples(text, HIT_RATE)]
+    hit_rate = max(rates) if rates else None
     found = capacity_samples + used_samples
     pools = sorted({promtext.label(s, "dp_rank") or "" for s in found}, key=_rank)
     engines = tuple(_describe(pool, found) for pool in pools)
@@ -80,6 +88,7 @@ def read(text: str) -> EngineReading | None:
             engines,
             rule,
             BUSY_REFRESH_S,
+            cache_hit_rate=hit_rate,
         )
     state = PageState.READY if all(pool in used for pool in pools) else PageState.IDLE
     per_pool = sorted({capacity[p] for p in pools})
@@ -97,6 +106,7 @@ def read(text: str) -> EngineReading | None:
         engines,
         rule,
         BUSY_REFRESH_S,
+        cache_hit_rate=hit_rate,
     )
 
 

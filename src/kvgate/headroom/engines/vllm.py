@@ -25,6 +25,10 @@ Rules, from vLLM's source (vllm-project/vllm v0.33.0, commit 4ba787ec9, unless s
   `vllm:num_preemptions`).
 - Every gauge is set from the scheduler's stats of each engine step (loggers.py,
   PrometheusStatLogger.record): while requests run, usage moves every few steps.
+- The prefix cache counts tokens per engine: `vllm:prefix_cache_queries` (prompt tokens looked up) and
+  `vllm:prefix_cache_hits` (tokens found), counters, so `_total` on the page; before 0.10 also as
+  `vllm:gpu_prefix_cache_queries` / `_hits` (loggers.py @005a810, PrometheusStatLogger.__init__ and
+  record: "Deprecated in 0.9 - Renamed as vllm:prefix_cache_queries").
 """
 
 from __future__ import annotations
@@ -40,6 +44,10 @@ CACHE_INFO = "vllm:cache_config_info"
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 PREEMPTIONS = "vllm:num_preemptions_total"
+PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
+PREFIX_QUERIES_BEFORE_0_10 = "vllm:gpu_prefix_cache_queries_total"
+PREFIX_HITS_BEFORE_0_10 = "vllm:gpu_prefix_cache_hits_total"
 # vLLM writes every step, but usage only moves when a request takes a new block (every block_size
 # decode steps): 30 s without any change while requests run allows below one token per second.
 BUSY_REFRESH_S = 30.0
@@ -56,10 +64,23 @@ def read(text: str) -> EngineReading | None:
     running = _sum(promtext.samples(text, RUNNING), RUNNING)
     waiting = _sum(promtext.samples(text, WAITING), WAITING)
     preemptions = _sum(promtext.samples(text, PREEMPTIONS), PREEMPTIONS)
+    queries = _counter(text, PREFIX_QUERIES, PREFIX_QUERIES_BEFORE_0_10)
+    hits = _counter(text, PREFIX_HITS, PREFIX_HITS_BEFORE_0_10)
     if per_engine is None:
         state = PageState.NOT_READY
         return EngineReading(
-            EngineKind.VLLM, state, None, None, running, waiting, preemptions, engines, rule, BUSY_REFRESH_S
+            EngineKind.VLLM,
+            state,
+            None,
+            None,
+            running,
+            waiting,
+            preemptions,
+            engines,
+            rule,
+            BUSY_REFRESH_S,
+            queries,
+            hits,
         )
     used = sum(round(fraction * per_engine) for fraction in fractions.values())
     return EngineReading(
@@ -73,6 +94,8 @@ def read(text: str) -> EngineReading | None:
         engines,
         f"{rule} x {len(fractions)} engine{'s' if len(fractions) > 1 else ''}",
         BUSY_REFRESH_S,
+        queries,
+        hits,
     )
 
 
@@ -111,6 +134,11 @@ def _engine(sample: Sample) -> str:
 
 def _rank(engine: str) -> tuple[int, str]:
     return (int(engine), "") if engine.isdigit() else (-1, engine)
+
+
+def _counter(text: str, name: str, before_0_10: str) -> int | None:
+    found = promtext.samples(text, name)
+    return _sum(found, name) if found else _sum(promtext.samples(text, before_0_10), before_0_10)
 
 
 def _sum(found: list[Sample], name: str) -> int | None:

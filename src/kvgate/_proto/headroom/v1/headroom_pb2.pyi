@@ -36,7 +36,7 @@ class GpuInfo(_message.Message):
     def __init__(self, uuid: _Optional[str] = ..., index: _Optional[int] = ..., name: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., healthy: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class NodeHeadroom(_message.Message):
-    __slots__ = ("node", "endpoint", "seq", "sample_time_unix_ns", "capacity_tokens", "safety_ratio", "used_tokens", "reserved_tokens", "reservations", "headroom_tokens", "healthy", "reason", "capacity_source", "kv_usage", "running", "waiting", "preemptions_total", "gpus", "period_ms", "engine_kind", "engines", "capacity_rule", "usage_source", "unreserved_tokens", "engine_sample_age_ms")
+    __slots__ = ("node", "endpoint", "seq", "sample_time_unix_ns", "capacity_tokens", "safety_ratio", "used_tokens", "reserved_tokens", "reservations", "headroom_tokens", "healthy", "reason", "capacity_source", "kv_usage", "running", "waiting", "preemptions_total", "gpus", "period_ms", "engine_kind", "engines", "capacity_rule", "usage_source", "unreserved_tokens", "engine_sample_age_ms", "prefix")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class NodeHeadroom(_message.Message):
     USAGE_SOURCE_FIELD_NUMBER: _ClassVar[int]
     UNRESERVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_SAMPLE_AGE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
     node: str
     endpoint: str
     seq: int
@@ -87,33 +88,56 @@ class NodeHeadroom(_message.Message):
     usage_source: str
     unreserved_tokens: int
     engine_sample_age_ms: int
-    def __init__(self, node: _Optional[str] = ..., endpoint: _Optional[str] = ..., seq: _Optional[int] = ..., sample_time_unix_ns: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., safety_ratio: _Optional[float] = ..., used_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., reservations: _Optional[int] = ..., headroom_tokens: _Optional[int] = ..., healthy: _Optional[bool] = ..., reason: _Optional[str] = ..., capacity_source: _Optional[str] = ..., kv_usage: _Optional[float] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., period_ms: _Optional[int] = ..., engine_kind: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., capacity_rule: _Optional[str] = ..., usage_source: _Optional[str] = ..., unreserved_tokens: _Optional[int] = ..., engine_sample_age_ms: _Optional[int] = ...) -> None: ...
+    prefix: PrefixSummary
+    def __init__(self, node: _Optional[str] = ..., endpoint: _Optional[str] = ..., seq: _Optional[int] = ..., sample_time_unix_ns: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., safety_ratio: _Optional[float] = ..., used_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., reservations: _Optional[int] = ..., headroom_tokens: _Optional[int] = ..., healthy: _Optional[bool] = ..., reason: _Optional[str] = ..., capacity_source: _Optional[str] = ..., kv_usage: _Optional[float] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., period_ms: _Optional[int] = ..., engine_kind: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., capacity_rule: _Optional[str] = ..., usage_source: _Optional[str] = ..., unreserved_tokens: _Optional[int] = ..., engine_sample_age_ms: _Optional[int] = ..., prefix: _Optional[_Union[PrefixSummary, _Mapping]] = ...) -> None: ...
+
+class PrefixSummary(_message.Message):
+    __slots__ = ("blocks", "indexed_tokens", "saved_tokens", "generation")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    INDEXED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedScalarFieldContainer[int]
+    indexed_tokens: int
+    saved_tokens: int
+    generation: int
+    def __init__(self, blocks: _Optional[_Iterable[int]] = ..., indexed_tokens: _Optional[int] = ..., saved_tokens: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "tokens", "lease_s", "holder")
+    __slots__ = ("request_id", "tokens", "lease_s", "holder", "prefix_blocks", "prefix_block_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     HOLDER_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tokens: int
     lease_s: float
     holder: str
-    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[int] = ..., lease_s: _Optional[float] = ..., holder: _Optional[str] = ...) -> None: ...
+    prefix_blocks: _containers.RepeatedScalarFieldContainer[int]
+    prefix_block_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[int] = ..., lease_s: _Optional[float] = ..., holder: _Optional[str] = ..., prefix_blocks: _Optional[_Iterable[int]] = ..., prefix_block_tokens: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("granted", "reason", "headroom_tokens", "reserved_tokens", "lease_s")
+    __slots__ = ("granted", "reason", "headroom_tokens", "reserved_tokens", "lease_s", "charged_tokens", "cached_tokens", "reservations")
     GRANTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     HEADROOM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESERVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    CHARGED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
     granted: bool
     reason: str
     headroom_tokens: int
     reserved_tokens: int
     lease_s: float
-    def __init__(self, granted: _Optional[bool] = ..., reason: _Optional[str] = ..., headroom_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    charged_tokens: int
+    cached_tokens: int
+    reservations: int
+    def __init__(self, granted: _Optional[bool] = ..., reason: _Optional[str] = ..., headroom_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., lease_s: _Optional[float] = ..., charged_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., reservations: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)
