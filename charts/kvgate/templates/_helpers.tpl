@@ -38,7 +38,7 @@
 {{/* The pods an agent pool's headless Service selects: its DaemonSet's, or the simulated nodes' (an agent beside each sim). */}}
 {{- define "kvgate.agent.component" -}}
 {{- $root := index . 0 -}}
-{{- printf "%s-%s" (ternary "sim" "agent" (and $root.Values.simulator.enabled true)) (index . 1) -}}
+{{- printf "%s-%s" (ternary "sim" "agent" $root.Values.simulator.enabled) (index . 1) -}}
 {{- end -}}
 
 {{- define "kvgate.labels" -}}
