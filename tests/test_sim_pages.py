@@ -92,7 +92,7 @@ def test_sglang_page_is_a_multiprocess_page_written_on_sglangs_cadence() -> None
     engine.add("a", 100, 50)
     step = engine.schedule()
     engine.complete(step)
-    page.stepped(0, step.prefill_tokens, engine.stats())
+    page.stepped(0, step, engine.stats())
     after_prefill = read_engine_page(page.render([engine.stats()]))
     assert (after_prefill.used_tokens, after_prefill.running) == (100, 1)
 
@@ -100,7 +100,7 @@ def test_sglang_page_is_a_multiprocess_page_written_on_sglangs_cadence() -> None
         step = engine.schedule()
         engine.complete(step)
         assert step.prefill_tokens == 0
-        page.stepped(0, step.prefill_tokens, engine.stats())
+        page.stepped(0, step, engine.stats())
 
     for _ in range(39):  # decode batches 1..39: nothing written
         decode()

@@ -46,8 +46,9 @@ def run(case: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(asyncio.wait_for(case(), timeout=20))
 
 
-def chat(tokens: int, max_tokens: int, stream: bool = False, **extra: Any) -> dict[str, Any]:
-    content = make_prompt(tokens, random.Random(tokens))
+def chat(tokens: int, max_tokens: int, stream: bool = False, seed: int = 0, **extra: Any) -> dict[str, Any]:
+    """A chat request of `tokens` prompt tokens; prompts of different seeds share no prefix block."""
+    content = make_prompt(tokens, random.Random(f"{tokens}/{seed}"))
     return {
         "model": "m",
         "messages": [{"role": "user", "content": content}],
@@ -178,7 +179,9 @@ def test_preempt_mode_finishes_every_request_and_counts_preemptions() -> None:
     async def case() -> None:
         settings = {"kv_capacity_tokens": 1024, "max_model_len": 1024, "on_exhaustion": "preempt"}
         async with serving(**settings) as url, aiohttp.ClientSession() as s:
-            outcomes = await asyncio.gather(*(stream_outcome(s, url, chat(300, 200, True)) for _ in range(3)))
+            outcomes = await asyncio.gather(
+                *(stream_outcome(s, url, chat(300, 200, True, i)) for i in range(3))
+            )
             async with s.get(f"{url}/metrics") as r:
                 text = await r.text()
         assert outcomes == ["ok", "ok", "ok"]
@@ -197,7 +200,9 @@ def test_crash_fails_in_flight_streams_and_cuts_connections_until_restart() -> N
             "restart_s": 0.5,
         }
         async with serving(**settings) as url, aiohttp.ClientSession() as s:
-            outcomes = await asyncio.gather(*(stream_outcome(s, url, chat(300, 200, True)) for _ in range(3)))
+            outcomes = await asyncio.gather(
+                *(stream_outcome(s, url, chat(300, 200, True, i)) for i in range(3))
+            )
             assert set(outcomes) <= {"truncated", "failed"}
             for path in ("/health", "/metrics"):
                 with pytest.raises(aiohttp.ClientError):

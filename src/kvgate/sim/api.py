@@ -4,7 +4,8 @@ Requests are read into a `CompletionRequest`; a request vLLM would refuse raises
 with the status and message vLLM uses, and `error_body` renders it as vLLM's error JSON.
 Prompt tokens are counted per text part and summed, by the counter the server is given: a real
 tokenizer (`kvgate sim --tokenizer`) or `kvgate.sim.tokens`' ceil(UTF-8 bytes / 4); image parts are
-not charged; a completions prompt given as token ids counts one token per id.
+not charged; a completions prompt given as token ids counts one token per id. The parts are kept, in
+order with their message's role, for the prefix cache's block hashes (kvgate.sim.blocks).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from kvgate.sim.tokens import count_text_tokens
 
 Api = Literal["chat", "completion"]
 TokenCount = Callable[[str], int]
+Part = tuple[str, str, int]  # (role or "prompt", text, tokens)
 
 # vLLM's completions endpoint generates 16 tokens when max_tokens is absent, like OpenAI's.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -31,6 +33,7 @@ class CompletionRequest:
     max_tokens: int | None
     stream: bool
     include_usage: bool
+    parts: tuple[Part, ...] = ()
 
 
 class EngineError(KvgateError):
@@ -60,12 +63,12 @@ def parse_request(api: Api, body: object, count: TokenCount = count_text_tokens)
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string")
     if api == "chat":
-        prompt_tokens = _chat_prompt_tokens(body.get("messages"), count)
+        parts = _chat_parts(body.get("messages"), count)
         max_tokens = _positive_int(body, "max_completion_tokens")
         if max_tokens is None:
             max_tokens = _positive_int(body, "max_tokens")
     else:
-        prompt_tokens = _completion_prompt_tokens(body.get("prompt"), count)
+        parts = (_completion_part(body.get("prompt"), count),)
         max_tokens = _positive_int(body, "max_tokens")
         if max_tokens is None:
             max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -74,7 +77,8 @@ def parse_request(api: Api, body: object, count: TokenCount = count_text_tokens)
         raise bad_request("'stream' must be true or false")
     options = body.get("stream_options") or {}
     include_usage = isinstance(options, dict) and options.get("include_usage") is True
-    return CompletionRequest(api, model, prompt_tokens, max_tokens, stream, include_usage)
+    prompt_tokens = max(sum(tokens for _, _, tokens in parts), 1)
+    return CompletionRequest(api, model, prompt_tokens, max_tokens, stream, include_usage, parts)
 
 
 def check_context(request: CompletionRequest, max_model_len: int) -> None:
@@ -106,16 +110,17 @@ def _positive_int(body: dict[str, Any], key: str) -> int | None:
     return value
 
 
-def _chat_prompt_tokens(messages: object, count: TokenCount) -> int:
+def _chat_parts(messages: object, count: TokenCount) -> tuple[Part, ...]:
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list")
-    total = 0
+    parts: list[Part] = []
     for message in messages:
         if not isinstance(message, dict):
             raise bad_request("each message must be an object")
+        role = str(message.get("role", ""))
         content = message.get("content")
         if isinstance(content, str):
-            total += count(content)
+            parts.append((role, content, count(content)))
         elif isinstance(content, list):
             for part in content:
                 if (
@@ -123,23 +128,23 @@ def _chat_prompt_tokens(messages: object, count: TokenCount) -> int:
                     and part.get("type") == "text"
                     and isinstance(part.get("text"), str)
                 ):
-                    total += count(part["text"])
+                    parts.append((role, part["text"], count(part["text"])))
         elif content is not None:
             raise bad_request("a message's 'content' must be a string or a list of parts")
-    return max(total, 1)
+    return tuple(parts)
 
 
-def _completion_prompt_tokens(prompt: object, count: TokenCount) -> int:
+def _completion_part(prompt: object, count: TokenCount) -> Part:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return max(count(prompt), 1)
+        return ("prompt", prompt, max(count(prompt), 1))
     if (
         isinstance(prompt, list)
         and prompt
         and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     ):
-        return len(prompt)
+        return ("prompt", ",".join(map(str, prompt)), len(prompt))
     raise bad_request("'prompt' must be a string, a list of one string, or a list of token ids")
 
 

@@ -30,7 +30,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "vLLM V1's preemption or a CUDA-OOM crash that fails every in-flight request and keeps the node "
             "down for --restart-s. /metrics is rendered by prometheus_client as vLLM or SGLang (--engine) "
             "render theirs, with their labels for data-parallel engines and TP/PP ranks. Prompt tokens are "
-            "counted with --tokenizer, else as ceil(UTF-8 bytes / 4) of the text parts."
+            "counted with --tokenizer, else as ceil(UTF-8 bytes / 4) of the text parts. Automatic prefix "
+            "caching as vLLM's: full prompt blocks cached under chained hashes, shared by every request "
+            "with that prefix, free ones evicted least recently used first; cached tokens skip prefill."
         ),
     )
     parser.add_argument("--listen", required=True, metavar="HOST:PORT", help="address to serve on")
@@ -108,6 +110,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="S",
         help="seconds a crashed node refuses connections (default 10)",
     )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="cache prompt blocks and reuse them across requests, as vLLM does by default (default on)",
+    )
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="seed for output lengths and text")
     parser.add_argument("--block-size", type=int, default=16, metavar="N", help="KV block size in tokens")
     parser.add_argument(
@@ -149,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
         on_exhaustion=args.on_exhaustion,
         restart_s=args.restart_s,
         seed=args.seed,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
     layout = Layout(args.engine, args.data_parallel, args.tensor_parallel, args.pipeline_parallel)
     count: TokenCount = count_text_tokens if args.tokenizer is None else tokenizer_counter(args.tokenizer)

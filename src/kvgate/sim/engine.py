@@ -12,12 +12,17 @@ How a step is built, as in vLLM V1:
   token of every short request behind it.
 - KV is allocated in blocks for the tokens computed in this step; a decoding sequence needs a new
   block every `block_size` tokens.
+- With prefix caching (on by default, as in vLLM), a new request first takes the longest cached
+  prefix of its prompt (kvgate.sim.blocks: shared blocks, LRU eviction of free cached ones) and
+  computes only the rest; vLLM recomputes at least the prompt's last token, so a hit never covers it
+  (vllm/v1/core/kv_cache_manager.py, get_computed_blocks @ 003df29).
 - When blocks run out, `preempt` mode frees the newest running sequence and queues it for
   recomputation (latency collapses, nothing fails); a waiting sequence just waits. `crash` mode
   models an engine without that guard, a CUDA OOM: every sequence fails and the node is down for
   `restart_s`.
 Step time: (1 + batch/`batch_knee`) / `decode_tokens_per_s` + prefill tokens / `prefill_tokens_per_s`,
-so inter-token latency grows with the batch and with prefill work sharing the step.
+so inter-token latency grows with the batch and with prefill work sharing the step; cached tokens cost
+no prefill time.
 """
 
 from __future__ import annotations
@@ -25,10 +30,11 @@ from __future__ import annotations
 import random
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from kvgate.errors import ConfigError
+from kvgate.sim.blocks import BlockPool
 
 Exhaustion = Literal["crash", "preempt"]
 
@@ -48,6 +54,7 @@ class EngineConfig:
     seed: int = 0
     # Output length when a request names no max_tokens (a real engine stops at end-of-sequence).
     default_output_tokens: tuple[int, int] = (32, 256)
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.kv_capacity_tokens < self.block_size:
@@ -80,7 +87,10 @@ class _Sequence:
     finish_reason: Literal["stop", "length"]
     output_tokens: int = 0
     computed_tokens: int = 0
-    blocks: int = 0
+    blocks: list[int] = field(default_factory=list)
+    hashes: tuple[int, ...] = ()  # of the prompt's full blocks (kvgate.sim.blocks.prompt_block_hashes)
+    registered: int = 0  # leading blocks already in the prefix cache
+    preempted: bool = False
 
     @property
     def known_tokens(self) -> int:
@@ -99,6 +109,9 @@ class Step:
     duration_s: float
     crashed: tuple[str, ...] = ()
     prefill_tokens: int = 0  # of the batch's tokens, those computed for prompts (or recomputed ones)
+    # Requests that started in this step: their prompt tokens, and those found in the prefix cache.
+    started_tokens: int = 0
+    started_hit_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +136,9 @@ class EngineStats:
     generation_tokens_total: int
     finished_total: int
     down: bool
+    # Prefix cache, as vLLM counts it: prompt tokens of new requests looked up, and those found.
+    prefix_queries_total: int = 0
+    prefix_hits_total: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -140,7 +156,7 @@ class Engine:
         self._running: list[_Sequence] = []
         self._waiting: deque[_Sequence] = deque()
         self._by_id: dict[str, _Sequence] = {}
-        self._free_blocks = config.num_gpu_blocks
+        self._pool = BlockPool(config.num_gpu_blocks, config.enable_prefix_caching)
         self._down_until = float("-inf")
         self._preemptions = 0
         self._crashes = 0
@@ -148,6 +164,8 @@ class Engine:
         self._prompt_total = 0
         self._generated_total = 0
         self._finished_total = 0
+        self._prefix_queries = 0
+        self._prefix_hits = 0
 
     def is_down(self) -> bool:
         return self._clock() < self._down_until
@@ -159,8 +177,11 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self._running or self._waiting)
 
-    def add(self, request_id: str, prompt_tokens: int, max_tokens: int | None) -> int:
-        """Queue a request the caller has validated; returns the number of tokens it will generate."""
+    def add(
+        self, request_id: str, prompt_tokens: int, max_tokens: int | None, block_hashes: tuple[int, ...] = ()
+    ) -> int:
+        """Queue a request the caller has validated; returns the number of tokens it will generate.
+        `block_hashes` key its prompt's full blocks in the prefix cache."""
         assert not self.is_down(), "a down node accepts no requests"
         assert request_id not in self._by_id, f"duplicate request id {request_id}"
         room = self.config.max_model_len - prompt_tokens
@@ -171,6 +192,7 @@ class Engine:
             target = max_tokens
         assert 1 <= target <= room and prompt_tokens >= 1, "request exceeds max-model-len"
         sequence = _Sequence(request_id, prompt_tokens, target, "stop" if max_tokens is None else "length")
+        sequence.hashes = block_hashes
         self._waiting.append(sequence)
         self._by_id[request_id] = sequence
         self._prompt_total += prompt_tokens
@@ -210,23 +232,35 @@ class Engine:
                 budget -= count
                 index += 1
         # vLLM admits no new request in a step that had to preempt.
+        started = started_hits = 0
         while (
             self._waiting and not preempted and budget > 0 and len(self._running) < self.config.max_num_seqs
         ):
             sequence = self._waiting[0]
-            count = min(sequence.known_tokens - sequence.computed_tokens, budget)
-            if not self._allocate(sequence, count):
+            hits = self._pool.cached_prefix(
+                sequence.hashes, (sequence.known_tokens - 1) // self.config.block_size
+            )
+            computed = len(hits) * self.config.block_size
+            count = min(sequence.known_tokens - computed, budget)
+            if not self._start(sequence, hits, count):
                 if self.config.on_exhaustion == "crash":
                     return self._crash()
                 break
             self._running.append(self._waiting.popleft())
             batch.append((sequence, count))
             budget -= count
+            if not sequence.preempted:
+                self._prefix_queries += sequence.known_tokens
+                self._prefix_hits += computed
+                started += sequence.known_tokens
+                started_hits += computed
         prefill = self._prefill_tokens(batch)
         return Step(
             batch=tuple((s.request_id, n) for s, n in batch),
             duration_s=self._step_seconds(batch, prefill),
             prefill_tokens=prefill,
+            started_tokens=started,
+            started_hit_tokens=started_hits,
         )
 
     def complete(self, step: Step) -> list[TokenEvent]:
@@ -253,7 +287,7 @@ class Engine:
         return EngineStats(
             running=len(self._running),
             waiting=len(self._waiting),
-            used_blocks=total - self._free_blocks,
+            used_blocks=total - self._pool.free_blocks,
             total_blocks=total,
             block_size=self.config.block_size,
             preemptions_total=self._preemptions,
@@ -263,29 +297,56 @@ class Engine:
             generation_tokens_total=self._generated_total,
             finished_total=self._finished_total,
             down=self.is_down(),
+            prefix_queries_total=self._prefix_queries,
+            prefix_hits_total=self._prefix_hits,
         )
+
+    def _start(self, sequence: _Sequence, hits: list[int], count: int) -> bool:
+        """Take the cached blocks `hits` and allocate for `count` more tokens, or change nothing."""
+        size = self.config.block_size
+        computed = len(hits) * size
+        needed = -(-(computed + count) // size) - len(hits)
+        # Cached blocks that no request holds leave the free queue: they count against it too.
+        taken = needed + self._pool.free_among(hits)
+        if taken > self._pool.free_blocks:
+            used = self.config.num_gpu_blocks - self._pool.free_blocks
+            self._peak_tokens = max(self._peak_tokens, (used + taken) * size)
+            return False
+        self._pool.touch(hits)
+        sequence.blocks = list(hits)
+        sequence.registered = len(hits)
+        sequence.computed_tokens = computed
+        allocated = self._allocate(sequence, count)
+        assert allocated, "the blocks were counted free"
+        return True
 
     def _allocate(self, sequence: _Sequence, count: int) -> bool:
         size = self.config.block_size
-        needed = -(-(sequence.computed_tokens + count) // size) - sequence.blocks
-        used = self.config.num_gpu_blocks - self._free_blocks
-        if needed > self._free_blocks:
-            self._peak_tokens = max(self._peak_tokens, (used + needed) * size)
-            return False
+        needed = -(-(sequence.computed_tokens + count) // size) - len(sequence.blocks)
+        used = self.config.num_gpu_blocks - self._pool.free_blocks
+        self._peak_tokens = max(self._peak_tokens, (used + max(needed, 0)) * size)
         if needed > 0:
-            sequence.blocks += needed
-            self._free_blocks -= needed
-            self._peak_tokens = max(self._peak_tokens, (used + needed) * size)
+            blocks = self._pool.allocate(needed)
+            if blocks is None:
+                return False
+            sequence.blocks += blocks
+        # vLLM caches a block as soon as a step is scheduled to fill it (kv_cache_manager.allocate_slots).
+        full = min(len(sequence.hashes), (sequence.computed_tokens + count) // size)
+        for index in range(sequence.registered, full):
+            self._pool.cache(sequence.blocks[index], sequence.hashes[index])
+        sequence.registered = max(sequence.registered, full)
         return True
 
     def _free(self, sequence: _Sequence) -> None:
-        self._free_blocks += sequence.blocks
-        sequence.blocks = 0
+        self._pool.free(sequence.blocks)
+        sequence.blocks = []
+        sequence.registered = 0
 
     def _preempt(self, sequence: _Sequence) -> None:
         self._running.remove(sequence)
         self._free(sequence)
         sequence.computed_tokens = 0
+        sequence.preempted = True
         self._waiting.appendleft(sequence)
         self._preemptions += 1
 
@@ -300,7 +361,7 @@ class Engine:
         self._running.clear()
         self._waiting.clear()
         self._by_id.clear()
-        self._free_blocks = self.config.num_gpu_blocks
+        self._pool.reset()
         self._crashes += 1
         self._down_until = self._clock() + self.config.restart_s
         return Step(batch=(), duration_s=0.0, crashed=failed)

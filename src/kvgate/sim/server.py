@@ -25,6 +25,7 @@ from typing import Any
 from aiohttp import web
 
 from kvgate.sim import api
+from kvgate.sim.blocks import prompt_block_hashes
 from kvgate.sim.engine import Engine, EngineConfig, TokenEvent
 from kvgate.sim.layout import Finished, Layout
 from kvgate.sim.metrics import metrics_page
@@ -129,7 +130,7 @@ class SimServer:
             for event in engine.complete(step):
                 self._account(event)
                 self._streams[event.request_id].put_nowait(event)
-            self.page.stepped(rank, step.prefill_tokens, engine.stats())
+            self.page.stepped(rank, step, engine.stats())
 
     def _account(self, event: TokenEvent) -> None:
         admitted = self._admitted[event.request_id]
@@ -187,7 +188,12 @@ class SimServer:
         rank = min(range(len(self.engines)), key=self._in_flight.__getitem__)
         self._in_flight[rank] += 1
         self._admitted[request_id] = _Admitted(rank, parsed.prompt_tokens, self._clock())
-        self.engines[rank].add(request_id, parsed.prompt_tokens, parsed.max_tokens)
+        hashes = (
+            prompt_block_hashes(parsed.parts, self.config.block_size)
+            if self.config.enable_prefix_caching
+            else ()
+        )
+        self.engines[rank].add(request_id, parsed.prompt_tokens, parsed.max_tokens, hashes)
         self._wakes[rank].set()
         words = _Words(self.config.seed, request_id)
         reply = api.Reply(parsed, request_id, int(time.time()), self.model_name)

@@ -4,7 +4,8 @@ SGLang serves its page through prometheus_client's multiprocess collector, which
 `_created` samples and no process metrics. Every scheduler (one per TP rank, PP stage and DP rank)
 writes sglang:max_total_num_tokens at start; only attention-TP rank 0 of each PP stage writes the
 per-step gauges, on SGLang's cadence (`SglangCadence`), not on every scrape (the rules and their
-sources: kvgate.headroom.engines.sglang).
+sources: kvgate.headroom.engines.sglang). Among them `sglang:cache_hit_rate`: cached over all prompt
+tokens of the requests that started in the latest prefill batch, 0 on a decode write.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from kvgate.sim.engine import EngineConfig, EngineStats
+from kvgate.sim.engine import EngineConfig, EngineStats, Step
 from kvgate.sim.layout import Finished, Layout
 from kvgate.sim.series import SimSeries
 
@@ -125,6 +126,8 @@ class SglangPage:
             gauge("sglang:num_running_reqs", "The number of running requests."),
             gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue."),
         )
+        self._hit_rate = gauge("sglang:cache_hit_rate", "The prefix cache hit rate.")
+        self._rates = [0.0] * layout.data_parallel
         self._retracted_family = Counter(
             "sglang:num_retracted_requests_total", "Total number of retracted requests.", names, registry=s
         )
@@ -186,9 +189,13 @@ class SglangPage:
         self._model_name = model_name
         self._sim = SimSeries(s, model_name, layout.data_parallel)
 
-    def stepped(self, engine: int, prefill_tokens: int, stats: EngineStats) -> None:
-        if self._cadence[engine].after_batch(prefill_tokens, self._clock()):
-            self._write(engine, stats)
+    def stepped(self, engine: int, step: Step, stats: EngineStats) -> None:
+        if not self._cadence[engine].after_batch(step.prefill_tokens, self._clock()):
+            return
+        # A prefill batch writes its own hit rate; SGLang's decode write sets 0 (report_decode_stats).
+        started = step.started_tokens
+        self._rates[engine] = step.started_hit_tokens / started if step.prefill_tokens and started else 0.0
+        self._write(engine, stats)
 
     def finished(self, done: Finished) -> None:
         values = (self._model_name, "unified", "false")
@@ -217,3 +224,4 @@ class SglangPage:
             usage.labels(*values).set(stats.kv_usage)
             running.labels(*values).set(stats.running)
             queued.labels(*values).set(stats.waiting)
+            self._hit_rate.labels(*values).set(self._rates[engine])

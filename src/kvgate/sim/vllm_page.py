@@ -3,7 +3,9 @@
 A single front-end: prometheus_client's default collectors (process, platform, GC) and vLLM's
 families, counters with their `_created` samples, one series per engine core (label `engine`), and
 `vllm:cache_config_info` once per engine with num_gpu_blocks summed over them and
-kv_cache_size_tokens of one engine (the rules and their sources: kvgate.headroom.engines.vllm).
+kv_cache_size_tokens of one engine (the rules and their sources: kvgate.headroom.engines.vllm), and
+the prefix cache's counters `vllm:prefix_cache_queries` / `vllm:prefix_cache_hits` (tokens, per engine;
+vllm/v1/metrics/loggers.py @ 005a810, PrometheusStatLogger).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from kvgate.sim.engine import EngineConfig, EngineStats
+from kvgate.sim.engine import EngineConfig, EngineStats, Step
 from kvgate.sim.layout import Finished, Layout
 from kvgate.sim.series import Deltas, SimSeries
 
@@ -77,6 +79,12 @@ class VllmPage:
         )
         self._prompt = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self._generation = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self._prefix_queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self._prefix_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
         success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -109,7 +117,7 @@ class VllmPage:
         cache = {
             "block_size": str(config.block_size),
             "cache_dtype": "auto",
-            "enable_prefix_caching": "True",
+            "enable_prefix_caching": str(config.enable_prefix_caching),
             "gpu_memory_utilization": "0.9",
             "is_attention_free": "False",
             "kv_cache_max_concurrency": str(engine_tokens / config.max_model_len),
@@ -133,7 +141,7 @@ class VllmPage:
         self._sim = SimSeries(r, model_name, engines)
         self._deltas = Deltas()
 
-    def stepped(self, engine: int, prefill_tokens: int, stats: EngineStats) -> None:
+    def stepped(self, engine: int, step: Step, stats: EngineStats) -> None:
         """vLLM sets its gauges from every step's stats: rendering reads the engine directly."""
 
     def finished(self, done: Finished) -> None:
@@ -151,5 +159,7 @@ class VllmPage:
             self._deltas.step(self._preemptions[i], "preemptions", i, s.preemptions_total)
             self._deltas.step(self._prompt[i], "prompt", i, s.prompt_tokens_total)
             self._deltas.step(self._generation[i], "generation", i, s.generation_tokens_total)
+            self._deltas.step(self._prefix_queries[i], "prefix_queries", i, s.prefix_queries_total)
+            self._deltas.step(self._prefix_hits[i], "prefix_hits", i, s.prefix_hits_total)
         self._sim.update(stats)
         return generate_latest(self.registry).decode()
