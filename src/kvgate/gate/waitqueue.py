@@ -48,6 +48,8 @@ class WaitQueue:
     async def wait_change(self, timeout_s: float) -> None:
         event = self._changed
         try:
-            await asyncio.wait_for(event.wait(), timeout_s)
+            # Not asyncio.wait_for: on Python 3.11 it can swallow a cancel that meets a set event.
+            async with asyncio.timeout(timeout_s):
+                await event.wait()
         except TimeoutError:
             return

@@ -171,7 +171,9 @@ class FakeHeadroom:
 
     async def wait_update(self, timeout_s: float) -> bool:
         try:
-            await asyncio.wait_for(self._update.wait(), timeout_s)
+            # Not asyncio.wait_for: on Python 3.11 it can swallow a cancel that meets a set event.
+            async with asyncio.timeout(timeout_s):
+                await self._update.wait()
         except TimeoutError:
             return False
         return True

@@ -110,7 +110,9 @@ class HeadroomView:
         """Wait until any agent sends a message; False when `timeout_s` passed first."""
         event = self._update
         try:
-            await asyncio.wait_for(event.wait(), timeout_s)
+            # Not asyncio.wait_for: on Python 3.11 it can swallow a cancel that meets a set event.
+            async with asyncio.timeout(timeout_s):
+                await event.wait()
         except TimeoutError:
             return False
         return True
