@@ -10,10 +10,11 @@ import pytest
 from kvgate.config import parse_config
 from kvgate.errors import ConfigError
 from kvgate.headroom.snapshot import CapacitySource, NodeHeadroom, NodeView
+from kvgate.policy.decision import Reason
 from kvgate.queue.app import prefers_async
 from kvgate.queue.metrics import TENANT_LABELS, tenant_series
 from kvgate.queue.placement import Fit, fit
-from kvgate.queue.refusals import QueueReason, QueueRefusals
+from kvgate.queue.refusals import QueueRefusals
 from kvgate.queue.settings import QueueSettings
 from kvgate.request.shape import Api
 
@@ -72,11 +73,11 @@ def test_queue_refusals_have_the_gates_shape_and_follow_its_settings() -> None:
     headers = dict(timeout.headers)
     assert (timeout.status, headers["retry-after"], headers["x-kvgate-reason"]) == (429, "9", "hold_timeout")
     assert json.loads(timeout.body)["error"]["type"] == "rate_limit_error"
-    big = refusals.queue(QueueReason.EXCEEDS_NODE_CAPACITY, "too big", Api.ANTHROPIC_MESSAGES)
+    big = refusals.queue(Reason.EXCEEDS_NODE_CAPACITY, "too big", Api.ANTHROPIC_MESSAGES)
     assert big.status == 400 and "retry-after" not in dict(big.headers)
     assert json.loads(big.body) == {
         "type": "error",
-        "error": {"type": "request_too_large", "message": "too big"},
+        "error": {"type": "invalid_request_error", "message": "too big"},
     }
     full = refusals.queue_full("it is", 5000)
     assert full.status == 429 and dict(full.headers)["retry-after"] == "9"

@@ -31,6 +31,13 @@ class Reason(enum.StrEnum):
     QUEUE_FULL = "queue_full"
     NO_CAPACITY = "no_capacity"
     NO_HEALTHY_NODE = "no_healthy_node"
+    # Refusals only the async queue (`kvgate queue`) makes.
+    HOLD_TIMEOUT = "hold_timeout"
+    EXCEEDS_NODE_CAPACITY = "exceeds_node_capacity"
+    STORE_UNAVAILABLE = "store_unavailable"
+    NOT_FOUND = "not_found"
+    JOB_CANCELLED = "job_cancelled"
+    ENGINE_FAILED = "engine_failed"
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,6 +62,16 @@ RULES: Mapping[Reason, RefusalRule] = MappingProxyType({
     Reason.QUEUE_FULL:           RefusalRule(429, "no_capacity",                  _RATE, _RATE, _C),
     Reason.NO_CAPACITY:          RefusalRule(429, "no_capacity",                  _RATE, _RATE, _C),
     Reason.NO_HEALTHY_NODE:      RefusalRule(503, "no_healthy_node",       "server_error", _OVERLOADED, _C),
+    # The queue's own. Held past queue.max_hold_s: the job is cancelled; the pools are full.
+    Reason.HOLD_TIMEOUT:         RefusalRule(429, "queue_timeout",                _RATE, _RATE, _C),
+    # Bigger than any node admits even idle (its status follows refusals.too_long_status too).
+    Reason.EXCEEDS_NODE_CAPACITY: RefusalRule(413, "exceeds_node_capacity",       _INVALID, _TOO_LARGE, _N),
+    Reason.STORE_UNAVAILABLE:    RefusalRule(503, "queue_unavailable",     "server_error", _OVERLOADED, _S),
+    Reason.NOT_FOUND:            RefusalRule(404, "not_found",   "not_found_error", "not_found_error", _N),
+    # A held request whose job was cancelled (DELETE /v1/kvgate/jobs/{id}, or its batch's cancel).
+    Reason.JOB_CANCELLED:        RefusalRule(409, "job_cancelled",                _INVALID, _INVALID, _N),
+    # The engine dropped the job on its last allowed attempt.
+    Reason.ENGINE_FAILED:        RefusalRule(502, "engine_failed",         "server_error", "api_error", _S),
 })
 # fmt: on
 

@@ -34,7 +34,7 @@ from kvgate.queue.intake import Assessed, Intake
 from kvgate.queue.jobs import Job, JobError, JobRequest, JobState, NewJob, describe, new_id
 from kvgate.queue.live import LiveRun, LiveRuns, Signals
 from kvgate.queue.metrics import QueueMetrics
-from kvgate.queue.refusals import QUEUE_RULES, QueueReason, QueueRefusals
+from kvgate.queue.refusals import QueueRefusals
 from kvgate.queue.runner import JOB_ID_HEADER
 from kvgate.queue.store import Limits, QueueFull
 from kvgate.request import Api, api_for_path
@@ -127,7 +127,7 @@ class JobsApp:
         if placement.fit(nodes, assessed.tokens) is placement.Fit.TOO_BIG:
             error = placement.too_big_error(nodes, assessed.tokens)
             return self._refused(
-                contract, self._refusals.queue(QueueReason.EXCEEDS_NODE_CAPACITY, error.message, api)
+                contract, self._refusals.queue(Reason.EXCEEDS_NODE_CAPACITY, error.message, api)
             )
         try:
             added = await self._store.add(self._new_job(request, assessed), self._limits)
@@ -262,7 +262,7 @@ class JobsApp:
             if live.error is not None:
                 # Cut mid-stream: an error event, which the openai SDK raises as APIError
                 # (openai 3.57.0, _streaming.py: a data line whose JSON has "error").
-                rule = QUEUE_RULES[QueueReason.ENGINE_FAILED]
+                rule = self._refusals.rule(Reason.ENGINE_FAILED)
                 await response.write(b"data: " + error_body(rule, live.error.message, None) + b"\n\n")
             await response.write_eof()
         except ConnectionResetError:
@@ -292,13 +292,13 @@ class JobsApp:
         error = job.error or JobError(job.state.value, f"The job ended {job.state.value}.")
         if job.state is JobState.CANCELLED and error.code == HOLD_TIMEOUT:
             return respond(self._refusals.hold_timeout(self._settings.max_hold_s, api), job.id)
-        reason = _REASONS.get(error.code, QueueReason.JOB_CANCELLED)
+        reason = _REASONS.get(error.code, Reason.JOB_CANCELLED)
         return respond(self._refusals.queue(reason, error.message, api), job.id)
 
 
-_REASONS: Mapping[str, QueueReason] = {
-    "exceeds_node_capacity": QueueReason.EXCEEDS_NODE_CAPACITY,
-    "engine_failed": QueueReason.ENGINE_FAILED,
+_REASONS: Mapping[str, Reason] = {
+    "exceeds_node_capacity": Reason.EXCEEDS_NODE_CAPACITY,
+    "engine_failed": Reason.ENGINE_FAILED,
 }
 
 
