@@ -107,13 +107,8 @@ class Refusals:
     def __init__(self, too_long_status: int = 413, capacity_retry_after_s: float = 2.0) -> None:
         rules = dict(RULES)
         if too_long_status != 413:
-            rules[Reason.TOO_LONG] = RefusalRule(
-                too_long_status,
-                "context_length_exceeded",
-                "invalid_request_error",
-                "invalid_request_error",
-                _N,
-            )
+            for reason in (Reason.TOO_LONG, Reason.EXCEEDS_NODE_CAPACITY):
+                rules[reason] = RefusalRule(too_long_status, rules[reason].code, _INVALID, _INVALID, _N)
         self._rules = rules
         self._capacity_retry_after_s = capacity_retry_after_s
 
