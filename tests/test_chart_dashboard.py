@@ -147,12 +147,15 @@ def gate_metrics(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         render_envoy(ENVOY_YAML, tmp / "envoy.yaml", ports), tmp, ports["admin"], ports["listener"]
     )
     agents = f"{{agents: ['127.0.0.1:{agent_port}']}}"
-    config = f"headroom: {agents}\ninteractive_headroom: {agents}\n"
+    # Prefix-aware placement on, and a long prompt: the placement metrics get samples too.
+    config = f"headroom: {agents}\ninteractive_headroom: {agents}\nplacement: {{prefix_affinity: true}}\n"
     try:
         with gate_process(config, tmp, ports["gate"]) as gate:
             deadline = time.monotonic() + 10
             while True:
-                long_reply = post(ports["listener"], "/v1/chat/completions", chat("hi", max_tokens=8000))
+                long_reply = post(
+                    ports["listener"], "/v1/chat/completions", chat("lorem ipsum " * 1000, max_tokens=8000)
+                )
                 if long_reply.status == 200 or time.monotonic() > deadline:
                     break
                 time.sleep(0.2)  # the gate's first headroom message is still on its way
