@@ -39,6 +39,25 @@ IO_MODULES: dict[str, dict[str, str]] = {
         "view": "the gate's Subscribe streams, Reserve and Release",
         "wire": "protobuf conversion of the agent's messages",
     },
+    "queue": {
+        "__init__": "imports nothing, but names the package's I/O modules",
+        "database": "opens the store (SQLite file or PostgreSQL server)",
+        "sqlite_db": "SQLite on a thread",
+        "postgres_db": "PostgreSQL over psycopg",
+        "store": "jobs in the store",
+        "batchstore": "files and batches in the store",
+        "engines": "calls engines over HTTP",
+        "runner": "runs a job on a node: Reserve, the engine call, Release",
+        "dispatcher": "waits on agents and the store, dispatches",
+        "live": "relays a running job to held clients (asyncio)",
+        "app": "the queue's HTTP server",
+        "batch_http": "the Batch API over HTTP",
+        "intake": "builds estimators (worker processes)",
+        "settle": "settles batches in the store",
+        "metrics": "reads the store's figures for the metrics endpoint",
+        "service": "wires the queue together",
+        "cli": "`kvgate queue`",
+    },
     "sim": {
         "__main__": "`python -m kvgate.sim`",
         "cli": "`kvgate sim`",
@@ -60,10 +79,8 @@ FORBIDDEN = (
     "concurrent",
     "http",
     "urllib",
-    "kvgate._proto",
-    "kvgate.gate",
-    "kvgate.harness",
-    "kvgate.queue",
+    "psycopg",
+    "sqlite3",
 )
 
 

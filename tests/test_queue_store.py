@@ -17,7 +17,8 @@ from typing import TypeVar
 import pytest
 from postgres import PostgresServer, postgres_server
 
-from kvgate.queue.database import StoreError, open_database
+from kvgate.errors import StoreError
+from kvgate.queue.database import open_database
 from kvgate.queue.jobs import JobError, JobRequest, JobResult, JobState, NewJob, new_id
 from kvgate.queue.store import CANCEL, DONE, NEW, JobStore, Limits, QueueFull
 

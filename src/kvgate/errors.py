@@ -6,7 +6,8 @@
     │   ├── InvalidRequestError       not JSON, not UTF-8, a missing or mistyped field, too deep
     │   ├── BodyTooLargeError         the body, or what it inflates to, is past the configured limit
     │   └── UnsupportedEncodingError  a Content-Encoding the gate cannot undo
-    └── HeadroomError               talking to an agent failed (the gate treats the node as unknown)
+    ├── HeadroomError               talking to an agent failed (the gate treats the node as unknown)
+    └── StoreError                  the async queue's store could not be read or written
 
 Running out of capacity is not an exception: it is a refusal returned by the policy. So is the
 gateway's own overload (its token counter or body readers busy), which is not the client's fault.
@@ -46,3 +47,7 @@ class UnsupportedEncodingError(RequestError):
 
 class HeadroomError(KvgateError):
     """An agent could not be reached or answered something unusable."""
+
+
+class StoreError(KvgateError):
+    """The queue's store could not be read or written (unreachable, locked, corrupt)."""

@@ -17,6 +17,9 @@ ENDPOINT_HEADER = "x-kvgate-endpoint"
 # The headers the gate itself decides; a client's header of the same name is overwritten, never trusted.
 ROUTING_HEADERS = (POOL_HEADER, ENDPOINT_HEADER, TOKENS_HEADER, REASON_HEADER)
 
+# Set by the async queue on its answers: the job a request became (GET /v1/kvgate/jobs/{id}).
+JOB_ID_HEADER = "x-kvgate-job-id"
+
 # A client's own hints (read, never set, by the gate): its priority, and RFC 7240 preferences.
 PRIORITY_HEADER = "x-kvgate-priority"
 PREFER_HEADER = "prefer"

@@ -23,19 +23,18 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from kvgate.config import Config
+from kvgate.errors import StoreError
 from kvgate.headroom.snapshot import NodeView
-from kvgate.names import TOKENS_HEADER
+from kvgate.names import JOB_ID_HEADER, TOKENS_HEADER
 from kvgate.policy import Reason, Refusal
 from kvgate.policy.refusals import HttpAnswer, error_body
 from kvgate.policy.route import read_prefer
 from kvgate.queue import placement
-from kvgate.queue.database import StoreError
 from kvgate.queue.intake import Assessed, Intake
 from kvgate.queue.jobs import Job, JobError, JobRequest, JobState, NewJob, describe, new_id
 from kvgate.queue.live import LiveRun, LiveRuns, Signals
 from kvgate.queue.metrics import QueueMetrics
 from kvgate.queue.refusals import QueueRefusals
-from kvgate.queue.runner import JOB_ID_HEADER
 from kvgate.queue.store import Limits, QueueFull
 from kvgate.request import Api, api_for_path
 

@@ -23,6 +23,7 @@ from typing import Any
 from aiohttp import BodyPartReader, web
 
 from kvgate.config import Config
+from kvgate.errors import StoreError
 from kvgate.headroom.snapshot import NodeView
 from kvgate.policy import Refusal
 from kvgate.queue import placement
@@ -40,7 +41,6 @@ from kvgate.queue.batches import (
 )
 from kvgate.queue.batchfile import BatchLine, read_lines
 from kvgate.queue.batchstore import BatchStore
-from kvgate.queue.database import StoreError
 from kvgate.queue.intake import Intake
 from kvgate.queue.jobs import JobError, JobRequest, NewJob, new_id
 from kvgate.queue.metrics import QueueMetrics

@@ -85,7 +85,7 @@ async def _serve(
 ) -> int:
     from aiohttp import web
 
-    from kvgate.queue.database import StoreError
+    from kvgate.errors import StoreError
     from kvgate.queue.service import QueueService
     from kvgate.telemetry import start_prometheus
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
 
-from kvgate.errors import ConfigError, KvgateError
+from kvgate.errors import ConfigError
 
 Row = tuple[Any, ...]
 Listener = Callable[[str], None]
@@ -22,10 +22,6 @@ Listener = Callable[[str], None]
 # Events the stores announce (PostgreSQL: NOTIFY on this channel, delivered at commit).
 CHANNEL = "kvgate_queue"
 RESYNC = "resync"  # notifications may have been missed (the listening connection was lost)
-
-
-class StoreError(KvgateError):
-    """The store could not be read or written (unreachable, locked, corrupt)."""
 
 
 class Tx(Protocol):

@@ -20,11 +20,10 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from kvgate.errors import HeadroomError
+from kvgate.errors import HeadroomError, StoreError
 from kvgate.headroom.snapshot import NodeView, ReleaseOutcome, ReserveOutcome
 from kvgate.policy.nodes import StalePolicy, choose_nodes
 from kvgate.queue import placement
-from kvgate.queue.database import StoreError
 from kvgate.queue.fairness import FairQueue
 from kvgate.queue.jobs import Job, JobError, Waiting
 from kvgate.queue.placement import Fit

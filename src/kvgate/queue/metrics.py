@@ -11,15 +11,19 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvgate.queue.store import QueueStats
-from kvgate.telemetry import Tally, histogram, meter, observe
-
-JOBS = "kvgate.queue.jobs"
-OLDEST_JOB_AGE = "kvgate.queue.oldest_job.age"
-TOKENS_WAITING = "kvgate.queue.tokens_waiting"
-RUNNING = "kvgate.queue.running"
-ADMISSIONS = "kvgate.queue.admissions"
-ATTEMPTS = "kvgate.queue.attempts"
-DISPATCH_WAIT = "kvgate_queue_dispatch_wait_seconds"
+from kvgate.telemetry import (
+    QUEUE_ADMISSIONS,
+    QUEUE_ATTEMPTS,
+    QUEUE_DISPATCH_WAIT,
+    QUEUE_JOBS,
+    QUEUE_OLDEST_JOB_AGE,
+    QUEUE_RUNNING,
+    QUEUE_TOKENS_WAITING,
+    Tally,
+    histogram,
+    meter,
+    observe,
+)
 
 TENANT_LABELS = 20
 _WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
@@ -43,22 +47,25 @@ class QueueMetrics:
             current = stats()
             return tenant_series(current.tokens_waiting) if current else []
 
-        observe(m, JOBS, "{job}", "Jobs in the store by state (every replica's)", jobs)
-        observe(m, OLDEST_JOB_AGE, "s", "Age of the oldest queued job (0 when none)", oldest)
-        observe(m, TOKENS_WAITING, "{token}", "Estimated tokens of queued jobs, per tenant", tenants)
-        observe(m, RUNNING, "{job}", "Jobs this replica is running", lambda: [(float(running()), {})])
+        observe(m, QUEUE_JOBS, "{job}", "Jobs in the store by state (every replica's)", jobs)
+        observe(m, QUEUE_OLDEST_JOB_AGE, "s", "Age of the oldest queued job (0 when none)", oldest)
+        observe(m, QUEUE_TOKENS_WAITING, "{token}", "Estimated tokens of queued jobs, per tenant", tenants)
+        observe(m, QUEUE_RUNNING, "{job}", "Jobs this replica is running", lambda: [(float(running()), {})])
         self._admissions = Tally(
             m,
-            ADMISSIONS,
+            QUEUE_ADMISSIONS,
             "{request}",
             "Requests and batch lines by contract and result",
             ("contract", "result"),
         )
         self._attempts = Tally(
-            m, ATTEMPTS, "{attempt}", "Engine calls of this replica by how they ended", ("result",)
+            m, QUEUE_ATTEMPTS, "{attempt}", "Engine calls of this replica by how they ended", ("result",)
         )
         self._wait = histogram(
-            DISPATCH_WAIT, "Time from a job's arrival to its dispatch to a node", "priority", _WAIT_BUCKETS
+            QUEUE_DISPATCH_WAIT,
+            "Time from a job's arrival to its dispatch to a node",
+            "priority",
+            _WAIT_BUCKETS,
         )
 
     def admitted(self, contract: str, result: str) -> None:

@@ -19,8 +19,9 @@ from typing import Any
 
 import psycopg
 
+from kvgate.errors import StoreError
 from kvgate.queue import schema
-from kvgate.queue.database import CHANNEL, RESYNC, Listener, Row, StoreError
+from kvgate.queue.database import CHANNEL, RESYNC, Listener, Row
 
 log = logging.getLogger(__name__)
 

@@ -40,9 +40,7 @@ class QueueRefusals:
         return self.queue(Reason.NOT_FOUND, f"No {what}.")
 
     def store_unavailable(self) -> HttpAnswer:
-        return self.queue(
-            Reason.STORE_UNAVAILABLE, "The queue's store cannot be reached; retry shortly."
-        )
+        return self.queue(Reason.STORE_UNAVAILABLE, "The queue's store cannot be reached; retry shortly.")
 
     def hold_timeout(self, hold_s: float, api: Api | None) -> HttpAnswer:
         return self.queue(

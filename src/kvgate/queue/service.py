@@ -21,13 +21,14 @@ from typing import Any
 from aiohttp import web
 
 from kvgate.config import Config
+from kvgate.errors import StoreError
 from kvgate.headroom.credentials import ChannelSecurity
 from kvgate.headroom.snapshot import NodeView
 from kvgate.headroom.view import HeadroomView
 from kvgate.queue.app import JobsApp
 from kvgate.queue.batch_http import BatchApi
 from kvgate.queue.batchstore import BatchStore
-from kvgate.queue.database import RESYNC, StoreError, open_database
+from kvgate.queue.database import RESYNC, open_database
 from kvgate.queue.dispatcher import Dispatcher, HeadroomSource
 from kvgate.queue.engines import HttpEngines
 from kvgate.queue.intake import Intake

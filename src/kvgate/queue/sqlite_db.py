@@ -19,8 +19,9 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kvgate.errors import StoreError
 from kvgate.queue import schema
-from kvgate.queue.database import Listener, Row, StoreError
+from kvgate.queue.database import Listener, Row
 
 T = TypeVar("T")
 
