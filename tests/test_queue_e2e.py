@@ -3,7 +3,7 @@
 Both long-pool nodes are filled with reservations the test holds on their agents, so the gate finds
 no room and hands long requests to the async pool, which is `kvgate queue`; once the test lets go,
 the queue runs them on a node whose agent reserved for them. Batch API paths never pass the gate:
-Envoy routes them (and /v1/kvgate/jobs) to the queue with ext_proc off, as `queue_routes` adds them.
+Envoy routes them (and /v1/kvgate/jobs) to the queue with ext_proc off, as envoy/envoy.yaml does.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from typing import Any
 
 import openai
 import pytest
-import yaml
 from texts import text_with_tokens
 
 from kvgate.harness.client import Reply, chat, post
@@ -36,33 +35,9 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 CHAT = "/v1/chat/completions"
 NODE_TOKENS = 20_000
+
+
 # Paths the queue serves that the gate must not see: Envoy sends them straight to the async cluster.
-QUEUE_PATHS = ("/v1/files", "/v1/batches", "/v1/kvgate/jobs")
-
-
-def queue_routes(config: dict[str, Any]) -> dict[str, Any]:
-    """Envoy's config with the queue's own paths routed to the async cluster, ext_proc off, ahead of
-    the pool routes."""
-    routes = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
-        "route_config"
-    ]["virtual_hosts"][0]["routes"]
-    own = [
-        {
-            "match": {"path_separated_prefix": path},
-            "route": {"cluster": "async", "timeout": "600s"},
-            "typed_per_filter_config": {
-                "envoy.filters.http.ext_proc": {
-                    "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
-                    "disabled": True,
-                }
-            },
-        }
-        for path in QUEUE_PATHS
-    ]
-    routes[:0] = own
-    return config
-
-
 @dataclass
 class Stack:
     listener: int
@@ -126,9 +101,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory, sp_model_path: Path) -> Iter
             "async": queue_port,
         }
         rendered = render_envoy(ROOT / "envoy" / "envoy.yaml", tmp / "envoy.yaml", ports)
-        rendered.write_text(
-            yaml.safe_dump(queue_routes(yaml.safe_load(rendered.read_text())), sort_keys=False)
-        )
         envoy = envoy_process(rendered, tmp, ports["admin"], ports["listener"])
         stack.callback(envoy.stop)
         stack.enter_context(gate_process(config, tmp, ports["gate"]))
