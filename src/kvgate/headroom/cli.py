@@ -100,6 +100,21 @@ def _register_agent(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
         help="reservation-only: tokens charged per engine request holding no reservation (default 4096)",
     )
     parser.add_argument(
+        "--prefix-index-blocks",
+        type=int,
+        default=16384,
+        metavar="N",
+        help="prompt prefix blocks remembered, in use or cached, for prefix-aware placement; the least "
+        "recently used idle ones are forgotten first (default 16384)",
+    )
+    parser.add_argument(
+        "--prefix-summary-blocks",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="prefix blocks the stream shows the gates, most recently used first (default 1024: 8 KiB)",
+    )
+    parser.add_argument(
         "--metrics-listen",
         default="127.0.0.1:9465",
         help="HOST:PORT of the Prometheus /metrics endpoint; 'off' disables it (default 127.0.0.1:9465)",
@@ -142,6 +157,8 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
         raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     if args.unreserved_request_tokens < 0:
         raise ConfigError(f"--unreserved-request-tokens must be >= 0, got {args.unreserved_request_tokens}")
+    if min(args.prefix_index_blocks, args.prefix_summary_blocks) < 1:
+        raise ConfigError("--prefix-index-blocks and --prefix-summary-blocks must be >= 1")
     if args.engine_stale_after_s <= 0 or args.nvml_hung_after_s <= 0 or args.fake_gpus < 0:
         raise ConfigError("--engine-stale-after-s and --nvml-hung-after-s must be > 0, --fake-gpus >= 0")
     shape = None
@@ -174,6 +191,8 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
         max_lease_s=args.max_lease_s,
         engine_stale_after_s=args.engine_stale_after_s,
         unreserved_request_tokens=args.unreserved_request_tokens,
+        prefix_index_blocks=args.prefix_index_blocks,
+        prefix_summary_blocks=args.prefix_summary_blocks,
     )
 
 
