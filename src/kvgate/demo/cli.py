@@ -11,10 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import kvgate
-from kvgate.demo.scenario import builtin_scenario, load_scenario
+from kvgate.demo.scenario import RUN_NAMES, builtin_scenario, load_scenario
 from kvgate.errors import ConfigError
-
-RUNS = ("baseline", "kvgate")
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -26,7 +24,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "on 127.0.0.1, and replay a scenario (steady chat traffic plus bursts of 32k-token "
             "requests) twice: through a plain round-robin Envoy over one shared pool, then through "
             "kvgate. Prints a side-by-side table and writes report.json and report.png. Everything it "
-            "starts is stopped when it ends."
+            "starts is stopped when it ends. A scenario may name other runs: the rag scenario "
+            "(src/kvgate/demo/scenarios/rag.yaml) compares kvgate with prefix-aware placement off and on."
         ),
     )
     parser.add_argument(
@@ -41,7 +40,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=None,
         help="Envoy config of the kvgate run (default: envoy/envoy.yaml of this checkout)",
     )
-    parser.add_argument("--only", choices=RUNS, default=None, help="run one of the two stacks only")
+    parser.add_argument(
+        "--only", choices=RUN_NAMES, default=None, help="run this one of the scenario's stacks only"
+    )
     parser.set_defaults(func=run)
 
 
@@ -61,9 +62,9 @@ def run(args: argparse.Namespace) -> int:
     from kvgate.harness.processes import ChildError
 
     scenario = load_scenario(args.scenario or builtin_scenario("burst"))
-    runs = (args.only,) if args.only else RUNS
+    runs = (args.only,) if args.only else scenario.runs
     envoy_config = Path()
-    if "kvgate" in runs:
+    if any(run != "baseline" for run in runs):
         envoy_config = args.envoy_config or default_envoy_config()
     try:
         report = asyncio.run(_until_terminated(run_demo(scenario, args.out, envoy_config, runs)))

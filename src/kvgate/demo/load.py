@@ -56,10 +56,19 @@ def classify_response(status: int, body: bytes) -> Outcome:
 
 
 def request_body(scenario: Scenario, planned: Planned) -> bytes:
-    prompt = make_prompt(planned.prompt_tokens, random.Random(f"{scenario.seed}/prompt/{planned.index}"))
+    """The request's chat body: one user message of its own, or its parts, each drawn from its key (so
+    a document, or a session's history, is the same text in every request that carries it)."""
+    if planned.parts:
+        messages = [
+            {"role": role, "content": make_prompt(tokens, random.Random(f"{scenario.seed}/{key}"))}
+            for role, key, tokens in planned.parts
+        ]
+    else:
+        prompt = make_prompt(planned.prompt_tokens, random.Random(f"{scenario.seed}/prompt/{planned.index}"))
+        messages = [{"role": "user", "content": prompt}]
     body = {
         "model": scenario.model,
-        "messages": [{"role": "user", "content": prompt}],
+        "messages": messages,
         "max_tokens": planned.max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},

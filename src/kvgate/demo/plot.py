@@ -1,4 +1,5 @@
-"""report.png: per run, KV usage of every node over time, short-request TTFT over time, outcomes."""
+"""report.png: per run (a column each), KV usage of every node over time, short- and long-request TTFT
+over time, outcomes."""
 
 from __future__ import annotations
 
@@ -21,13 +22,14 @@ def write_plot(traces: Mapping[str, RunTrace], path: Path) -> bool:
         from matplotlib.figure import Figure
     except ModuleNotFoundError:
         return False
-    figure = Figure(figsize=(6 * len(traces), 10), layout="constrained")
-    # One y scale per row, so the two runs read side by side.
-    axes = figure.subplots(3, len(traces), squeeze=False, sharey="row")
+    figure = Figure(figsize=(6 * len(traces), 13), layout="constrained")
+    # One y scale per row, so the runs read side by side.
+    axes = figure.subplots(4, len(traces), squeeze=False, sharey="row")
     for column, (name, trace) in enumerate(traces.items()):
         _kv_usage(axes[0][column], name, trace)
         _ttft(axes[1][column], name, trace)
-        _outcomes(axes[2][column], name, trace)
+        _long_ttft(axes[2][column], name, trace)
+        _outcomes(axes[3][column], name, trace)
     figure.savefig(path, dpi=90)
     return True
 
@@ -63,6 +65,23 @@ def _ttft(ax: Axes, name: str, trace: RunTrace) -> None:
     ax.set_xlabel("seconds into the burst phase")
     ax.set_ylabel("ms")
     ax.legend(fontsize="small", loc="upper left")
+
+
+def _long_ttft(ax: Axes, name: str, trace: RunTrace) -> None:
+    longs = [r for r in trace.burst if r.planned.kind == "long"]
+    served = [r for r in longs if r.outcome == "ok" and r.ttft_s is not None]
+    failed = [r for r in longs if r.outcome != "ok"]
+    ax.scatter([r.sent_s for r in served], [(r.ttft_s or 0) * 1000 for r in served], s=10, color="tab:purple",
+               label="served")  # fmt: skip
+    if failed:
+        ax.scatter([r.sent_s for r in failed], [1.0] * len(failed), s=14, marker="x", color="tab:red",
+                   label="not served")  # fmt: skip
+    ax.set_yscale("log")
+    ax.set_title(f"{name}: long-request TTFT (admission wait included)")
+    ax.set_xlabel("seconds into the burst phase")
+    ax.set_ylabel("ms")
+    if served or failed:
+        ax.legend(fontsize="small", loc="upper left")
 
 
 def _outcomes(ax: Axes, name: str, trace: RunTrace) -> None:

@@ -4,10 +4,12 @@ Request counts, outcomes and TTFTs are those of the burst phase; `short_ttft_p99
 from the same short traffic replayed alone on the same stack just before. Node counters (OOM crashes,
 preemptions, peak KV) cover the whole run.
 
-`short_ttft_*` cover short requests that were served; `long_goodput_tokens_per_s` counts prompt and
-generated tokens of long requests served in full, over the window from the first long request sent to
-the last one finished; `long_capacity_tokens_per_s` is what the pool serving long requests would do
-at full use over the same kind of traffic (see `capacity`).
+`short_ttft_*` and `long_ttft_*` cover the short and long requests that were served (a long request's
+TTFT includes any wait for admission); `long_goodput_tokens_per_s` counts prompt and generated tokens
+of long requests served in full, over the window from the first long request sent to the last one
+finished; `long_capacity_tokens_per_s` is what the pool serving long requests would do at full use
+over the same kind of traffic (see `capacity`). `prefix_hit_tokens` is what the nodes' engines found
+in their prefix caches (vllm:prefix_cache_hits), over the whole run.
 """
 
 from __future__ import annotations
@@ -47,8 +49,12 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def short_ttfts(results: Sequence[Result]) -> list[float]:
+    return served_ttfts(results, "short")
+
+
+def served_ttfts(results: Sequence[Result], kind: str) -> list[float]:
     return [
-        r.ttft_s for r in results if r.planned.kind == "short" and r.outcome == "ok" and r.ttft_s is not None
+        r.ttft_s for r in results if r.planned.kind == kind and r.outcome == "ok" and r.ttft_s is not None
     ]
 
 
@@ -92,6 +98,9 @@ def summarize_run(
         "pools": dict(pools),
         "long_requests": sum(1 for r in burst if r.planned.kind == "long"),
         "long_served": sum(1 for r in burst if r.planned.kind == "long" and r.outcome == "ok"),
+        "long_ttft_p50_ms": _ms(percentile(served_ttfts(burst, "long"), 50)),
+        "long_ttft_p99_ms": _ms(percentile(served_ttfts(burst, "long"), 99)),
+        "prefix_hit_tokens": sum(m.prefix_hit_tokens for m in known),
     }
 
 
@@ -114,6 +123,9 @@ def format_table(report: Mapping[str, Mapping[str, Any]]) -> str:
         rows.append((key, [_cell(report[r].get(key)) for r in runs]))
     rows.append(("peak_kv_fraction (max node)", [_cell(_max_peak(report[r])) for r in runs]))
     for key in ("long_goodput_tokens_per_s", "long_capacity_tokens_per_s"):
+        rows.append((key, [_cell(report[r].get(key)) for r in runs]))
+    keys = ("long_requests", "long_served", "long_ttft_p50_ms", "long_ttft_p99_ms", "prefix_hit_tokens")
+    for key in keys:
         rows.append((key, [_cell(report[r].get(key)) for r in runs]))
     label_width = max(len(label) for label, _ in rows)
     widths = [max(len(run), *(len(cells[i]) for _, cells in rows)) for i, run in enumerate(runs)]

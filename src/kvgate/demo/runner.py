@@ -1,7 +1,9 @@
-"""The demo run: the same traffic through the baseline stack and through kvgate, then the report.
+"""The demo run: the same traffic through each of the scenario's runs (the baseline stack, kvgate,
+kvgate with prefix-aware placement off and on), then the report.
 
 Each run starts its stack, replays the short traffic alone (the TTFT reference), replays it again
-with the bursts while sampling every node's KV usage, reads the nodes' counters and stops the stack.
+with the long traffic while sampling every node's KV usage, reads the nodes' counters and stops the
+stack.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from kvgate.demo.capacity import node_capacity_tokens_per_s
 from kvgate.demo.load import LoadGenerator, Result
 from kvgate.demo.plot import write_plot
 from kvgate.demo.report import RunTrace, format_table, summarize_run
-from kvgate.demo.scenario import Scenario, plan
+from kvgate.demo.scenario import RunName, Scenario, long_shape, plan
 from kvgate.demo.scrape import Sampler, final_metrics
 from kvgate.demo.stacks import Stack, start_baseline, start_kvgate
 from kvgate.harness.processes import ProcessGroup
@@ -90,7 +92,7 @@ async def _phase(
 
 
 async def _run_one(
-    name: str, scenario: Scenario, out_dir: Path, envoy_config: Path, progress: Progress
+    name: RunName, scenario: Scenario, out_dir: Path, envoy_config: Path, progress: Progress
 ) -> RunTrace:
     with (
         tempfile.TemporaryDirectory(prefix=f"kvgate-demo-{name}-") as tmp,
@@ -100,15 +102,17 @@ async def _run_one(
         if name == "baseline":
             stack = await start_baseline(group, scenario, Path(tmp))
         else:
-            stack = await start_kvgate(group, scenario, Path(tmp), envoy_config)
-        no_burst = await _phase(f"{name} no bursts", stack, scenario, False, progress, sampler=None)
+            prefix_affinity = name == "kvgate_prefix_on"
+            stack = await start_kvgate(group, scenario, Path(tmp), envoy_config, prefix_affinity)
+        quiet, busy = (
+            ("no bursts", "bursts") if scenario.bursts is not None else ("short only", "long traffic")
+        )
+        no_burst = await _phase(f"{name} {quiet}", stack, scenario, False, progress, sampler=None)
         group.check_alive()
         sampler = Sampler(stack.nodes)
-        burst = await _phase(f"{name} bursts", stack, scenario, True, progress, sampler=sampler)
+        burst = await _phase(f"{name} {busy}", stack, scenario, True, progress, sampler=sampler)
         final = await final_metrics(stack.nodes, wait_s=scenario.node.restart_s + 2.0)
-    long_capacity = len(stack.long_pool) * node_capacity_tokens_per_s(
-        scenario.node, scenario.bursts.prompt_tokens, scenario.bursts.max_tokens
-    )
+    long_capacity = len(stack.long_pool) * node_capacity_tokens_per_s(scenario.node, *long_shape(scenario))
     pools = {node.name: node.pool for node in stack.nodes}
     summary = summarize_run(burst, no_burst, final, pools, long_capacity)
     return RunTrace(summary, burst, sampler.timeline)
@@ -118,14 +122,15 @@ async def run_demo(
     scenario: Scenario,
     out_dir: Path,
     envoy_config: Path,
-    runs: tuple[str, ...] = ("baseline", "kvgate"),
+    runs: tuple[RunName, ...] | None = None,
     stream: TextIO = sys.stderr,
 ) -> dict[str, Any]:
-    """Run the scenario through each stack, write report.json (and the plot), return the report."""
+    """Run the scenario through each stack (`runs`, by default the scenario's), write report.json (and
+    the plot), return the report."""
     out_dir.mkdir(parents=True, exist_ok=True)
     progress = Progress(stream)
     traces: dict[str, RunTrace] = {}
-    for name in runs:
+    for name in scenario.runs if runs is None else runs:
         traces[name] = await _run_one(name, scenario, out_dir, envoy_config, progress)
         _write_requests(traces[name].burst, out_dir / f"requests-{name}.jsonl")
     report = {name: trace.summary for name, trace in traces.items()}

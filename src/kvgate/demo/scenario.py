@@ -1,16 +1,19 @@
 """Demo scenarios: the YAML a user writes, and the deterministic request plan replayed from it.
 
-A scenario names the simulated node (one hardware profile for both runs), how the baseline and the
-kvgate layouts split the nodes, the steady short traffic and the bursts of long requests. Unknown
-keys are errors naming the key, so a typo never silently falls back to a default.
+A scenario names the simulated node (one hardware profile for every run), how the baseline and the
+kvgate layouts split the nodes, the steady short traffic and the long traffic: bursts of distinct long
+prompts, documents asked many questions over time, agent sessions that resend their growing history.
+It also names the runs to compare (`runs`). Unknown keys are errors naming the key, so a typo never
+silently falls back to a default.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 from kvgate.config import parse_yaml_as
 from kvgate.errors import ConfigError
@@ -56,6 +59,35 @@ class Bursts:
 
 
 @dataclass(frozen=True, slots=True)
+class Documents:
+    """Long documents asked many questions over time (a PDF for RAG, a codebase snapshot): each
+    question is the document as the system message, then a question of its own."""
+
+    count: int = 4
+    tokens_min: int = 20000
+    tokens_max: int = 30000
+    question_tokens_min: int = 50
+    question_tokens_max: int = 300
+    rate_per_s: float = 1.0  # questions per second, over all documents, each on a document at random
+    max_tokens: int = 128
+    first_at_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Sessions:
+    """Agent sessions: every turn resends the session's whole history (its task, then each answer and
+    each new message) and adds one more turn."""
+
+    count: int = 3
+    first_tokens: int = 8000  # the task that opens the session
+    turn_tokens: int = 1500  # what each turn adds: the previous answer and a new message
+    turns: int = 6
+    every_s: float = 5.0  # between two turns of one session
+    max_tokens: int = 128
+    first_at_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class GateSettings:
     # How long the gate holds a long request that fits no node yet. It must stay well under Envoy's
     # ext_proc message_timeout (5 s in envoy/envoy.yaml), or Envoy gives up on the gate and fails open.
@@ -72,44 +104,80 @@ class Timing:
     max_in_flight: int = 256
 
 
+# The stacks a run can start: a plain Envoy over one shared pool, or kvgate with prefix-aware
+# placement off (its default) or on.
+RunName = Literal["baseline", "kvgate", "kvgate_prefix_off", "kvgate_prefix_on"]
+RUN_NAMES: tuple[RunName, ...] = get_args(RunName)
+
+
 @dataclass(frozen=True, slots=True)
 class Scenario:
     name: str = "scenario"
     seed: int = 1
     model: str = "kvgate-sim"
+    runs: tuple[RunName, ...] = ("baseline", "kvgate")
     node: NodeProfile = NodeProfile()
     layout: Layout = Layout()
     short: ShortTraffic = ShortTraffic()
-    bursts: Bursts = Bursts()
+    bursts: Bursts | None = Bursts()  # null: no bursts
+    documents: Documents | None = None
+    sessions: Sessions | None = None
     gate: GateSettings = GateSettings()
     timing: Timing = Timing()
 
 
+# One message of a planned prompt: its role, the key its text is drawn from (the same key, the same
+# text), and its tokens.
+Part = tuple[str, str, int]
+
+
 @dataclass(frozen=True, slots=True)
 class Planned:
-    """One request of the replay: when it is sent and what it asks for."""
+    """One request of the replay: when it is sent and what it asks for.
+
+    Without `parts` the prompt is one user message of `prompt_tokens`, drawn for this request alone.
+    """
 
     at_s: float
     kind: Literal["short", "long"]
     prompt_tokens: int
     max_tokens: int
     index: int
+    parts: tuple[Part, ...] = ()
+    label: str = ""  # what the request belongs to: "doc 2", "session 1 turn 3"
 
 
 def _check(s: Scenario) -> None:
     problems = []
-    if s.short.prompt_tokens_min > s.short.prompt_tokens_max or s.bursts.size_min > s.bursts.size_max:
+    ranges = [(s.short.prompt_tokens_min, s.short.prompt_tokens_max)]
+    if s.bursts is not None:
+        ranges.append((s.bursts.size_min, s.bursts.size_max))
+    if s.documents is not None:
+        d = s.documents
+        ranges += [(d.tokens_min, d.tokens_max), (d.question_tokens_min, d.question_tokens_max)]
+    if any(low > high for low, high in ranges):
         problems.append("a *_min is larger than its *_max")
     if s.short.prompt_tokens_max + s.short.max_tokens > s.node.interactive_max_model_len:
         problems.append("short requests must fit node.interactive_max_model_len")
-    if s.bursts.prompt_tokens + s.bursts.max_tokens > s.node.max_model_len:
+    longest = [
+        *([s.bursts.prompt_tokens + s.bursts.max_tokens] if s.bursts is not None else []),
+        *([_largest_question(s.documents)] if s.documents is not None else []),
+        *([_last_turn(s.sessions)] if s.sessions is not None else []),
+    ]
+    if any(tokens > s.node.max_model_len for tokens in longest):
         problems.append("long requests must fit node.max_model_len")
+    if not s.runs:
+        problems.append("runs must name at least one run")
     if s.node.max_model_len > s.node.kv_capacity_tokens:
         problems.append("node.max_model_len cannot exceed node.kv_capacity_tokens")
     if min(s.layout.baseline_nodes, s.layout.interactive_nodes, s.layout.long_nodes) < 1:
         problems.append("every pool needs at least one node")
-    if s.bursts.every_s <= 0 or s.short.rate_per_s <= 0:
+    if (s.bursts is not None and s.bursts.every_s <= 0) or s.short.rate_per_s <= 0:
         problems.append("bursts.every_s and short.rate_per_s must be > 0")
+    if (s.documents is not None and (s.documents.count < 1 or s.documents.rate_per_s <= 0)) or (
+        s.sessions is not None and (s.sessions.count < 1 or s.sessions.every_s <= 0)
+    ):
+        problems.append("documents and sessions need a count >= 1 and a rate or period > 0")
     if problems:
         raise ConfigError(f"scenario {s.name}: " + "; ".join(problems))
 
@@ -132,25 +200,91 @@ def builtin_scenario(name: str) -> Path:
     return Path(__file__).parent / "scenarios" / f"{name}.yaml"
 
 
+def long_shape(scenario: Scenario) -> tuple[int, int]:
+    """A typical long request of the scenario, (prompt tokens, max_tokens), to size the long pool by."""
+    if scenario.bursts is not None:
+        return scenario.bursts.prompt_tokens, scenario.bursts.max_tokens
+    if scenario.documents is not None:
+        d = scenario.documents
+        return (
+            d.tokens_min + d.tokens_max + d.question_tokens_min + d.question_tokens_max
+        ) // 2, d.max_tokens
+    if scenario.sessions is not None:
+        s = scenario.sessions
+        return s.first_tokens + (s.turns - 1) * s.turn_tokens // 2, s.max_tokens
+    return scenario.short.prompt_tokens_max, scenario.short.max_tokens
+
+
+def _largest_question(d: Documents) -> int:
+    return d.tokens_max + d.question_tokens_max + d.max_tokens
+
+
+def _last_turn(s: Sessions) -> int:
+    return s.first_tokens + (s.turns - 1) * s.turn_tokens + s.max_tokens
+
+
 def plan(scenario: Scenario, duration_s: float, with_bursts: bool) -> list[Planned]:
     """Every request of one phase, sorted by send time; the same seed gives the same short traffic
-    with and without bursts, so the no-burst phase is the burst phase minus its long requests."""
+    with and without the long traffic (bursts, documents, sessions), so the phase without it is the
+    other minus its long requests."""
     short_rng = random.Random(f"{scenario.seed}/short")
-    items: list[tuple[float, Literal["short", "long"], int, int]] = []
+    items: list[Planned] = []
     t = short_rng.expovariate(scenario.short.rate_per_s)
     while t < duration_s:
         tokens = short_rng.randint(scenario.short.prompt_tokens_min, scenario.short.prompt_tokens_max)
-        items.append((t, "short", tokens, scenario.short.max_tokens))
+        items.append(Planned(t, "short", tokens, scenario.short.max_tokens, 0))
         t += short_rng.expovariate(scenario.short.rate_per_s)
     if with_bursts:
-        burst_rng = random.Random(f"{scenario.seed}/bursts")
-        b = scenario.bursts
-        start = b.first_at_s
-        while start < duration_s:
-            for _ in range(burst_rng.randint(b.size_min, b.size_max)):
-                items.append(
-                    (start + burst_rng.uniform(0, b.spread_s), "long", b.prompt_tokens, b.max_tokens)
-                )
-            start += b.every_s
-    items.sort(key=lambda item: item[0])
-    return [Planned(at, kind, tokens, out, i) for i, (at, kind, tokens, out) in enumerate(items)]
+        if scenario.bursts is not None:
+            items += _bursts(scenario.bursts, random.Random(f"{scenario.seed}/bursts"), duration_s)
+        if scenario.documents is not None:
+            items += _questions(scenario.documents, random.Random(f"{scenario.seed}/documents"), duration_s)
+        if scenario.sessions is not None:
+            items += _turns(scenario.sessions, duration_s)
+    items.sort(key=lambda item: item.at_s)
+    return [dataclasses.replace(item, index=i) for i, item in enumerate(items)]
+
+
+def _bursts(b: Bursts, rng: random.Random, duration_s: float) -> list[Planned]:
+    items: list[Planned] = []
+    start = b.first_at_s
+    while start < duration_s:
+        for _ in range(rng.randint(b.size_min, b.size_max)):
+            items.append(
+                Planned(start + rng.uniform(0, b.spread_s), "long", b.prompt_tokens, b.max_tokens, 0)
+            )
+        start += b.every_s
+    return items
+
+
+def _questions(d: Documents, rng: random.Random, duration_s: float) -> list[Planned]:
+    sizes = [rng.randint(d.tokens_min, d.tokens_max) for _ in range(d.count)]
+    items: list[Planned] = []
+    t = d.first_at_s + rng.expovariate(d.rate_per_s)
+    while t < duration_s:
+        doc = rng.randrange(d.count)
+        question = rng.randint(d.question_tokens_min, d.question_tokens_max)
+        parts = (("system", f"document/{doc}", sizes[doc]), ("user", f"question/{len(items)}", question))
+        items.append(Planned(t, "long", sizes[doc] + question, d.max_tokens, 0, parts, f"doc {doc}"))
+        t += rng.expovariate(d.rate_per_s)
+    return items
+
+
+def _turns(s: Sessions, duration_s: float) -> list[Planned]:
+    items: list[Planned] = []
+    answer = min(s.max_tokens, s.turn_tokens)
+    for session in range(s.count):
+        history: list[Part] = [("system", f"session/{session}/task", s.first_tokens)]
+        at = s.first_at_s + session * s.every_s / s.count
+        for turn in range(s.turns):
+            if at >= duration_s:
+                break
+            tokens = sum(part[2] for part in history)
+            label = f"session {session} turn {turn}"
+            items.append(Planned(at, "long", tokens, s.max_tokens, 0, tuple(history), label))
+            history += [
+                ("assistant", f"session/{session}/answer/{turn}", answer),
+                ("user", f"session/{session}/message/{turn}", s.turn_tokens - answer),
+            ]
+            at += s.every_s
+    return items

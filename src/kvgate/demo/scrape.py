@@ -26,6 +26,7 @@ class NodeMetrics:
     oom_crashes: int
     peak_kv_tokens: int
     capacity_tokens: int
+    prefix_hit_tokens: int = 0  # prompt tokens the engine found in its prefix cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +46,7 @@ def parse_sim_metrics(text: str) -> NodeMetrics:
             oom_crashes=int(values["kvgate_sim_oom_crashes_total"]),
             peak_kv_tokens=int(values["kvgate_sim_peak_kv_tokens"]),
             capacity_tokens=int(values["kvgate_sim_kv_capacity_tokens"]),
+            prefix_hit_tokens=int(values["vllm:prefix_cache_hits_total"]),
         )
     except KeyError as exc:
         raise ValueError(f"not a kvgate sim /metrics page: {exc} missing") from exc

@@ -2,7 +2,8 @@
 
 - baseline: simulated nodes in one shared pool behind a plain round-robin Envoy.
 - kvgate: an interactive pool, a long-context pool with one `kvgate agent` per node, an optional
-  async pool, the gate, and Envoy with the repository's config.
+  async pool, the gate (prefix-aware placement off, its default, or on), and Envoy with the
+  repository's config.
 Both use the same node profile and the same number of nodes for the interactive and long traffic.
 """
 
@@ -79,8 +80,11 @@ async def start_baseline(group: ProcessGroup, scenario: Scenario, work_dir: Path
     return Stack(url, tuple(nodes), tuple(n.name for n in nodes), frozenset())
 
 
-def gate_config(scenario: Scenario, gate_port: int, agent_ports: list[int]) -> dict[str, Any]:
+def gate_config(
+    scenario: Scenario, gate_port: int, agent_ports: list[int], prefix_affinity: bool = False
+) -> dict[str, Any]:
     """The gate's YAML for this run: pool limits from the node profile, one agent per long node."""
+    placement = {"placement": {"prefix_affinity": True}} if prefix_affinity else {}
     return {
         "server": {"listen": f"127.0.0.1:{gate_port}", "workers": 1},
         "default_model": {
@@ -93,6 +97,7 @@ def gate_config(scenario: Scenario, gate_port: int, agent_ports: list[int]) -> d
             "async_fallback": scenario.layout.async_nodes > 0,
         },
         "headroom": {"agents": [f"127.0.0.1:{port}" for port in agent_ports]},
+        **placement,
     }
 
 
@@ -113,7 +118,9 @@ def _start_agents(group: ProcessGroup, long_nodes: list[Node], ports: Iterator[i
     return agents
 
 
-async def start_kvgate(group: ProcessGroup, scenario: Scenario, work_dir: Path, envoy_config: Path) -> Stack:
+async def start_kvgate(
+    group: ProcessGroup, scenario: Scenario, work_dir: Path, envoy_config: Path, prefix_affinity: bool = False
+) -> Stack:
     layout = scenario.layout
     sizes = {"interactive": layout.interactive_nodes, "long": layout.long_nodes, "async": layout.async_nodes}
     # Nodes, agents, then the gate, its metrics, Envoy's listener and admin.
@@ -129,7 +136,8 @@ async def start_kvgate(group: ProcessGroup, scenario: Scenario, work_dir: Path, 
     agents = _start_agents(group, long_nodes, ports)
     gate_port = next(ports)
     gate_yaml = write_yaml(
-        gate_config(scenario, gate_port, list(agents.values())), work_dir / "kvgate-gate.yaml"
+        gate_config(scenario, gate_port, list(agents.values()), prefix_affinity),
+        work_dir / "kvgate-gate.yaml",
     )
     # A port of its own for the gate's /metrics: the default one may be taken by another gate.
     gate_metrics = f"127.0.0.1:{next(ports)}"
