@@ -156,8 +156,11 @@ def test_the_audit_reads_sglangs_hit_rate_as_seen_or_not() -> None:
     assert audit.observe(3.5, None, 0.0, 0) == 0, "a batch found its prefix (decode wrote 0 since)"
 
 
-def vllm_page(used_fraction: float, hits: int) -> str:
-    info = 'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="6250"} 1.0'
+def vllm_page(used_fraction: float, hits: int, caching: bool = True) -> str:
+    info = (
+        f'vllm:cache_config_info{{block_size="16",enable_prefix_caching="{caching}",engine="0",'
+        'num_gpu_blocks="6250"} 1.0'
+    )
     return (
         f'vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} {used_fraction}\n{info}\n'
         'vllm:num_requests_running{engine="0",model_name="m"} 0.0\n'
@@ -190,6 +193,16 @@ def test_an_evicted_prefix_is_charged_in_full_on_the_next_request() -> None:
     later = state.reserve("q3", 26_000, 0, prefix=question(3))
     assert later.granted and later.charged_tokens == 26_000
     assert later.cached_tokens <= 20_000, "the agent no longer counts on the evicted part"
+
+
+def test_an_engine_without_prefix_caching_shares_nothing() -> None:
+    clock = ManualClock()
+    state = node(clock)
+    state.observe_engine(read_engine_page(vllm_page(0.0, 0, caching=False)))
+    state.reserve("q1", 26_000, 0, prefix=question(1))
+    second = state.reserve("q2", 26_000, 0, prefix=question(2))
+    assert (second.charged_tokens, second.cached_tokens) == (26_000, 0)
+    assert not state.snapshot(0).prefix.blocks
 
 
 def test_a_shortfall_in_the_engines_hits_forgets_the_least_recently_used_prefixes() -> None:

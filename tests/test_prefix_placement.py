@@ -13,8 +13,10 @@ from test_water import node
 from kvgate.config import AdmissionConfig, ModelConfig
 from kvgate.gate.admission import Admission, Admitted
 from kvgate.headroom.agent import Agent
+from kvgate.headroom.fake_engine import FakeEngineMetrics
 from kvgate.headroom.fake_source import FakeHeadroom, ManualClock
 from kvgate.headroom.node import NodeSettings
+from kvgate.headroom.scrape import EngineScraper
 from kvgate.headroom.settings import HeadroomSettings
 from kvgate.headroom.snapshot import NodeView, PrefixChain, PrefixSummary
 from kvgate.headroom.view import HeadroomView
@@ -153,15 +155,18 @@ def test_the_load_bound_holds_under_a_flood_of_one_document() -> None:
     run(scenario)
 
 
-def agent_settings(name: str, capacity: int) -> NodeSettings:
-    return NodeSettings(
-        name, f"{name}.engine:8000", period_s=0.05, capacity_tokens=capacity, safety_ratio=1.0
-    )
+def agent_settings(name: str) -> NodeSettings:
+    return NodeSettings(name, f"{name}.engine:8000", period_s=0.05, safety_ratio=1.0)
 
 
 def test_two_gate_replicas_place_repeats_on_the_same_node() -> None:
     async def scenario() -> None:
-        agents = [Agent(agent_settings("a", 100_000)), Agent(agent_settings("b", 90_000))]
+        # Two vLLM engines (prefix caching on) of 100k and 90k tokens, each behind its agent.
+        engines = [FakeEngineMetrics(num_gpu_blocks=6250), FakeEngineMetrics(num_gpu_blocks=5625)]
+        agents = [
+            Agent(agent_settings(name), EngineScraper(await engine.start(), 0.025))
+            for name, engine in zip("ab", engines, strict=True)
+        ]
         addresses = [f"127.0.0.1:{await agent.start('127.0.0.1:0')}" for agent in agents]
         fast: dict[str, Any] = {"stale_after_s": 0.5, "reconnect_initial_s": 0.05, "reconnect_max_s": 0.2}
         views = [
@@ -194,5 +199,7 @@ def test_two_gate_replicas_place_repeats_on_the_same_node() -> None:
                 await view.stop()
             for agent in agents:
                 await agent.stop(grace_s=0)
+            for engine in engines:
+                await engine.stop()
 
     run(scenario)

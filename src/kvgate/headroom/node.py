@@ -13,8 +13,10 @@ A node whose usage is unknown must not look empty: engine figures older than
 `engine_stale_after_s`, and figures that stay frozen while the engine says requests run (longer than
 the engine's own refresh promise), make it unhealthy.
 Reservations that carry a prefix chain share the blocks live reservations hold
-(kvgate.headroom.prefix_blocks); idle prefix blocks are forgotten as the engine's KV fills and when its
-hit counters fall short (kvgate.headroom.prefix_audit).
+(kvgate.headroom.prefix_blocks), on engines that say they share cached prefixes (vLLM's
+enable_prefix_caching, SGLang's radix cache); idle prefix blocks are forgotten as the engine's KV
+fills and when its hit counters fall short (kvgate.headroom.prefix_audit). On any other engine a chain
+is ignored: every request is charged in full.
 """
 
 from __future__ import annotations
@@ -128,7 +130,9 @@ class NodeState:
         *,
         prefix: PrefixChain | None = None,
     ) -> ReserveResult:
-        result = self.ledger.reserve(request_id, tokens, lease_s, self.budget(), holder, prefix=prefix)
+        shares = self._engine.reading is not None and self._engine.reading.prefix_caching is True
+        chain = prefix if shares else None
+        result = self.ledger.reserve(request_id, tokens, lease_s, self.budget(), holder, prefix=chain)
         if result.reason is ReserveReason.GRANTED:
             now = self._clock()
             self._grants.append(now)

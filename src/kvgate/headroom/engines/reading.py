@@ -47,6 +47,8 @@ class EngineReading:
     prefix_queries_total: int | None = None
     prefix_hits_total: int | None = None
     cache_hit_rate: float | None = None
+    # Whether the engine shares cached prompt blocks among requests (None: not known to).
+    prefix_caching: bool | None = None
 
     @property
     def kv_usage(self) -> float | None:

@@ -32,6 +32,9 @@ Rules, from SGLang's source (sgl-project/sglang v0.5.23 unless said otherwise):
   cached + new), written with the other per-step gauges; the periodic decode write sets it to 0
   (python/sglang/srt/managers/scheduler_components/metrics_reporter.py @00df707,
   report_prefill_stats and report_decode_stats; the gauge: metrics_collector.py @016d860).
+- The radix cache shares cached prefixes among requests unless the server runs with
+  --disable-radix-cache (python/sglang/srt/server_args.py @469c63e, `disable_radix_cache = False`),
+  which the page does not show: a SGLang page is taken to share prefixes.
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ def read(text: str) -> EngineReading | None:
             rule,
             BUSY_REFRESH_S,
             cache_hit_rate=hit_rate,
+            prefix_caching=True,
         )
     state = PageState.READY if all(pool in used for pool in pools) else PageState.IDLE
     per_pool = sorted({capacity[p] for p in pools})
@@ -107,6 +111,7 @@ def read(text: str) -> EngineReading | None:
         rule,
         BUSY_REFRESH_S,
         cache_hit_rate=hit_rate,
+        prefix_caching=True,
     )
 
 

@@ -28,7 +28,8 @@ Rules, from vLLM's source (vllm-project/vllm v0.33.0, commit 4ba787ec9, unless s
 - The prefix cache counts tokens per engine: `vllm:prefix_cache_queries` (prompt tokens looked up) and
   `vllm:prefix_cache_hits` (tokens found), counters, so `_total` on the page; before 0.10 also as
   `vllm:gpu_prefix_cache_queries` / `_hits` (loggers.py @005a810, PrometheusStatLogger.__init__ and
-  record: "Deprecated in 0.9 - Renamed as vllm:prefix_cache_queries").
+  record: "Deprecated in 0.9 - Renamed as vllm:prefix_cache_queries"). Whether the engine caches
+  prefixes at all is cache_config_info's `enable_prefix_caching` label (CacheConfig field).
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ def read(text: str) -> EngineReading | None:
     preemptions = _sum(promtext.samples(text, PREEMPTIONS), PREEMPTIONS)
     queries = _counter(text, PREFIX_QUERIES, PREFIX_QUERIES_BEFORE_0_10)
     hits = _counter(text, PREFIX_HITS, PREFIX_HITS_BEFORE_0_10)
+    info = promtext.samples(text, CACHE_INFO)
+    caching = bool(info) and promtext.label(info[0], "enable_prefix_caching") == "True"
     if per_engine is None:
         state = PageState.NOT_READY
         return EngineReading(
@@ -81,6 +84,7 @@ def read(text: str) -> EngineReading | None:
             BUSY_REFRESH_S,
             queries,
             hits,
+            prefix_caching=caching,
         )
     used = sum(round(fraction * per_engine) for fraction in fractions.values())
     return EngineReading(
@@ -96,6 +100,7 @@ def read(text: str) -> EngineReading | None:
         BUSY_REFRESH_S,
         queries,
         hits,
+        prefix_caching=caching,
     )
 
 
