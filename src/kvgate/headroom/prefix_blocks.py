@@ -49,9 +49,6 @@ class PrefixBlocks:
     def __len__(self) -> int:
         return len(self._live) + len(self._idle)
 
-    def holds(self, block: int) -> bool:
-        return block in self._live
-
     def cached_blocks(self, chain: PrefixChain) -> int:
         """Leading blocks of `chain` the engine is believed to hold, in use or idle."""
         count = 0
