@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 # envoy-data-plane 2.2's generated classes use a validator form pydantic 2.12 deprecates; the warning
@@ -63,7 +64,7 @@ with warnings.catch_warnings():
         VirtualHost,
     )
     from envoy_data_plane.envoy.extensions.compression.gzip.decompressor.v3 import Gzip
-    from envoy_data_plane.envoy.extensions.filters.http.buffer.v3 import Buffer
+    from envoy_data_plane.envoy.extensions.filters.http.buffer.v3 import Buffer, BufferPerRoute
     from envoy_data_plane.envoy.extensions.filters.http.decompressor.v3 import (
         Decompressor,
         DecompressorCommonDirectionConfig,
@@ -72,6 +73,8 @@ with warnings.catch_warnings():
     )
     from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
         ExternalProcessor,
+        ExtProcOverrides,
+        ExtProcPerRoute,
         MetadataOptions,
         MetadataOptionsMetadataNamespaces,
         ProcessingMode,
@@ -107,6 +110,7 @@ with warnings.catch_warnings():
     )
     from envoy_data_plane.google.protobuf import Any as AnyMessage
 
+from kvgate.envoyconfig.routepolicy import Metadata, PolicyPath
 from kvgate.envoyconfig.settings import EnvoySettings, GateTls, HostPort
 from kvgate.gate.processor import request_attributes
 from kvgate.names import (
@@ -123,6 +127,10 @@ PINNED_CLUSTER = "kvgate_pinned"
 # with the key of the gate's dynamic metadata that carries the same value.
 GATE_HEADERS = HEADER_FOR_METADATA
 HCM_NAME = "envoy.filters.network.http_connection_manager"
+EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+BUFFER_FILTER = "envoy.filters.http.buffer"
+# `kvgate queue`'s own API: the OpenAI Batch API's files and batches, and deferred jobs (docs/queue.md).
+QUEUE_API_PATHS = ("/v1/files", "/v1/batches", "/v1/kvgate/jobs")
 
 
 def pool_cluster(name: str) -> str:
@@ -147,24 +155,51 @@ def _metadata_of(settings: EnvoySettings, header: str, value: ValueMatcher) -> M
     return MetadataMatcher(filter=settings.metadata_namespace, path=path, value=value)
 
 
-def _pool_match(settings: EnvoySettings, pool: str, pinned: bool) -> RouteMatch:
+def _pool_match(settings: EnvoySettings, pool: str | None, pinned: bool, path: str | None) -> RouteMatch:
+    """Requests under `path` (every path when None) the gate sent to `pool` (any pool when None)."""
+    match = RouteMatch(prefix="/") if path is None else RouteMatch(path_separated_prefix=path)
+    if pool is None:
+        return match
     if settings.round_trips == 2:
         headers = [HeaderMatcher(name=POOL_HEADER, string_match=StringMatcher(exact=pool))]
         if pinned:
             headers.append(HeaderMatcher(name=ENDPOINT_HEADER, present_match=True))
-        return RouteMatch(prefix="/", headers=headers)
+        match.headers = headers
+        return match
     # The route table adds the gate's headers only once a route is chosen, so the match reads the
     # metadata they come from.
     metadata = [_metadata_of(settings, POOL_HEADER, ValueMatcher(string_match=StringMatcher(exact=pool)))]
     if pinned:
         metadata.append(_metadata_of(settings, ENDPOINT_HEADER, ValueMatcher(present_match=True)))
-    return RouteMatch(prefix="/", dynamic_metadata=metadata)
+    match.dynamic_metadata = metadata
+    return match
 
 
-def routes(settings: EnvoySettings) -> list[Route]:
-    """Pool routes by the gate's decision; the default pool's catch-all comes last because it matches
-    everything."""
+def _ext_proc_metadata(metadata: Metadata) -> dict[str, AnyMessage]:
+    """A route's (or virtual host's) policy: the gRPC metadata of its requests' ext_proc streams."""
+    if not metadata:
+        return {}
+    headers = [HeaderValue(key=key, value=value) for key, value in metadata]
+    per_route = ExtProcPerRoute(overrides=ExtProcOverrides(grpc_initial_metadata=headers))
+    return {EXT_PROC_FILTER: AnyMessage.pack(per_route)}
+
+
+def _pool_action(settings: EnvoySettings, pool: str) -> RouteAction:
+    action = RouteAction(
+        cluster=pool_cluster(pool), timeout=datetime.timedelta(seconds=settings.route_timeout_seconds)
+    )
+    if pool == settings.queue_pool:
+        # A held request waits in the queue up to queue.max_hold_s: Envoy's stream idle timeout (300 s by
+        # default) must not answer before the queue does.
+        action.idle_timeout = datetime.timedelta(seconds=settings.queue_idle_timeout_s)
+    return action
+
+
+def pool_routes(settings: EnvoySettings, path: str | None = None, metadata: Metadata = ()) -> list[Route]:
+    """Pool routes by the gate's decision, under `path` (every path when None), each carrying the route
+    policy `metadata`; the default pool's catch-all comes last because it matches everything."""
     timeout = datetime.timedelta(seconds=settings.route_timeout_seconds)
+    policy = _ext_proc_metadata(metadata)
     result: list[Route] = []
     for name, _ in settings.pools:
         if name == settings.default_pool:
@@ -172,18 +207,65 @@ def routes(settings: EnvoySettings) -> list[Route]:
         if name in settings.long_pools:
             result.append(
                 Route(
-                    match=_pool_match(settings, name, True),
+                    match=_pool_match(settings, name, True, path),
                     route=RouteAction(cluster=PINNED_CLUSTER, timeout=timeout),
+                    typed_per_filter_config=policy,
                 )
             )
         result.append(
             Route(
-                match=_pool_match(settings, name, False),
-                route=RouteAction(cluster=pool_cluster(name), timeout=timeout),
+                match=_pool_match(settings, name, False, path),
+                route=_pool_action(settings, name),
+                typed_per_filter_config=policy,
             )
         )
-    catch_all = RouteAction(cluster=pool_cluster(settings.default_pool), timeout=timeout)
-    result.append(Route(match=RouteMatch(prefix="/"), route=catch_all))
+    catch_all = _pool_action(settings, settings.default_pool)
+    result.append(
+        Route(match=_pool_match(settings, None, False, path), route=catch_all, typed_per_filter_config=policy)
+    )
+    return result
+
+
+def queue_api_routes(settings: EnvoySettings) -> list[Route]:
+    """`kvgate queue`'s own API straight to it: nothing there for the gate to size (the queue admits each
+    batch line itself), and a batch file may be larger than any request body the gate buffers."""
+    if settings.queue_pool is None:
+        return []
+    off = {EXT_PROC_FILTER: AnyMessage.pack(ExtProcPerRoute(disabled=True))}
+    if settings.round_trips == 1:
+        off[BUFFER_FILTER] = AnyMessage.pack(BufferPerRoute(disabled=True))
+    timeout = datetime.timedelta(seconds=settings.route_timeout_seconds)
+    return [
+        Route(
+            match=RouteMatch(path_separated_prefix=path),
+            route=RouteAction(cluster=pool_cluster(settings.queue_pool), timeout=timeout),
+            typed_per_filter_config=dict(off),
+        )
+        for path in QUEUE_API_PATHS
+    ]
+
+
+def routes(settings: EnvoySettings, paths: Sequence[PolicyPath] = ()) -> list[Route]:
+    """One virtual host's routes: the queue's API, the route policies' paths (longest first), the pools."""
+    result = queue_api_routes(settings)
+    for path in paths:
+        result += pool_routes(settings, path.prefix, path.metadata)
+    return result + pool_routes(settings)
+
+
+def virtual_hosts(settings: EnvoySettings) -> list[VirtualHost]:
+    """Every host's, then one per set of policy hosts (Envoy picks the most specific domain)."""
+    route_layout = settings.route_layout
+    result = [VirtualHost(name="pools", domains=["*"], routes=routes(settings, route_layout.paths))]
+    for host in route_layout.hosts:
+        result.append(
+            VirtualHost(
+                name=f"policy-{host.name}",
+                domains=list(host.domains),
+                routes=routes(settings, host.paths),
+                typed_per_filter_config=_ext_proc_metadata(host.metadata),
+            )
+        )
     return result
 
 
@@ -258,14 +340,14 @@ def ext_proc_filter(settings: EnvoySettings) -> HttpFilter:
             receiving_namespaces=MetadataOptionsMetadataNamespaces(untyped=[settings.metadata_namespace])
         ),
     )
-    return HttpFilter(name="envoy.filters.http.ext_proc", typed_config=AnyMessage.pack(processor))
+    return HttpFilter(name=EXT_PROC_FILTER, typed_config=AnyMessage.pack(processor))
 
 
 def _buffer(settings: EnvoySettings) -> HttpFilter:
     """One round trip: holds the request, headers included, until ext_proc has the gate's answer, so
     the route is chosen with its metadata in place."""
     hold = Buffer(max_request_bytes=settings.buffer_limit_bytes)
-    return HttpFilter(name="envoy.filters.http.buffer", typed_config=AnyMessage.pack(hold))
+    return HttpFilter(name=BUFFER_FILTER, typed_config=AnyMessage.pack(hold))
 
 
 def _strip_client_headers() -> TypedExtensionConfig:
@@ -282,7 +364,9 @@ def ingress_listener(settings: EnvoySettings) -> Listener:
         early_header_mutation_extensions=[_strip_client_headers()],
         route_config=RouteConfiguration(
             name="pools",
-            virtual_hosts=[VirtualHost(name="pools", domains=["*"], routes=routes(settings))],
+            virtual_hosts=virtual_hosts(settings),
+            # Policy hosts are named without a port; clients send one in Host when it is not 80/443.
+            ignore_port_in_host_matching=bool(settings.route_layout.hosts),
             request_headers_to_add=_headers_from_metadata(settings) if one_trip else [],
             response_headers_to_add=_decision_for_the_client(settings),
         ),

@@ -9,6 +9,7 @@ from pathlib import Path
 import yaml
 
 from kvgate.config import Config, load_config
+from kvgate.envoyconfig.routepolicy import load_route_policies
 from kvgate.envoyconfig.settings import GateTls, HostPort, envoy_settings, parse_host_port
 from kvgate.errors import ConfigError
 
@@ -41,6 +42,25 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument(
         "--default-pool", help="pool for requests without a pool header (default: the interactive pool)"
+    )
+    parser.add_argument(
+        "--queue",
+        metavar="HOST:PORT",
+        help=(
+            "`kvgate queue`, as the async pool (default_model.pools.async): its own API (/v1/files, "
+            "/v1/batches, /v1/kvgate/jobs) is routed there with ext_proc off, and the async route waits "
+            "queue.max_hold_s + 30 s for a held request's answer"
+        ),
+    )
+    parser.add_argument(
+        "--route-policies",
+        type=Path,
+        metavar="FILE",
+        help=(
+            "YAML with `route_policies:`, a list of per-host / per-route policies (name, hosts, path_prefix, "
+            "interactive_max_tokens, max_total_tokens, default_output_tokens, model_policy, async), "
+            "rendered as ext_proc per-route gRPC metadata on virtual hosts and routes (docs/operations.md)"
+        ),
     )
     parser.add_argument("--listen", default="0.0.0.0:10000", help="Envoy's listener (default 0.0.0.0:10000)")
     parser.add_argument(
@@ -183,6 +203,9 @@ def run(args: argparse.Namespace) -> int:
         route_timeout_seconds=args.route_timeout_seconds,
         round_trips=args.round_trips,
         gate_tls=gate_tls,
+        queue=parse_host_port(args.queue, "--queue") if args.queue else None,
+        route_policies=load_route_policies(args.route_policies) if args.route_policies else (),
+        route_policies_source=str(args.route_policies),
     )
     text = yaml.safe_dump(render_bootstrap(settings), sort_keys=False)
     if args.output:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from dataclasses import dataclass
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
 from kvgate.config import Config, MiB
+from kvgate.envoyconfig.routepolicy import RouteLayout, RoutePolicy, layout
 from kvgate.errors import ConfigError
 from kvgate.headroom.settings import split_host_port
 
@@ -20,6 +22,10 @@ _ANY_HOST = ("", "0.0.0.0", "::", "[::]")
 # body alone, with the headers the gate reads as request attributes, and routes follow the gate's
 # dynamic metadata (one gRPC message each way instead of two).
 RoundTrips = Literal[1, 2]
+# A held request waits in the queue up to queue.max_hold_s, then the queue answers 429 itself; the route's
+# idle timeout (Envoy's stream idle timeout is 300 s by default, docs/root/faq/configuration/timeouts.rst)
+# must leave that answer time to arrive.
+QUEUE_IDLE_MARGIN_S = 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +75,12 @@ class EnvoySettings:
     route_timeout_seconds: int = 0
     # None: plaintext to the gate.
     gate_tls: GateTls | None = None
+    # The pool whose upstream is `kvgate queue`: its own API is routed there with ext_proc off, and its
+    # route waits queue_idle_timeout_s for a held request's answer.
+    queue_pool: str | None = None
+    queue_idle_timeout_s: int = 330
+    # Per-host and per-route policy (kvgate.envoyconfig.routepolicy).
+    route_layout: RouteLayout = field(default_factory=RouteLayout)
 
 
 def _referenced_pools(config: Config) -> tuple[set[str], set[str]]:
@@ -90,8 +102,22 @@ def envoy_settings(
     route_timeout_seconds: int = 0,
     round_trips: RoundTrips = 2,
     gate_tls: GateTls | None = None,
+    queue: HostPort | None = None,
+    route_policies: Sequence[RoutePolicy] = (),
+    route_policies_source: str = "route policies",
 ) -> EnvoySettings:
-    """Check the pools against every pool name the gate can set, and size Envoy's buffers to the gate."""
+    """Check the pools against every pool name the gate can set, and size Envoy's buffers to the gate.
+
+    `queue`: the address of `kvgate queue`, which serves the default model's async pool."""
+    queue_pool = None
+    if queue is not None:
+        queue_pool = config.default_model.pools.async_
+        if queue_pool in pools:
+            raise ConfigError(
+                f"--pool {queue_pool} and --queue both give the async pool {queue_pool!r}: "
+                "--queue is its address"
+            )
+        pools = {**pools, queue_pool: queue}
     interactive, long = _referenced_pools(config)
     missing = sorted((interactive | long) - pools.keys())
     if missing:
@@ -131,6 +157,9 @@ def envoy_settings(
         fail_open=fail_open,
         route_timeout_seconds=route_timeout_seconds,
         gate_tls=gate_tls,
+        queue_pool=queue_pool,
+        queue_idle_timeout_s=math.ceil(config.queue.max_hold_s) + QUEUE_IDLE_MARGIN_S,
+        route_layout=layout(route_policies, config.policies, route_policies_source),
     )
 
 
