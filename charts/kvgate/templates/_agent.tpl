@@ -1,7 +1,8 @@
 {{/*
 The agent container and its volumes, on a GPU node (agent-daemonset.yaml) or beside a simulated node
-(simulator.yaml). Include with (dict "root" $ "engine" $engine "simulated" bool): `engine` is
-agent.engine merged with the pool's overrides. A simulated node's agent reads the sim in its own pod,
+(simulator.yaml). Include with (dict "root" $ "engine" $engine "simulated" bool "pool" NAME): `engine`
+is agent.engine merged with the pool's overrides; agent.pools.NAME's capacityTokens and
+unreservedRequestTokens, where not null, win over agent.*. A simulated node's agent reads the sim in its own pod,
 pins requests to the pod's address, names itself after the pod and simulates its GPUs.
 */}}
 {{- define "kvgate.agent.container" -}}
@@ -9,6 +10,15 @@ pins requests to the pod's address, names itself after the pod and simulates its
 {{- $values := $root.Values -}}
 {{- $tls := $values.tls.agents -}}
 {{- $tlsDir := include "kvgate.tls.dir" "agents" -}}
+{{- $poolValues := index $values.agent.pools .pool -}}
+{{- $capacity := $values.agent.capacityTokens -}}
+{{- if not (kindIs "invalid" $poolValues.capacityTokens) -}}
+{{- $capacity = $poolValues.capacityTokens -}}
+{{- end -}}
+{{- $unreserved := $values.agent.unreservedRequestTokens -}}
+{{- if not (kindIs "invalid" $poolValues.unreservedRequestTokens) -}}
+{{- $unreserved = $poolValues.unreservedRequestTokens -}}
+{{- end -}}
 {{- $endpoint := "" -}}
 {{- $metricsUrl := "" -}}
 {{- if .simulated -}}
@@ -40,9 +50,14 @@ args:
   - {{ $values.agent.safetyRatio | quote }}
   - --node-name
   - {{ ternary "$(POD_NAME)" "$(NODE_NAME)" .simulated }}
-  {{- if gt (int $values.agent.capacityTokens) 0 }}
+  {{- if gt (int $capacity) 0 }}
+  # Engines that publish no KV figures (TGI, llama.cpp) need it: the node then admits on reservations alone.
   - --capacity-tokens
-  - {{ $values.agent.capacityTokens | int | quote }}
+  - {{ $capacity | int | quote }}
+  {{- end }}
+  {{- if not (kindIs "invalid" $unreserved) }}
+  - --unreserved-request-tokens
+  - {{ $unreserved | int | quote }}
   {{- end }}
   {{- if $tls.enabled }}
   - --tls-cert

@@ -16,10 +16,9 @@ then, routes match the metadata and the route table copies it into the x-kvgate-
 {{- $namespace := "kvgate" -}}
 {{- $priorityHeader := dig "admission" "priority_header" "x-kvgate-priority" (.Values.gate.config | default dict) | lower -}}
 {{- $bufferLimit := include "kvgate.envoy.bufferLimitBytes" . | int -}}
-{{- $routeTimeout := printf "%ds" (int $envoy.routeTimeoutSeconds) -}}
-{{- $longPools := include "kvgate.longPools" . | splitList "," -}}
 {{- $gateTls := .Values.tls.gate -}}
 {{- $pools := include "kvgate.pools" . | fromJson -}}
+{{- $layout := include "kvgate.routePolicies" . | fromJson -}}
 {{- if $gateTls.enabled -}}
 # File-based SDS (the gate's certificates below) needs a node identity; no management server uses it.
 node:
@@ -65,31 +64,26 @@ static_resources:
                       append_action: OVERWRITE_IF_EXISTS_OR_ADD
                     {{- end }}
                   {{- end }}
+                  {{- if $layout.hosts }}
+                  # Policy hosts are named without a port; clients send one in Host when it is not 80/443.
+                  ignore_port_in_host_matching: true
+                  {{- end }}
                   virtual_hosts:
                     - name: pools
                       domains: ["*"]
                       routes:
-                        {{- range $name := splitList "," (include "kvgate.routedPools" .) }}
-                        {{- if $name }}
-                        {{- if has $name $longPools }}
-                        - match:
-                            {{- include "kvgate.envoy.poolMatch" (dict "pool" $name "pinned" true "oneTrip" $oneTrip "namespace" $namespace) | nindent 28 }}
-                          route:
-                            cluster: kvgate_pinned
-                            timeout: {{ $routeTimeout }}
-                        {{- end }}
-                        - match:
-                            {{- include "kvgate.envoy.poolMatch" (dict "pool" $name "pinned" false "oneTrip" $oneTrip "namespace" $namespace) | nindent 28 }}
-                          route:
-                            cluster: {{ printf "pool_%s" $name }}
-                            timeout: {{ $routeTimeout }}
-                        {{- end }}
-                        {{- end }}
-                        - match:
-                            prefix: /
-                          route:
-                            cluster: {{ printf "pool_%s" $envoy.defaultPool }}
-                            timeout: {{ $routeTimeout }}
+                        {{- include "kvgate.envoy.routes" (dict "root" . "paths" $layout.paths "oneTrip" $oneTrip "namespace" $namespace) | nindent 24 }}
+                    {{- range $host := $layout.hosts }}
+                    - name: {{ printf "policy-%s" $host.name }}
+                      domains:
+                        {{- toYaml $host.hosts | nindent 24 }}
+                      {{- with $host.metadata }}
+                      typed_per_filter_config:
+                        {{- include "kvgate.routePolicies.extProcPerRoute" . | nindent 24 }}
+                      {{- end }}
+                      routes:
+                        {{- include "kvgate.envoy.routes" (dict "root" $ "paths" $host.paths "oneTrip" $oneTrip "namespace" $namespace) | nindent 24 }}
+                    {{- end }}
                 http_filters:
                   - {{- include "kvgate.decompressorFilter" . | nindent 20 }}
                   - name: envoy.filters.http.ext_proc
@@ -271,11 +265,17 @@ gate-client-certificate.yaml: |
 {{- end }}
 {{- end -}}
 
-{{/* A pool route's match: on the headers the gate set (two round trips) or the metadata it wrote (one:
-the route table adds the headers only once a route is chosen). */}}
+{{/* A pool route's match, under `path` ("": every path): on the headers the gate set (two round trips)
+or the metadata it wrote (one: the route table adds the headers only once a route is chosen); `pool` ""
+matches any request (the catch-all). */}}
 {{- define "kvgate.envoy.poolMatch" -}}
+{{- if .path }}
+path_separated_prefix: {{ .path }}
+{{- else }}
 prefix: /
-{{- if .oneTrip }}
+{{- end }}
+{{- if not .pool }}
+{{- else if .oneTrip }}
 dynamic_metadata:
   - filter: {{ .namespace }}
     path:
@@ -300,4 +300,88 @@ headers:
     present_match: true
   {{- end }}
 {{- end }}
+{{- end -}}
+
+{{/*
+One virtual host's routes, as kvgate.envoyconfig.bootstrap.routes: the queue's own API (queue.enabled),
+then each route policy path's pool routes (longest prefix first), then the pool routes for every path.
+Include with (dict "root" $ "paths" LIST "oneTrip" BOOL "namespace" NS).
+*/}}
+{{- define "kvgate.envoy.routes" -}}
+{{- $root := .root -}}
+{{- if $root.Values.queue.enabled }}
+{{- range $path := splitList "," (include "kvgate.queue.apiPaths" $root) }}
+# `kvgate queue`'s own API, straight to it: nothing for the gate to size (the queue admits each batch line).
+- match:
+    path_separated_prefix: {{ $path }}
+  route:
+    cluster: {{ printf "pool_%s" (include "kvgate.queue.pool" $root) }}
+    timeout: {{ printf "%ds" (int $root.Values.envoy.routeTimeoutSeconds) }}
+  typed_per_filter_config:
+    envoy.filters.http.ext_proc:
+      "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute
+      disabled: true
+    {{- if $.oneTrip }}
+    # A batch file may be larger than the buffer that holds requests for the gate.
+    envoy.filters.http.buffer:
+      "@type": type.googleapis.com/envoy.extensions.filters.http.buffer.v3.BufferPerRoute
+      disabled: true
+    {{- end }}
+{{- end }}
+{{- end }}
+{{- range $path := .paths }}
+{{- include "kvgate.envoy.poolRoutes" (dict "root" $root "path" $path.prefix "metadata" $path.metadata "oneTrip" $.oneTrip "namespace" $.namespace) }}
+{{- end }}
+{{- include "kvgate.envoy.poolRoutes" (dict "root" $root "path" "" "metadata" list "oneTrip" .oneTrip "namespace" .namespace) }}
+{{- end -}}
+
+{{/* The pool routes under one path ("": every path), each carrying the route policy `metadata`. */}}
+{{- define "kvgate.envoy.poolRoutes" -}}
+{{- $root := .root -}}
+{{- $envoy := $root.Values.envoy -}}
+{{- $routeTimeout := printf "%ds" (int $envoy.routeTimeoutSeconds) -}}
+{{- $longPools := include "kvgate.longPools" $root | splitList "," -}}
+{{- $queuePool := ternary (include "kvgate.queue.pool" $root) "" $root.Values.queue.enabled -}}
+{{- $common := dict "path" .path "oneTrip" .oneTrip "namespace" .namespace -}}
+{{- range $name := splitList "," (include "kvgate.routedPools" $root) }}
+{{- if $name }}
+{{- if has $name $longPools }}
+- match:
+    {{- include "kvgate.envoy.poolMatch" (merge (dict "pool" $name "pinned" true) $common) | nindent 4 }}
+  route:
+    cluster: kvgate_pinned
+    timeout: {{ $routeTimeout }}
+  {{- with $.metadata }}
+  typed_per_filter_config:
+    {{- include "kvgate.routePolicies.extProcPerRoute" . | nindent 4 }}
+  {{- end }}
+{{- end }}
+- match:
+    {{- include "kvgate.envoy.poolMatch" (merge (dict "pool" $name "pinned" false) $common) | nindent 4 }}
+  route:
+    cluster: {{ printf "pool_%s" $name }}
+    timeout: {{ $routeTimeout }}
+    {{- if eq $name $queuePool }}
+    # A held request waits in the queue up to queue.max_hold_s: Envoy's stream idle timeout (300 s by
+    # default) must not answer before the queue does.
+    idle_timeout: {{ printf "%ss" (include "kvgate.queue.idleTimeoutSeconds" $root) }}
+    {{- end }}
+  {{- with $.metadata }}
+  typed_per_filter_config:
+    {{- include "kvgate.routePolicies.extProcPerRoute" . | nindent 4 }}
+  {{- end }}
+{{- end }}
+{{- end }}
+- match:
+    {{- include "kvgate.envoy.poolMatch" (merge (dict "pool" "" "pinned" false) $common) | nindent 4 }}
+  route:
+    cluster: {{ printf "pool_%s" $envoy.defaultPool }}
+    timeout: {{ $routeTimeout }}
+    {{- if eq $envoy.defaultPool $queuePool }}
+    idle_timeout: {{ printf "%ss" (include "kvgate.queue.idleTimeoutSeconds" $root) }}
+    {{- end }}
+  {{- with .metadata }}
+  typed_per_filter_config:
+    {{- include "kvgate.routePolicies.extProcPerRoute" . | nindent 4 }}
+  {{- end }}
 {{- end -}}

@@ -20,6 +20,7 @@
 {{- define "kvgate.base" -}}{{ include "kvgate.fullname" . | trunc 45 | trimSuffix "-" }}{{- end -}}
 {{- define "kvgate.gate.fullname" -}}{{ include "kvgate.base" . }}-gate{{- end -}}
 {{- define "kvgate.envoy.fullname" -}}{{ include "kvgate.base" . }}-envoy{{- end -}}
+{{- define "kvgate.queue.fullname" -}}{{ include "kvgate.base" . }}-queue{{- end -}}
 {{/* The agents of one pool: include with (list $ "long"). */}}
 {{- define "kvgate.agent.fullname" -}}{{ include "kvgate.base" (index . 0) }}-agent-{{ index . 1 }}{{- end -}}
 {{/* The simulated nodes of one pool (simulator.enabled): include with (list $ "long"). */}}
@@ -147,7 +148,42 @@ simulator.enabled, the simulators' Services are the interactive and long pools.
 {{- $_ := set $pools $name (dict "address" (include "kvgate.sim.address" (list $ $name)) "port" (int $.Values.simulator.port)) -}}
 {{- end -}}
 {{- end -}}
+{{- if .Values.queue.enabled -}}
+{{- $name := include "kvgate.queue.pool" . -}}
+{{- if (index $pools $name | default dict).address -}}
+{{- fail (printf "envoy.pools.%s.address must stay empty with queue.enabled: the queue (Service %s) is the %s pool" $name (include "kvgate.queue.fullname" .) $name) -}}
+{{- end -}}
+{{- $_ := set $pools $name (dict "address" (include "kvgate.queue.address" .) "port" (int .Values.queue.port)) -}}
+{{- end -}}
 {{- toJson $pools -}}
+{{- end -}}
+
+{{/* The pool the queue serves: the default model entry's async pool (the gate's PoolNames.async_). */}}
+{{- define "kvgate.queue.pool" -}}
+{{- dig "default_model" "pools" "async" "async" (.Values.gate.config | default dict) -}}
+{{- end -}}
+
+{{/* The queue's Service as envoy.pools names it: a DNS name, or `name.namespace` for Envoy Gateway. */}}
+{{- define "kvgate.queue.address" -}}
+{{- if eq .Values.envoy.mode "envoy-gateway" -}}
+{{- printf "%s.%s" (include "kvgate.queue.fullname" .) .Release.Namespace -}}
+{{- else -}}
+{{- printf "%s.%s.svc.cluster.local" (include "kvgate.queue.fullname" .) .Release.Namespace -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The idle timeout of routes to the queue, in seconds: a held request waits there up to queue.max_hold_s,
+then the queue answers 429 itself; Envoy's stream idle timeout (300 s by default) must leave that answer
+time to arrive (kvgate.envoyconfig.settings.QUEUE_IDLE_MARGIN_S).
+*/}}
+{{- define "kvgate.queue.idleTimeoutSeconds" -}}
+{{- add (ceil (dig "queue" "max_hold_s" 300 (.Values.gate.config | default dict)) | int) 30 -}}
+{{- end -}}
+
+{{/* `kvgate queue`'s own API, routed to it with ext_proc off (kvgate.envoyconfig.bootstrap.QUEUE_API_PATHS). */}}
+{{- define "kvgate.queue.apiPaths" -}}
+/v1/files,/v1/batches,/v1/kvgate/jobs
 {{- end -}}
 
 {{/* Fails the render, naming the value, when a pool the gate routes to has no address. */}}
@@ -290,3 +326,65 @@ typed_config:
 {{- define "kvgate.gate.metricsPortName" -}}
 {{- if eq (int .) 0 }}metrics{{ else }}metrics-{{ . }}{{ end }}
 {{- end }}
+
+{{/*
+The gate's tokenizer (gate.tokenizer), shared by the gate and the queue (which estimates batch lines and
+requests that never passed the gate): an init container that fetches it, the volume, its mount and the
+--tokenizer flag; each renders nothing when gate.tokenizer.source is none.
+*/}}
+{{- define "kvgate.tokenizer.initContainers" -}}
+{{- $tokenizer := .Values.gate.tokenizer -}}
+{{- if eq $tokenizer.source "initContainer" }}
+initContainers:
+  - name: fetch-tokenizer
+    image: {{ required "gate.tokenizer.initContainer.image is required when gate.tokenizer.source is initContainer" $tokenizer.initContainer.image }}
+    {{- with $tokenizer.initContainer.command }}
+    command:
+      {{- toYaml . | nindent 6 }}
+    {{- end }}
+    {{- with $tokenizer.initContainer.args }}
+    args:
+      {{- toYaml . | nindent 6 }}
+    {{- end }}
+    securityContext:
+      {{- include "kvgate.containerSecurityContext" . | nindent 6 }}
+    volumeMounts:
+      - name: tokenizers
+        mountPath: /tokenizers
+{{- end }}
+{{- end -}}
+
+{{- define "kvgate.tokenizer.args" -}}
+{{- $tokenizer := .Values.gate.tokenizer -}}
+{{- if ne $tokenizer.source "none" }}
+- --tokenizer
+- {{ printf "%s/%s" $tokenizer.mountPath $tokenizer.file | quote }}
+{{- end }}
+{{- end -}}
+
+{{- define "kvgate.tokenizer.mount" -}}
+{{- $tokenizer := .Values.gate.tokenizer -}}
+{{- if ne $tokenizer.source "none" }}
+- name: tokenizers
+  mountPath: {{ $tokenizer.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "kvgate.tokenizer.volume" -}}
+{{- $tokenizer := .Values.gate.tokenizer -}}
+{{- if eq $tokenizer.source "configMap" }}
+- name: tokenizers
+  configMap:
+    name: {{ required "gate.tokenizer.configMap.name is required when gate.tokenizer.source is configMap" $tokenizer.configMap.name }}
+{{- else if eq $tokenizer.source "volume" }}
+- name: tokenizers
+  {{- if not $tokenizer.volume }}
+  {{- fail "gate.tokenizer.volume is required when gate.tokenizer.source is volume" }}
+  {{- end }}
+  {{- toYaml $tokenizer.volume | nindent 2 }}
+{{- else if eq $tokenizer.source "initContainer" }}
+- name: tokenizers
+  emptyDir: {}
+{{- end }}
+{{- end -}}

@@ -84,3 +84,15 @@ grpc:
   port: {{ index . 1 }}
 {{- end -}}
 {{- end -}}
+
+
+{{/* A client of the agents (the gate, the queue): the CA of their certificate; with clientAuth, its own. */}}
+{{- define "kvgate.tls.agentsClientVolume" -}}
+{{- $tls := .Values.tls.agents -}}
+{{- if $tls.enabled }}
+{{- include "kvgate.tls.volume" (dict
+      "name" "tls-agents"
+      "cert" (ternary $tls.clientSecretName "" $tls.clientAuth)
+      "ca" $tls.secretName) }}
+{{- end }}
+{{- end -}}
