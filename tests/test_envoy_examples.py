@@ -150,6 +150,8 @@ def test_access_log_shows_pool_tokens_reason_and_endpoint(
     assert long["pool"] == "long" and long["reason"] == "long"
     assert long["endpoint"] == f"127.0.0.1:{ports['long']}" == long["upstream"]
     assert long["tokens"] == int(received["long"]["x-kvgate-tokens"]) > 8000
+    assert long["reserved_tokens"] == long["tokens"] and long["prefix_hit_tokens"] == 0, "no prefix shared"
+    assert short["reserved_tokens"] is None
     assert refused["status"] == 413 and refused["refused"] == "too_long" and refused["pool"] is None
 
 

@@ -42,6 +42,8 @@ META_TOKENS = "tokens"
 META_METHOD = "method"
 META_PROMPT_TOKENS = "prompt_tokens"
 META_MODEL = "model"
+META_RESERVED_TOKENS = "reserved_tokens"  # what the agent charged (less than tokens with a shared prefix)
+META_PREFIX_HIT_TOKENS = "prefix_hit_tokens"  # prompt tokens the node is expected to hold cached
 
 # The upstream header each routing metadata key becomes in the one-round-trip set-up.
 HEADER_FOR_METADATA = {

@@ -38,7 +38,7 @@ from opentelemetry.util.types import AttributeValue
 from kvgate.gate import responses
 from kvgate.gate.admission import Ticket
 from kvgate.gate.pipeline import Outcome, Pipeline, RequestHead, headers_read, request_head
-from kvgate.names import HEADER_PREFIX, METADATA_NAMESPACE
+from kvgate.names import HEADER_PREFIX, META_PREFIX_HIT_TOKENS, META_RESERVED_TOKENS, METADATA_NAMESPACE
 from kvgate.policy import Decision, Reason, Refusal
 from kvgate.policy.route import NO_ROUTE_POLICY, RoutePolicy
 from kvgate.telemetry import DecisionSpans, GateMetrics
@@ -246,6 +246,10 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
             extra["prompt_tokens"] = outcome.estimate.prompt_tokens
         if outcome.shape is not None and outcome.shape.model:
             extra["model"] = outcome.shape.model
+        if outcome.ticket is not None:
+            # What the node's agent charged, and what it expects the engine to find cached.
+            extra[META_RESERVED_TOKENS] = outcome.ticket.charged_tokens
+            extra[META_PREFIX_HIT_TOKENS] = outcome.ticket.cached_tokens
         return self._answer_body(decision, head, stream, extra)
 
     def _answer_body(
