@@ -216,6 +216,10 @@ def test_rate_limit_charges_each_tenant_the_gates_estimate(
     config["static_resources"]["clusters"][config["static_resources"]["clusters"].index(cluster)] = (
         rls_cluster
     )
+    # The shipped 50 ms deadline fails open on a loaded 2-core CI machine (seen: a third request let
+    # through); the test is about what is charged, not how fast the service answers.
+    (rate_limit,) = [f for f in hcm(config)["http_filters"] if f["name"] == "envoy.filters.http.ratelimit"]
+    rate_limit["typed_config"]["timeout"] = "2s"
     config_path.write_text(yaml.safe_dump(config))
     envoy = envoy_process(config_path, tmp_path, ports["admin"], ports["listener"])
     acme = {"x-tenant-id": "acme"}
