@@ -55,3 +55,11 @@ def test_plan_is_deterministic_and_the_no_burst_phase_is_the_same_short_traffic(
     assert all(3 <= sum(1 for p in longs if int(p.at_s) == s) <= 5 for s in burst_starts)
     assert [p.at_s for p in with_bursts] == sorted(p.at_s for p in with_bursts)
     assert [p.index for p in with_bursts] == list(range(len(with_bursts)))
+
+
+def test_the_queue_and_separate_async_nodes_are_alternatives() -> None:
+    with pytest.raises(ConfigError, match="layout.queue and layout.async_nodes are alternatives"):
+        parse_scenario("layout: {async_nodes: 1}")
+    assert parse_scenario("layout: {async_nodes: 1, queue: false}").layout.async_nodes == 1
+    no_queue = parse_scenario("runs: [kvgate, kvgate_no_queue]")
+    assert no_queue.runs == ("kvgate", "kvgate_no_queue")

@@ -23,8 +23,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "Start simulated GPU nodes, the real Envoy, the gate and one agent per long-context node "
             "on 127.0.0.1, and replay a scenario (steady chat traffic plus bursts of 32k-token "
             "requests) twice: through a plain round-robin Envoy over one shared pool, then through "
-            "kvgate. Prints a side-by-side table and writes report.json and report.png. Everything it "
-            "starts is stopped when it ends. A scenario may name other runs: the rag scenario "
+            "kvgate, whose queue (`kvgate queue`, the async pool) holds the long requests that find no "
+            "room until a node's agent reserves for them. Prints a side-by-side table and writes "
+            "report.json and report.png. Everything it starts is stopped when it ends. `--only "
+            "kvgate_no_queue` shows kvgate without its queue (429 after the wait). A scenario may name "
+            "other runs: the rag scenario "
             "(src/kvgate/demo/scenarios/rag.yaml) compares kvgate with prefix-aware placement off and on."
         ),
     )

@@ -23,6 +23,7 @@ from typing import Literal
 import aiohttp
 
 from kvgate.demo.scenario import Planned, Scenario
+from kvgate.names import JOB_ID_HEADER
 from kvgate.sim.server import NODE_HEADER
 from kvgate.sim.tokens import make_prompt
 
@@ -42,6 +43,7 @@ class Result:
     completion_tokens: int = 0
     node: str | None = None
     detail: str = ""
+    queued: bool = False  # answered by kvgate's queue (held until a node reserved for it)
 
 
 def classify_response(status: int, body: bytes) -> Outcome:
@@ -177,6 +179,7 @@ class LoadGenerator:
         headers = {"Content-Type": "application/json"}
         async with session.post(self._url, data=body, headers=headers) as response:
             node = response.headers.get(NODE_HEADER)
+            queued = JOB_ID_HEADER in response.headers
             if response.status != 200:
                 payload = await response.read()
                 outcome = classify_response(response.status, payload)
@@ -197,7 +200,7 @@ class LoadGenerator:
                 planned, sent - start, "lost", 200, ttft, None, tokens, node, "stream ended without [DONE]"
             )
         served: Outcome = "async" if node in self._async_nodes else "ok"
-        return Result(planned, sent - start, served, 200, ttft, done, tokens, node)
+        return Result(planned, sent - start, served, 200, ttft, done, tokens, node, queued=queued)
 
     async def _read_stream(
         self, content: aiohttp.StreamReader, sent: float

@@ -69,10 +69,14 @@ def _ttft(ax: Axes, name: str, trace: RunTrace) -> None:
 
 def _long_ttft(ax: Axes, name: str, trace: RunTrace) -> None:
     longs = [r for r in trace.burst if r.planned.kind == "long"]
-    served = [r for r in longs if r.outcome == "ok" and r.ttft_s is not None]
+    served = [r for r in longs if r.outcome == "ok" and r.ttft_s is not None and not r.queued]
+    queued = [r for r in longs if r.outcome == "ok" and r.ttft_s is not None and r.queued]
     failed = [r for r in longs if r.outcome != "ok"]
     ax.scatter([r.sent_s for r in served], [(r.ttft_s or 0) * 1000 for r in served], s=10, color="tab:purple",
                label="served")  # fmt: skip
+    if queued:
+        ax.scatter([r.sent_s for r in queued], [(r.ttft_s or 0) * 1000 for r in queued], s=14, marker="s",
+                   color="tab:cyan", label="queued, then served")  # fmt: skip
     if failed:
         ax.scatter([r.sent_s for r in failed], [1.0] * len(failed), s=14, marker="x", color="tab:red",
                    label="not served")  # fmt: skip
@@ -80,7 +84,7 @@ def _long_ttft(ax: Axes, name: str, trace: RunTrace) -> None:
     ax.set_title(f"{name}: long-request TTFT (admission wait included)")
     ax.set_xlabel("seconds into the burst phase")
     ax.set_ylabel("ms")
-    if served or failed:
+    if served or queued or failed:
         ax.legend(fontsize="small", loc="upper left")
 
 

@@ -98,6 +98,8 @@ def summarize_run(
         "pools": dict(pools),
         "long_requests": sum(1 for r in burst if r.planned.kind == "long"),
         "long_served": sum(1 for r in burst if r.planned.kind == "long" and r.outcome == "ok"),
+        # Of those, the ones kvgate's queue held until a node had room (instead of a 429).
+        "long_queued": sum(1 for r in burst if r.planned.kind == "long" and r.outcome == "ok" and r.queued),
         "long_ttft_p50_ms": _ms(percentile(served_ttfts(burst, "long"), 50)),
         "long_ttft_p99_ms": _ms(percentile(served_ttfts(burst, "long"), 99)),
         "prefix_hit_tokens": sum(m.prefix_hit_tokens for m in known),
@@ -124,7 +126,14 @@ def format_table(report: Mapping[str, Mapping[str, Any]]) -> str:
     rows.append(("peak_kv_fraction (max node)", [_cell(_max_peak(report[r])) for r in runs]))
     for key in ("long_goodput_tokens_per_s", "long_capacity_tokens_per_s"):
         rows.append((key, [_cell(report[r].get(key)) for r in runs]))
-    keys = ("long_requests", "long_served", "long_ttft_p50_ms", "long_ttft_p99_ms", "prefix_hit_tokens")
+    keys = (
+        "long_requests",
+        "long_served",
+        "long_queued",
+        "long_ttft_p50_ms",
+        "long_ttft_p99_ms",
+        "prefix_hit_tokens",
+    )
     for key in keys:
         rows.append((key, [_cell(report[r].get(key)) for r in runs]))
     label_width = max(len(label) for label, _ in rows)

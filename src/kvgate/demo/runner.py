@@ -102,8 +102,14 @@ async def _run_one(
         if name == "baseline":
             stack = await start_baseline(group, scenario, Path(tmp))
         else:
-            prefix_affinity = name == "kvgate_prefix_on"
-            stack = await start_kvgate(group, scenario, Path(tmp), envoy_config, prefix_affinity)
+            stack = await start_kvgate(
+                group,
+                scenario,
+                Path(tmp),
+                envoy_config,
+                prefix_affinity=name == "kvgate_prefix_on",
+                queue=scenario.layout.queue and name != "kvgate_no_queue",
+            )
         quiet, busy = (
             ("no bursts", "bursts") if scenario.bursts is not None else ("short only", "long traffic")
         )

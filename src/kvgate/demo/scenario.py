@@ -35,6 +35,10 @@ class Layout:
     baseline_nodes: int = 3
     interactive_nodes: int = 1
     long_nodes: int = 2
+    # kvgate's async tier: `kvgate queue` as the async pool, admission.async_fallback on, so a long
+    # request that finds no room is queued and run as soon as a long node's agent reserves for it.
+    queue: bool = True
+    # Or separate batch engines as the async pool (the queue and these are alternatives).
     async_nodes: int = 0
 
 
@@ -105,8 +109,9 @@ class Timing:
 
 
 # The stacks a run can start: a plain Envoy over one shared pool, or kvgate with prefix-aware
-# placement off (its default) or on.
-RunName = Literal["baseline", "kvgate", "kvgate_prefix_off", "kvgate_prefix_on"]
+# placement off (its default) or on, or kvgate without its queue (long requests that find no room
+# get 429 after the wait).
+RunName = Literal["baseline", "kvgate", "kvgate_prefix_off", "kvgate_prefix_on", "kvgate_no_queue"]
 RUN_NAMES: tuple[RunName, ...] = get_args(RunName)
 
 
@@ -170,6 +175,8 @@ def _check(s: Scenario) -> None:
         problems.append("runs must name at least one run")
     if s.node.max_model_len > s.node.kv_capacity_tokens:
         problems.append("node.max_model_len cannot exceed node.kv_capacity_tokens")
+    if s.layout.queue and s.layout.async_nodes:
+        problems.append("layout.queue and layout.async_nodes are alternatives: set one")
     if min(s.layout.baseline_nodes, s.layout.interactive_nodes, s.layout.long_nodes) < 1:
         problems.append("every pool needs at least one node")
     if (s.bursts is not None and s.bursts.every_s <= 0) or s.short.rate_per_s <= 0:

@@ -81,9 +81,14 @@ async def start_baseline(group: ProcessGroup, scenario: Scenario, work_dir: Path
 
 
 def gate_config(
-    scenario: Scenario, gate_port: int, agent_ports: list[int], prefix_affinity: bool = False
+    scenario: Scenario,
+    gate_port: int,
+    agent_ports: list[int],
+    prefix_affinity: bool = False,
+    queue: bool = False,
 ) -> dict[str, Any]:
-    """The gate's YAML for this run: pool limits from the node profile, one agent per long node."""
+    """The gate's YAML for this run (the queue reads it too): pool limits from the node profile, one
+    agent per long node."""
     placement = {"placement": {"prefix_affinity": True}} if prefix_affinity else {}
     return {
         "server": {"listen": f"127.0.0.1:{gate_port}", "workers": 1},
@@ -94,7 +99,7 @@ def gate_config(
         # With an async pool, a long request that finds no room is handed to it instead of a 429.
         "admission": {
             "max_wait_s": scenario.gate.admission_max_wait_s,
-            "async_fallback": scenario.layout.async_nodes > 0,
+            "async_fallback": queue or scenario.layout.async_nodes > 0,
         },
         "headroom": {"agents": [f"127.0.0.1:{port}" for port in agent_ports]},
         **placement,
@@ -119,12 +124,20 @@ def _start_agents(group: ProcessGroup, long_nodes: list[Node], ports: Iterator[i
 
 
 async def start_kvgate(
-    group: ProcessGroup, scenario: Scenario, work_dir: Path, envoy_config: Path, prefix_affinity: bool = False
+    group: ProcessGroup,
+    scenario: Scenario,
+    work_dir: Path,
+    envoy_config: Path,
+    *,
+    prefix_affinity: bool = False,
+    queue: bool = False,
 ) -> Stack:
+    """kvgate's stack; with `queue`, `kvgate queue` is the async pool and runs overflow on the long
+    nodes, as soon as one of their agents reserves for it."""
     layout = scenario.layout
     sizes = {"interactive": layout.interactive_nodes, "long": layout.long_nodes, "async": layout.async_nodes}
-    # Nodes, agents, then the gate, its metrics, Envoy's listener and admin.
-    ports = iter(free_ports(sum(sizes.values()) + layout.long_nodes + 4))
+    # Nodes, agents, then the gate, its metrics, Envoy's listener and admin, the queue.
+    ports = iter(free_ports(sum(sizes.values()) + layout.long_nodes + 5))
     nodes = [Node(f"{pool}-{i}", next(ports), pool) for pool, size in sizes.items() for i in range(size)]
     model_len = {
         "interactive": scenario.node.interactive_max_model_len,
@@ -136,7 +149,7 @@ async def start_kvgate(
     agents = _start_agents(group, long_nodes, ports)
     gate_port = next(ports)
     gate_yaml = write_yaml(
-        gate_config(scenario, gate_port, list(agents.values()), prefix_affinity),
+        gate_config(scenario, gate_port, list(agents.values()), prefix_affinity, queue),
         work_dir / "kvgate-gate.yaml",
     )
     # A port of its own for the gate's /metrics: the default one may be taken by another gate.
@@ -147,8 +160,21 @@ async def start_kvgate(
     envoy_ports |= {
         pool: [n.port for n in nodes if n.pool == pool] for pool in ("interactive", "long", "async")
     }
+    queue_port = next(ports)
+    ready = {**{n.name: n.port for n in nodes}, **agents, "gate": gate_port, "envoy": listen}
+    if queue:
+        store = f"sqlite:///{work_dir / 'queue.db'}"
+        group.start(
+            "queue",
+            kvgate_command(
+                "queue", "--listen", f"127.0.0.1:{queue_port}", "--store", store,
+                "--config", str(gate_yaml), "--metrics-listen", "off",
+            ),
+        )  # fmt: skip
+        envoy_ports["async"] = [queue_port]
+        ready["queue"] = queue_port
     _start_envoy(group, render_envoy(envoy_config, work_dir / "envoy-kvgate.yaml", envoy_ports))
-    await _wait_all(group, {**{n.name: n.port for n in nodes}, **agents, "gate": gate_port, "envoy": listen})
+    await _wait_all(group, ready)
     url = f"http://127.0.0.1:{listen}/v1/chat/completions"
     async_nodes = frozenset(n.name for n in nodes if n.pool == "async")
     return Stack(url, tuple(nodes), tuple(n.name for n in long_nodes), async_nodes)
