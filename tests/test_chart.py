@@ -11,9 +11,11 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import re
 import subprocess
 import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +147,7 @@ CUSTOM_RESOURCES: dict[tuple[str, str], tuple[str, ...]] = {
     ("gateway.envoyproxy.io/v1alpha1", "EnvoyExtensionPolicy"): ("targetRefs", "extProc"),
     ("gateway.envoyproxy.io/v1alpha1", "ClientTrafficPolicy"): ("targetRefs",),
     ("gateway.envoyproxy.io/v1alpha1", "EnvoyPatchPolicy"): ("targetRef", "type", "jsonPatches"),
+    ("gateway.envoyproxy.io/v1alpha1", "BackendTrafficPolicy"): ("targetRefs",),
     ("gateway.networking.k8s.io/v1", "HTTPRoute"): ("parentRefs", "rules"),
     ("gateway.networking.k8s.io/v1beta1", "ReferenceGrant"): ("from", "to"),
 }
@@ -159,6 +162,9 @@ def check_custom_resource(doc: dict[str, Any]) -> None:
     if doc["kind"] in ("EnvoyExtensionPolicy", "ClientTrafficPolicy"):
         for ref in doc["spec"]["targetRefs"]:
             assert ref["group"] == "gateway.networking.k8s.io" and ref["kind"] == "Gateway" and ref["name"]
+    if doc["kind"] == "BackendTrafficPolicy":
+        for ref in doc["spec"]["targetRefs"]:
+            assert ref["group"] == "gateway.networking.k8s.io" and ref["kind"] == "HTTPRoute" and ref["name"]
     if doc["kind"] == "EnvoyExtensionPolicy":
         for ext_proc in doc["spec"]["extProc"]:
             assert len(ext_proc["backendRefs"]) == 1
@@ -173,6 +179,7 @@ def check_custom_resource(doc: dict[str, Any]) -> None:
         for patch in doc["spec"]["jsonPatches"]:
             assert patch["type"].startswith("type.googleapis.com/envoy.") and patch["name"]
             assert patch["operation"]["op"] in ("add", "remove", "replace", "move", "copy", "test")
+            assert patch["operation"].get("path") or patch["operation"].get("jsonPath")
     if doc["kind"] == "EnvoyFilter":
         for patch in doc["spec"]["configPatches"]:
             assert patch["applyTo"] and patch["patch"]["operation"] and patch["patch"]["value"]
@@ -223,6 +230,34 @@ VALUE_MATRIX: dict[str, dict[str, Any]] = {
         otel={"endpoint": "http://otel-collector.observability:4317"},
     ),
     "gate-only": {"envoy": {"mode": "none"}},
+    "queue-sqlite": standalone(
+        queue={"enabled": True, "store": {"sqlite": {"persistence": {"storageClassName": "fast-ssd"}}}},
+        gate={"tokenizer": {"source": "configMap", "configMap": {"name": "tok"}}},
+    ),
+    "queue-existing-claim": standalone(
+        queue={"enabled": True, "store": {"sqlite": {"persistence": {"existingClaim": "queue-data"}}}}
+    ),
+    "queue-tls-agents": standalone(
+        queue={"enabled": True},
+        tls={
+            "agents": {
+                "enabled": True,
+                "secretName": "agents",
+                "clientAuth": True,
+                "clientSecretName": "gate",
+            }
+        },
+    ),
+    "queue-gate-only": {"envoy": {"mode": "none"}, "queue": {"enabled": True}},
+    "reservation-only-agents": standalone(
+        agent={
+            "unreservedRequestTokens": 8192,
+            "pools": {
+                "long": {"capacityTokens": 60000, "unreservedRequestTokens": 2048},
+                "interactive": {"enabled": True},
+            },
+        }
+    ),
 }
 
 
@@ -268,14 +303,17 @@ def test_mode_switch_renders_only_that_mesh(helm: Helm) -> None:
         "ClientTrafficPolicy",
         "EnvoyPatchPolicy",
         "HTTPRoute",
+        "BackendTrafficPolicy",
     }
     assert modes["standalone"] & mesh_kinds == set()
+    assert modes["queue-postgresql"] & mesh_kinds == set()
     assert mesh_kinds & modes["istio"] == {"EnvoyFilter", "VirtualService"}
     assert mesh_kinds & modes["envoy-gateway"] == {
         "EnvoyExtensionPolicy",
         "ClientTrafficPolicy",
         "EnvoyPatchPolicy",
         "HTTPRoute",
+        "BackendTrafficPolicy",
     }
     gate_only = {d["kind"] for d in helm.render(VALUE_MATRIX["gate-only"])}
     assert not gate_only & mesh_kinds
@@ -468,6 +506,157 @@ def test_agent_options(helm: Helm) -> None:
     assert args[args.index("--capacity-tokens") + 1] == "200000"
 
 
+@pytest.mark.parametrize(
+    ("pool", "capacity", "unreserved"), [("long", "60000", "2048"), ("interactive", None, "8192")]
+)
+def test_reservation_only_agents_get_capacity_and_allowance_per_pool(
+    helm: Helm, pool: str, capacity: str | None, unreserved: str
+) -> None:
+    args = container(
+        one(helm.render(VALUE_MATRIX["reservation-only-agents"]), "DaemonSet", f"-{pool}"), "agent"
+    )["args"]
+    assert (args[args.index("--capacity-tokens") + 1] if "--capacity-tokens" in args else None) == capacity
+    assert args[args.index("--unreserved-request-tokens") + 1] == unreserved
+
+
+def test_agent_allowance_is_the_agents_own_default_unless_set(helm: Helm) -> None:
+    args = container(one(helm.render(standalone()), "DaemonSet"), "agent")["args"]
+    assert "--unreserved-request-tokens" not in args
+
+
+# --- the queue -------------------------------------------------------------------------------------------
+
+
+def test_queue_is_off_by_default(helm: Helm) -> None:
+    docs = helm.render(standalone())
+    assert not [d for d in docs if d["metadata"]["name"].endswith("-queue")]
+    assert "async_fallback" not in gate_config_text(docs)
+
+
+def test_queue_on_sqlite_runs_one_replica_on_a_claim(helm: Helm) -> None:
+    docs = helm.render(VALUE_MATRIX["queue-sqlite"])
+    deployment = one(docs, "Deployment", "-queue")
+    pod = deployment["spec"]["template"]["spec"]
+    queue = container(deployment, "queue")
+    args = queue["args"]
+    assert args[:3] == ["queue", "--listen", "0.0.0.0:8003"]
+    assert args[args.index("--store") + 1] == "sqlite:////var/lib/kvgate-queue/queue.db"
+    assert args[args.index("--config") + 1] == "/etc/kvgate/kvgate.yaml"
+    assert args[args.index("--metrics-listen") + 1] == "0.0.0.0:9466"
+    # The gate's tokenizer estimates batch lines and requests that never passed the gate.
+    assert args[args.index("--tokenizer") + 1] == "/var/lib/kvgate/tokenizers/tokenizer.model"
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}, "the old pod must let go of the file lock"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    claim = one(docs, "PersistentVolumeClaim")
+    assert volumes["store"]["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    assert volumes["config"]["configMap"]["name"] == one(docs, "ConfigMap", "-gate")["metadata"]["name"]
+    assert volumes["tokenizers"]["configMap"]["name"] == "tok"
+    assert {"name": "store", "mountPath": "/var/lib/kvgate-queue"} in queue["volumeMounts"]
+    assert claim["spec"]["storageClassName"] == "fast-ssd"
+    assert claim["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert queue[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    assert queue["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == "9466"
+    gate_checksum = one(docs, "Deployment", "-gate")["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["checksum/config"] == gate_checksum["checksum/config"]
+    service = one(docs, "Service", "-queue")
+    assert service["spec"]["selector"] == deployment["spec"]["template"]["metadata"]["labels"]
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == {"http": 8003, "metrics": 9466}
+
+
+def test_queue_on_an_existing_claim_makes_none(helm: Helm) -> None:
+    docs = helm.render(VALUE_MATRIX["queue-existing-claim"])
+    assert not by_kind(docs, "PersistentVolumeClaim")
+    volumes = {v["name"]: v for v in one(docs, "Deployment", "-queue")["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["store"]["persistentVolumeClaim"] == {"claimName": "queue-data"}
+
+
+def test_queue_on_postgresql_reads_the_url_from_the_secret(helm: Helm) -> None:
+    docs = helm.template(CHART / "ci" / "queue-postgresql-values.yaml")
+    deployment = one(docs, "Deployment", "-queue")
+    queue = container(deployment, "queue")
+    assert deployment["spec"]["replicas"] == 3
+    assert "strategy" not in deployment["spec"], "replicas share the database: a rolling update is fine"
+    assert queue["args"][queue["args"].index("--store") + 1] == "$(KVGATE_QUEUE_STORE)"
+    (store,) = [e for e in queue["env"] if e["name"] == "KVGATE_QUEUE_STORE"]
+    assert store["valueFrom"] == {"secretKeyRef": {"name": "kvgate-queue-db", "key": "url"}}
+    assert not by_kind(docs, "PersistentVolumeClaim")
+    assert "store" not in {v["name"] for v in deployment["spec"]["template"]["spec"]["volumes"]}
+
+
+def test_queue_reaches_tls_agents_as_the_gate_does(helm: Helm) -> None:
+    docs = helm.render(VALUE_MATRIX["queue-tls-agents"])
+    volumes = {
+        name: {v["name"]: v for v in one(docs, "Deployment", suffix)["spec"]["template"]["spec"]["volumes"]}
+        for name, suffix in (("gate", "-gate"), ("queue", "-queue"))
+    }
+    assert volumes["queue"]["tls-agents"] == volumes["gate"]["tls-agents"]
+    mounts = container(one(docs, "Deployment", "-queue"), "queue")["volumeMounts"]
+    assert {"name": "tls-agents", "mountPath": "/etc/kvgate-tls/agents", "readOnly": True} in mounts
+
+
+def test_queue_turns_on_the_gates_async_fallback_unless_told_not_to(helm: Helm) -> None:
+    assert parse_config(gate_config_text(helm.render(VALUE_MATRIX["queue-sqlite"]))).admission.async_fallback
+    values = standalone(queue={"enabled": True}, gate={"config": {"admission": {"async_fallback": False}}})
+    assert not parse_config(gate_config_text(helm.render(values))).admission.async_fallback
+
+
+def _queue_host(docs: list[dict[str, Any]]) -> str:
+    return f"{one(docs, 'Service', '-queue')['metadata']['name']}.llm.svc.cluster.local"
+
+
+def test_queue_is_the_async_pool_in_standalone_mode(helm: Helm) -> None:
+    docs = helm.render(VALUE_MATRIX["queue-sqlite"])
+    bootstrap = yaml.safe_load(one(docs, "ConfigMap", "-envoy")["data"]["envoy.yaml"])
+    clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
+    endpoint = clusters["pool_async"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+    assert endpoint["address"]["socket_address"] == {"address": _queue_host(docs), "port_value": 8003}
+
+
+def test_queue_is_the_async_pool_on_istio(helm: Helm) -> None:
+    docs = helm.template(CHART / "ci" / "istio-values.yaml")
+    for service in by_kind(docs, "VirtualService"):
+        http = service["spec"]["http"]
+        api = [r for r in http if "kvgate-queue-" in r["name"]]
+        assert [r["match"][0]["uri"]["regex"] for r in api] == [
+            "/v1/files(/.*)?",
+            "/v1/batches(/.*)?",
+            "/v1/kvgate/jobs(/.*)?",
+        ]
+        to_queue = [r for r in http if r["name"].endswith("pool-async")] + api
+        for route in to_queue:
+            assert route["route"][0]["destination"] == {"host": _queue_host(docs), "port": {"number": 8003}}
+
+
+def test_queue_is_the_async_pool_on_envoy_gateway(helm: Helm) -> None:
+    docs = helm.template(CHART / "ci" / "envoy-gateway-values.yaml")
+    queue = one(docs, "Service", "-queue")["metadata"]["name"]
+    for route in by_kind(docs, "HTTPRoute"):
+        rules = route["spec"]["rules"]
+        paths = [r["matches"][0]["path"]["value"] for r in rules[:3]]
+        assert paths == ["/v1/files", "/v1/batches", "/v1/kvgate/jobs"]
+        async_rules = [
+            r for r in rules if r.get("matches", [{}])[0].get("headers", [{}])[0].get("value") == "async"
+        ]
+        assert async_rules
+        for rule in rules[:3] + async_rules:
+            assert rule["backendRefs"] == [{"name": queue, "namespace": "llm", "port": 8003}]
+    grant = one(docs, "ReferenceGrant", "-pools")
+    assert grant["spec"]["to"] == [{"group": "", "kind": "Service", "name": queue}]
+    assert grant["spec"]["from"] == [
+        {"group": "gateway.networking.k8s.io", "kind": "HTTPRoute", "namespace": "gateways"}
+    ]
+    hold = one(docs, "BackendTrafficPolicy")
+    assert hold["spec"]["timeout"]["http"]["streamIdleTimeout"] == "330s"
+    assert sorted(ref["name"] for ref in hold["spec"]["targetRefs"]) == sorted(
+        r["metadata"]["name"] for r in by_kind(docs, "HTTPRoute")
+    )
+
+
 # --- observability ---------------------------------------------------------------------------------------
 
 
@@ -483,6 +672,25 @@ def test_service_monitor_selects_only_the_gate_service(helm: Helm) -> None:
     ]
     assert selected == [one(docs, "Deployment", "-gate")["metadata"]["name"]]
     env = {e["name"]: e.get("value") for e in container(one(docs, "Deployment", "-gate"), "gate")["env"]}
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.observability:4317"
+
+
+def test_queue_metrics_are_scraped_by_their_own_service_monitor(helm: Helm) -> None:
+    values = VALUE_MATRIX["observability"] | {"queue": {"enabled": True}}
+    docs = helm.render(values)
+    for suffix in ("-gate", "-queue"):
+        monitor = one(docs, "ServiceMonitor", suffix)
+        assert monitor["metadata"]["labels"]["release"] == "prom"
+        selector = monitor["spec"]["selector"]["matchLabels"]
+        selected = [
+            s for s in by_kind(docs, "Service") if selector.items() <= s["metadata"]["labels"].items()
+        ]
+        assert [s["metadata"]["name"] for s in selected] == [
+            one(docs, "Deployment", suffix)["metadata"]["name"]
+        ]
+        ports = {p["name"] for p in selected[0]["spec"]["ports"]}
+        assert {e["port"] for e in monitor["spec"]["endpoints"]} <= ports
+    env = {e["name"]: e.get("value") for e in container(one(docs, "Deployment", "-queue"), "queue")["env"]}
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.observability:4317"
 
 
@@ -551,9 +759,10 @@ def test_istio_envoy_filter_puts_ext_proc_before_the_router(helm: Helm) -> None:
     assert route_config["match"]["routeConfiguration"] == {"gateway": "istio-ingress/llm-gateway"}
     assert route_config["patch"]["operation"] == "MERGE"
     check_response_headers(route_config["patch"]["value"]["response_headers_to_add"])
-    routes = one(docs, "VirtualService")["spec"]["http"]
-    assert routes[0]["match"][0]["headers"]["x-kvgate-pool"] == {"exact": "long"}
-    assert "match" not in routes[-1] and routes[-1]["route"][0]["destination"]["host"].startswith(
+    routes = {r["name"]: r for r in one(docs, "VirtualService", "-pools")["spec"]["http"]}
+    assert routes["pool-long"]["match"][0]["headers"]["x-kvgate-pool"] == {"exact": "long"}
+    catch_all = list(routes.values())[-1]
+    assert "match" not in catch_all and catch_all["route"][0]["destination"]["host"].startswith(
         "vllm-interactive"
     )
 
@@ -573,7 +782,7 @@ def test_envoy_gateway_policies(helm: Helm) -> None:
     assert traffic["spec"]["headers"]["lateResponseHeaders"]["addIfAbsent"] == [
         {"name": header, "value": value} for header, value in RESPONSE_HEADERS.items()
     ]
-    (patch,) = one(docs, "EnvoyPatchPolicy")["spec"]["jsonPatches"]
+    (patch,) = one(docs, "EnvoyPatchPolicy", "-decompressor")["spec"]["jsonPatches"]
     assert patch["name"] == "gateways/llm/http", "the Gateway's listener named http (EG's name before v1.10)"
     assert patch["type"] == "type.googleapis.com/envoy.config.listener.v3.Listener"
     assert patch["operation"]["op"] == "add" and patch["operation"]["path"] == "/0"
@@ -581,17 +790,139 @@ def test_envoy_gateway_policies(helm: Helm) -> None:
         "..filters[?(@.name == 'envoy.filters.network.http_connection_manager')].typed_config.http_filters"
     )
     check_request_decompressor(patch["operation"]["value"])
-    grant = one(docs, "ReferenceGrant")
+    grant = one(docs, "ReferenceGrant", "-ext-proc")
     assert grant["metadata"]["namespace"] == "llm" and grant["spec"]["from"][0]["namespace"] == "gateways"
-    rules = one(docs, "HTTPRoute")["spec"]["rules"]
-    assert rules[1]["backendRefs"][0] == {"name": "vllm-long", "namespace": "models", "port": 8000}
-    assert rules[0]["backendRefs"][0] == {"name": "batch-queue", "port": 8080}
-    assert "matches" not in rules[-1]
+    rules = one(docs, "HTTPRoute", "-pools")["spec"]["rules"]
+    long_rule = next(
+        r for r in rules if r.get("matches", [{}])[0].get("headers", [{}])[0].get("value") == "long"
+    )
+    assert long_rule["backendRefs"][0] == {"name": "vllm-long", "namespace": "models", "port": 8000}
+    assert rules[-1]["backendRefs"][0]["name"] == "vllm-interactive" and "matches" not in rules[-1]
 
 
 def test_envoy_gateway_in_the_gateways_namespace_needs_no_reference_grant(helm: Helm) -> None:
     docs = helm.template(CHART / "ci" / "envoy-gateway-values.yaml", namespace="gateways")
     assert not by_kind(docs, "ReferenceGrant")
+
+
+# --- route policies ----------------------------------------------------------------------------------------
+
+
+def test_gate_config_policies_reach_the_gate(helm: Helm) -> None:
+    config = parse_config(gate_config_text(helm.template(CHART / "ci" / "istio-values.yaml")))
+    assert config.policies["batch"].async_mode == "prefer"
+    assert config.policies["batch"].max_total_tokens == 32768
+
+
+def metadata_of(typed_per_filter_config: dict[str, Any]) -> list[tuple[str, str]]:
+    per_route = typed_per_filter_config["envoy.filters.http.ext_proc"]
+    assert per_route["@type"].endswith("ext_proc.v3.ExtProcPerRoute")
+    return [(m["key"], m["value"]) for m in per_route["overrides"]["grpc_initial_metadata"]]
+
+
+def test_istio_route_policies_patch_the_route_envoy_picks_before_the_gate_answers(helm: Helm) -> None:
+    docs = helm.template(CHART / "ci" / "istio-values.yaml")
+    services = {
+        s["metadata"]["name"].removeprefix("rel-kvgate-"): s["spec"] for s in by_kind(docs, "VirtualService")
+    }
+    assert services["policy-strict"]["hosts"] == ["strict.example.com"]
+    assert services["pools"]["hosts"] == ["llm.example.com"]
+    routes = {r["name"]: r for spec in services.values() for r in spec["http"]}
+    patches = [
+        p
+        for p in one(docs, "EnvoyFilter")["spec"]["configPatches"]
+        if p["applyTo"] == "HTTP_ROUTE" and "vhost" in p["match"]["routeConfiguration"]
+    ]
+    by_route: dict[str, list[dict[str, Any]]] = {}
+    for patch in patches:
+        assert patch["patch"]["operation"] == "MERGE"
+        by_route.setdefault(patch["match"]["routeConfiguration"]["vhost"]["route"]["name"], []).append(
+            patch["patch"]["value"]
+        )
+    assert set(by_route) <= set(routes), "every patch names a route of the chart's VirtualServices"
+    policies = {
+        name: metadata_of(value["typed_per_filter_config"])
+        for name, values in by_route.items()
+        for value in values
+        if "overrides" in value.get("typed_per_filter_config", {}).get("envoy.filters.http.ext_proc", {})
+    }
+    # Host, route, and both merged (the route's values over the host's), each on the catch-all route of
+    # its path: the one Envoy picks when the headers arrive, before the gate sets x-kvgate-pool.
+    assert policies == {
+        "policy-strict-pool-interactive": [("x-kvgate-max-total-tokens", "2000")],
+        "path0-pool-interactive": [("x-kvgate-model-policy", "batch")],
+        "policy-strict-path0-pool-interactive": [
+            ("x-kvgate-max-total-tokens", "2000"),
+            ("x-kvgate-model-policy", "batch"),
+        ],
+    }
+    for name in policies:
+        assert "headers" not in routes[name].get("match", [{}])[0]
+    batch = routes["path0-pool-interactive"]["match"][0]["uri"]["regex"]
+    assert re.fullmatch(batch, "/v1/batch/chat/completions") and not re.fullmatch(batch, "/v1/batch/chatty")
+    queue_api = [name for name in routes if "kvgate-queue-" in name]
+    assert len(queue_api) == 6
+    for name in queue_api:
+        (value,) = by_route[name]
+        assert value["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"] is True
+    to_queue = [name for name in routes if name.endswith("pool-async")]
+    assert len(to_queue) == 4
+    for name in to_queue:
+        (value,) = by_route[name]
+        assert value == {"route": {"idle_timeout": "330s"}}
+
+
+EG_RULE = re.compile(r"^\.\.routes\[\?\(@\.name =~ '\^httproute/([^/]+)/([^/]+)/rule/(\d+)/'\)\]$")
+
+
+def test_envoy_gateway_route_policies_patch_the_catch_all_rules(helm: Helm) -> None:
+    docs = helm.template(CHART / "ci" / "envoy-gateway-values.yaml")
+    routes = {r["metadata"]["name"]: r for r in by_kind(docs, "HTTPRoute")}
+    assert routes["rel-kvgate-policy-strict"]["spec"]["hostnames"] == ["strict.example.com"]
+    extension = one(docs, "EnvoyExtensionPolicy")["metadata"]
+    # Envoy Gateway's name for the policy's ext_proc filter, escaped for a JSON pointer.
+    policy = f"{extension['namespace']}/{extension['name']}"
+    filter_name = f"envoy.filters.http.ext_proc/envoyextensionpolicy/{policy}/extproc/0"
+    patches = one(docs, "EnvoyPatchPolicy", "-routes")["spec"]["jsonPatches"]
+    found: dict[tuple[str, int], Any] = {}
+    for patch in patches:
+        assert patch["type"] == "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
+        assert patch["name"] == "gateways/llm/http"
+        operation = patch["operation"]
+        assert operation["op"] == "add"
+        assert operation["path"] == "/typed_per_filter_config/" + filter_name.replace("/", "~1")
+        namespace, route, index = EG_RULE.match(operation["jsonPath"]).groups()  # type: ignore[union-attr]
+        assert namespace == "gateways"
+        rule = routes[route]["spec"]["rules"][int(index)]
+        value = operation["value"]
+        assert value["@type"] == "type.googleapis.com/envoy.config.route.v3.FilterConfig"
+        if value.get("disabled"):
+            assert rule["matches"][0]["path"]["value"] in ("/v1/files", "/v1/batches", "/v1/kvgate/jobs")
+            found[route.removeprefix("rel-kvgate-"), int(index)] = "off"
+        else:
+            assert "headers" not in rule.get("matches", [{}])[0], (
+                "the rule Envoy picks before the gate answers"
+            )
+            found[route.removeprefix("rel-kvgate-"), int(index)] = metadata_of(
+                {"envoy.filters.http.ext_proc": value["config"]}
+            )
+    policies = {key: value for key, value in found.items() if value != "off"}
+    assert policies == {
+        ("pools", 5): [("x-kvgate-model-policy", "batch")],
+        ("policy-strict", 5): [("x-kvgate-max-total-tokens", "2000"), ("x-kvgate-model-policy", "batch")],
+        ("policy-strict", 8): [("x-kvgate-max-total-tokens", "2000")],
+    }
+    queue_api = sorted(key for key, value in found.items() if value == "off")
+    assert queue_api == [(route, i) for route in ("policy-strict", "pools") for i in range(3)]
+
+
+def test_envoy_gateway_route_configuration_names_are_settable(helm: Helm) -> None:
+    values = {"envoy": {"envoyGateway": {"routeConfigurations": ["http-80", "http-8080"]}}}
+    docs = helm.render(values, CHART / "ci" / "envoy-gateway-values.yaml")
+    names = [p["name"] for p in one(docs, "EnvoyPatchPolicy", "-routes")["spec"]["jsonPatches"]]
+    assert sorted(set(names)) == ["http-80", "http-8080"] and names.count("http-80") == names.count(
+        "http-8080"
+    )
 
 
 # --- bad values fail at install, naming the value --------------------------------------------------------
@@ -644,6 +975,100 @@ def test_envoy_gateway_in_the_gateways_namespace_needs_no_reference_grant(helm: 
             standalone(gate={"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}),
             r"gate\.autoscaling\.minReplicas \(5\) must not exceed gate\.autoscaling\.maxReplicas \(2\)",
         ),
+        (
+            standalone(queue={"enabled": True, "replicas": 2}),
+            r"queue\.replicas is 2 but queue\.store\.type is sqlite",
+        ),
+        (
+            standalone(queue={"enabled": True, "store": {"type": "postgresql"}}),
+            r"queue\.store\.postgresql\.secretName is required when queue\.store\.type is postgresql",
+        ),
+        (
+            standalone(queue={"enabled": True}, envoy={"pools": {"async": {"address": "batch", "port": 80}}}),
+            r"envoy\.pools\.async\.address must stay empty with queue\.enabled",
+        ),
+        (
+            standalone(envoy={"routePolicies": [{"name": "a", "maxTotalTokens": 2000}]}),
+            r"at '/envoy/routePolicies/0': 'anyOf' failed",
+        ),
+        (
+            standalone(envoy={"routePolicies": [{"name": "a", "hosts": ["a.example.com"]}]}),
+            r"at '/envoy/routePolicies/0': 'allOf' failed",
+        ),
+        (
+            standalone(envoy={"routePolicies": [{"name": "a", "pathPrefix": "/v1/", "async": "never"}]}),
+            r"at '/envoy/routePolicies/0/pathPrefix': '/v1/' does not match pattern",
+        ),
+        (
+            standalone(envoy={"routePolicies": [{"name": "a", "pathPrefix": "/v1", "async": "later"}]}),
+            r"at '/envoy/routePolicies/0/async': value must be one of",
+        ),
+        (
+            standalone(envoy={"routePolicies": [{"name": "a", "pathPrefix": "/v1", "modelPolicy": "batch"}]}),
+            r"envoy\.routePolicies\[0\] \(a\): modelPolicy \"batch\" is not an entry of gate\.config\.polic",
+        ),
+        (
+            standalone(
+                envoy={
+                    "routePolicies": [
+                        {"name": "a", "hosts": ["a.example.com", "b.example.com"], "maxTotalTokens": 2000},
+                        {"name": "b", "hosts": ["b.example.com"], "maxTotalTokens": 4000},
+                    ]
+                }
+            ),
+            r"envoy\.routePolicies\[1\] \(b\): host b\.example\.com is also in route policy \"a\"",
+        ),
+        (
+            standalone(
+                envoy={
+                    "routePolicies": [
+                        {"name": "a", "pathPrefix": "/v1", "async": "never"},
+                        {"name": "a", "pathPrefix": "/v2", "async": "never"},
+                    ]
+                }
+            ),
+            r"envoy\.routePolicies\[1\] \(a\): name used twice",
+        ),
+        (
+            standalone(
+                envoy={
+                    "routePolicies": [
+                        {"name": "a", "hosts": ["a.example.com"], "async": "never"},
+                        {"name": "b", "hosts": ["a.example.com"], "maxTotalTokens": 10},
+                    ]
+                }
+            ),
+            r"envoy\.routePolicies\[1\] \(b\): hosts a\.example\.com already have a policy without path",
+        ),
+        (
+            standalone(
+                envoy={
+                    "routePolicies": [
+                        {
+                            "name": "a",
+                            "pathPrefix": "/v1",
+                            "interactiveMaxTokens": 9000,
+                            "maxTotalTokens": 4000,
+                        }
+                    ]
+                }
+            ),
+            r"interactiveMaxTokens \(9000\) must not exceed maxTotalTokens \(4000\)",
+        ),
+        (
+            {
+                "envoy": {
+                    "mode": "envoy-gateway",
+                    "pools": {
+                        "interactive": {"address": "i", "port": 1},
+                        "long": {"address": "l", "port": 1},
+                    },
+                    "envoyGateway": {"httpRoute": False},
+                    "routePolicies": [{"name": "a", "pathPrefix": "/v1", "async": "never"}],
+                }
+            },
+            r"envoy\.routePolicies needs envoy\.envoyGateway\.httpRoute",
+        ),
     ],
     ids=[
         "unknown-key",
@@ -660,6 +1085,19 @@ def test_envoy_gateway_in_the_gateways_namespace_needs_no_reference_grant(helm: 
         "grpc-limit-below-body-limit",
         "unknown-mode",
         "min-above-max-replicas",
+        "queue-sqlite-replicas",
+        "queue-postgresql-needs-a-secret",
+        "queue-and-async-address",
+        "route-policy-needs-hosts-or-path",
+        "route-policy-sets-nothing",
+        "route-policy-trailing-slash",
+        "route-policy-async-mode",
+        "route-policy-unknown-model-policy",
+        "route-policy-overlapping-hosts",
+        "route-policy-name-twice",
+        "route-policy-host-twice",
+        "route-policy-interactive-above-total",
+        "route-policy-without-httproute",
     ],
 )
 def test_bad_values_fail_naming_the_value(helm: Helm, values: dict[str, Any], message: str) -> None:
@@ -693,6 +1131,8 @@ def config_schema(hint: Any, required: tuple[str, ...] = ()) -> dict[str, Any]:
         return {"anyOf": [config_schema(inner), {"type": "null"}]}
     if origin is tuple:
         return {"type": "array", "items": config_schema(args[0])}
+    if origin is Mapping:
+        return {"type": "object", "additionalProperties": config_schema(args[1])}
     if origin is typing.Literal:
         return {"enum": list(args)}
     scalar = {bool: {"type": "boolean"}, int: {"type": "integer"}, float: {"type": "number"}}

@@ -37,6 +37,7 @@ from test_chart import (
 
 from kvgate.config import parse_config
 from kvgate.envoyconfig.cli import register
+from kvgate.envoyconfig.routepolicy import RoutePolicy
 from kvgate.envoyconfig.settings import HostPort, envoy_settings
 from kvgate.errors import ConfigError
 from kvgate.gate.processor import request_attributes
@@ -80,6 +81,46 @@ def canonical(bootstrap: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+# Every shape of entry: a host's policy, a path on that host, paths for every host (one shared with the
+# host: the host's values win key by key), a second host set, a wildcard host.
+ROUTE_POLICIES: list[dict[str, Any]] = [
+    {"name": "strict", "hosts": ["strict.example.com", "strict.local"], "maxTotalTokens": 2000},
+    {
+        "name": "strict-chat",
+        "hosts": ["strict.local", "strict.example.com"],
+        "pathPrefix": "/v1/chat",
+        "async": "never",
+    },
+    {"name": "chat", "pathPrefix": "/v1/chat", "interactiveMaxTokens": 4096, "maxTotalTokens": 4096},
+    {
+        "name": "batch",
+        "pathPrefix": "/v1/batch/chat/completions",
+        "modelPolicy": "batch",
+        "defaultOutputTokens": 0,
+    },
+    {
+        "name": "tenants",
+        "hosts": ["*.tenants.example.com"],
+        "pathPrefix": "/v1/completions",
+        "async": "allow",
+    },
+]
+CAMEL_TO_SNAKE = {
+    "pathPrefix": "path_prefix",
+    "interactiveMaxTokens": "interactive_max_tokens",
+    "maxTotalTokens": "max_total_tokens",
+    "defaultOutputTokens": "default_output_tokens",
+    "modelPolicy": "model_policy",
+    "async": "async_",
+}
+
+
+def route_policy(entry: dict[str, Any]) -> RoutePolicy:
+    """A chart envoy.routePolicies entry as `kvgate envoy-config` takes it."""
+    fields = {CAMEL_TO_SNAKE.get(key, key): value for key, value in entry.items()}
+    return RoutePolicy(**fields | {"hosts": tuple(entry.get("hosts", ()))})
+
+
 BOOTSTRAP_CASES: dict[str, dict[str, Any]] = {
     "defaults": standalone(),
     "three-pools": standalone(
@@ -106,6 +147,19 @@ BOOTSTRAP_CASES: dict[str, dict[str, Any]] = {
             "standalone": {"roundTrips": 1},
         },
     ),
+    "queue": standalone(
+        queue={"enabled": True, "port": 8080}, gate={"config": {"queue": {"max_hold_s": 120.5}}}
+    ),
+    "queue-one-trip": standalone(queue={"enabled": True}, envoy={"standalone": {"roundTrips": 1}}),
+    "route-policies": standalone(
+        gate={"config": {"policies": {"batch": {"async_mode": "prefer", "max_total_tokens": 32768}}}},
+        queue={"enabled": True},
+        envoy={"routePolicies": ROUTE_POLICIES},
+    ),
+    "route-policies-one-trip": standalone(
+        gate={"config": {"policies": {"batch": {"async_mode": "prefer"}}}},
+        envoy={"routePolicies": ROUTE_POLICIES, "standalone": {"roundTrips": 1}},
+    ),
 }
 
 
@@ -121,6 +175,7 @@ def python_bootstrap(values: dict[str, Any]) -> dict[str, Any]:
     gate_values = values.get("gate", {})
     config = parse_config(yaml.safe_dump(gate_values.get("config", {})))
     envoy = values["envoy"]
+    queue = values.get("queue", {})
     settings = envoy_settings(
         config,
         {name: HostPort(pool["address"], pool["port"]) for name, pool in envoy["pools"].items()},
@@ -130,6 +185,12 @@ def python_bootstrap(values: dict[str, Any]) -> dict[str, Any]:
         fail_open=envoy.get("failOpen", True),
         route_timeout_seconds=envoy.get("routeTimeoutSeconds", 0),
         round_trips=envoy.get("standalone", {}).get("roundTrips", 2),
+        queue=(
+            HostPort("rel-kvgate-queue.llm.svc.cluster.local", queue.get("port", 8003))
+            if queue.get("enabled")
+            else None
+        ),
+        route_policies=[route_policy(entry) for entry in envoy.get("routePolicies", [])],
     )
     return render_bootstrap(settings)
 
@@ -140,7 +201,7 @@ def test_chart_and_envoy_config_render_the_same_bootstrap(helm: Helm, case: str)
     assert canonical(chart_bootstrap(helm, values)) == canonical(python_bootstrap(values))
 
 
-@pytest.mark.parametrize("case", ["three-pools", "one-trip"])
+@pytest.mark.parametrize("case", ["three-pools", "one-trip", "queue-one-trip", "route-policies"])
 def test_envoy_config_bootstrap_passes_envoy_validate(case: str, tmp_path: Path) -> None:
     envoy_validate(python_bootstrap(BOOTSTRAP_CASES[case]), tmp_path)
 
@@ -257,6 +318,97 @@ def test_envoy_config_uses_the_gates_metadata_namespace(round_trips: int) -> Non
         assert "request_attributes" not in ext_proc
 
 
+def test_queue_api_bypasses_the_gate_and_held_requests_outwait_envoys_idle_timeout(helm: Helm) -> None:
+    routes = ingress_manager(chart_bootstrap(helm, BOOTSTRAP_CASES["queue"]))["route_config"][
+        "virtual_hosts"
+    ][0]["routes"]
+    api = routes[:3]
+    assert [r["match"] for r in api] == [
+        {"path_separated_prefix": "/v1/files"},
+        {"path_separated_prefix": "/v1/batches"},
+        {"path_separated_prefix": "/v1/kvgate/jobs"},
+    ]
+    for route in api:
+        assert route["route"]["cluster"] == "pool_async"
+        assert route["typed_per_filter_config"] == {
+            "envoy.filters.http.ext_proc": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+                "disabled": True,
+            }
+        }
+    (to_queue,) = [r for r in routes[3:] if r["route"]["cluster"] == "pool_async"]
+    assert to_queue["match"]["headers"][0]["string_match"] == {"exact": "async"}
+    assert to_queue["route"]["idle_timeout"] == "151s", "queue.max_hold_s 120.5, rounded up, + 30 s"
+    assert not [r for r in routes if r["route"]["cluster"] != "pool_async" and "idle_timeout" in r["route"]]
+    bootstrap = chart_bootstrap(helm, BOOTSTRAP_CASES["queue"])
+    clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
+    address = clusters["pool_async"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"][
+        "address"
+    ]
+    assert address["socket_address"] == {
+        "address": "rel-kvgate-queue.llm.svc.cluster.local",
+        "port_value": 8080,
+    }
+
+
+def test_one_trip_queue_api_skips_the_buffer_too(helm: Helm) -> None:
+    routes = ingress_manager(chart_bootstrap(helm, BOOTSTRAP_CASES["queue-one-trip"]))["route_config"][
+        "virtual_hosts"
+    ][0]["routes"]
+    for route in routes[:3]:
+        assert route["typed_per_filter_config"]["envoy.filters.http.buffer"] == {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.BufferPerRoute",
+            "disabled": True,
+        }
+
+
+def policy_of(typed_per_filter_config: dict[str, Any]) -> dict[str, str]:
+    overrides = typed_per_filter_config["envoy.filters.http.ext_proc"]["overrides"]
+    return {m["key"]: m["value"] for m in overrides["grpc_initial_metadata"]}
+
+
+def test_route_policies_become_virtual_hosts_and_routes(helm: Helm) -> None:
+    route_config = ingress_manager(chart_bootstrap(helm, BOOTSTRAP_CASES["route-policies"]))["route_config"]
+    assert route_config["ignore_port_in_host_matching"] is True, "Host carries a port off 80/443"
+    hosts = {v["name"]: v for v in route_config["virtual_hosts"]}
+    assert list(hosts) == ["pools", "policy-strict", "policy-tenants"]
+    assert hosts["pools"]["domains"] == ["*"] and "typed_per_filter_config" not in hosts["pools"]
+    strict = hosts["policy-strict"]
+    assert strict["domains"] == ["strict.example.com", "strict.local"]
+    assert policy_of(strict["typed_per_filter_config"]) == {"x-kvgate-max-total-tokens": "2000"}
+    assert "typed_per_filter_config" not in hosts["policy-tenants"]
+
+    def path_sets(host: dict[str, Any]) -> dict[str, dict[str, str]]:
+        found: dict[str, dict[str, str]] = {}
+        for route in host["routes"]:
+            prefix = route["match"].get("path_separated_prefix")
+            if prefix and prefix not in ("/v1/files", "/v1/batches", "/v1/kvgate/jobs"):
+                policy = policy_of(route["typed_per_filter_config"])
+                assert found.setdefault(prefix, policy) == policy, "every route of a path carries its policy"
+        return found
+
+    chat = {"x-kvgate-interactive-max-tokens": "4096", "x-kvgate-max-total-tokens": "4096"}
+    batch = {"x-kvgate-default-output-tokens": "0", "x-kvgate-model-policy": "batch"}
+    assert path_sets(hosts["pools"]) == {"/v1/batch/chat/completions": batch, "/v1/chat": chat}
+    # The host's own entry for /v1/chat wins over the every-host one, key by key; Envoy then lays the
+    # route's values over the virtual host's max-total 2000.
+    assert path_sets(strict) == {
+        "/v1/batch/chat/completions": batch,
+        "/v1/chat": chat | {"x-kvgate-async": "never"},
+    }
+    assert path_sets(hosts["policy-tenants"]) == {
+        "/v1/batch/chat/completions": batch,
+        "/v1/completions": {"x-kvgate-async": "allow"},
+        "/v1/chat": chat,
+    }
+    prefixes = [r["match"].get("path_separated_prefix") for r in hosts["policy-tenants"]["routes"]]
+    order = [
+        p for i, p in enumerate(prefixes) if p and p not in prefixes[:i] and not p.startswith("/v1/files")
+    ]
+    assert order[-3:] == ["/v1/batch/chat/completions", "/v1/completions", "/v1/chat"], "longest prefix first"
+    assert "path_separated_prefix" not in hosts["pools"]["routes"][-1]["match"], "the catch-all comes last"
+
+
 def test_chart_schema_rejects_other_round_trips(helm: Helm) -> None:
     with pytest.raises(HelmFailed, match=r"at '/envoy/standalone/roundTrips': value must be one of 1, 2"):
         helm.render(standalone(envoy={"standalone": {"roundTrips": 3}}))
@@ -369,6 +521,7 @@ def chart_stack(
                 "gateAddress": "127.0.0.1",
                 "roundTrips": request.param,
             },
+            "routePolicies": [{"name": "strict", "hosts": ["strict.local"], "maxTotalTokens": 2000}],
         },
     }
     docs = helm.render(values)
@@ -418,3 +571,20 @@ def test_rendered_bootstrap_routes_through_the_gate(chart_stack: dict[str, int],
     assert too_long.json()["error"]["code"] == "context_length_exceeded"
     ready = post(chart_stack["ready"], "/ready", None)  # type: ignore[arg-type]
     assert ready.status == 200
+
+
+@pytest.mark.slow
+def test_a_host_policy_refuses_what_the_default_host_routes(
+    chart_stack: dict[str, int], sp_model_path: Path
+) -> None:
+    """The same 3,000-token request: 413 on strict.local (the virtual host's gRPC metadata lowers the
+    gate's limit to 2,000 tokens), routed on any other host."""
+    listener = chart_stack["listener"]
+    body = chat(text_of_about(sp_model_path, 3000))
+    routed = post(listener, "/v1/chat/completions", body)
+    assert routed.status == 200, routed.body
+    assert routed.headers["x-kvgate-pool"] == "interactive"
+    refused = post(listener, "/v1/chat/completions", body, {"host": f"strict.local:{listener}"})
+    assert refused.status == 413, refused.body
+    assert refused.headers["x-kvgate-reason"] == "too_long"
+    assert 2000 < int(refused.headers["x-kvgate-tokens"]) < 4096
