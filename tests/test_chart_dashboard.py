@@ -1,24 +1,30 @@
 """The chart's Grafana dashboard: a well-formed dashboard, shipped as a sidecar ConfigMap by the real
-helm when `dashboards.enabled`, whose every PromQL metric a real running gate exports."""
+helm when `dashboards.enabled`, whose every PromQL metric a real running gate or queue exports, and on
+which every metric family they export has a panel."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pytest
+import yaml
 from test_chart import CHART, Helm, by_kind, real_helm, standalone
 
 from kvgate.harness.client import chat, post
 from kvgate.harness.envoy import render_envoy
-from kvgate.harness.stack import agent_process, envoy_process, gate_process
+from kvgate.harness.processes import Service, kvgate_command
+from kvgate.harness.stack import agent_process, envoy_process, gate_process, started
 from kvgate.harness.upstreams import Upstreams
+from kvgate.headroom.settings import HeadroomSettings
+from kvgate.headroom.view import HeadroomView
 from kvgate.localports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,7 +45,16 @@ REQUIRED_FAMILIES = (
     "kvgate_node_headroom",
     "kvgate_node_age_seconds",
     "kvgate_node_fresh",
+    "kvgate_gate_route_policy_ignored_total",
+    "kvgate_queue_jobs",
+    "kvgate_queue_oldest_job_age_seconds",
+    "kvgate_queue_tokens_waiting",
+    "kvgate_queue_dispatch_wait_seconds_bucket",
+    "kvgate_queue_admissions_total",
+    "kvgate_queue_attempts_total",
+    "kvgate_queue_running",
 )
+AGENT_CAPACITY_TOKENS = 100_000
 
 
 def dashboard() -> dict[str, Any]:
@@ -131,20 +146,48 @@ def test_schema_rejects_an_unknown_dashboards_key(helm: Helm) -> None:
         helm.render(standalone(dashboards={"enable": True}))
 
 
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text: str = response.read().decode()
+    return text
+
+
+def with_bad_route_value(envoy_yaml: Path) -> Path:
+    """envoy/envoy.yaml's strict.local virtual host with one value the gate cannot read, so the gate
+    counts it (kvgate_gate_route_policy_ignored_total) and keeps the model's policy for that key."""
+    config = yaml.safe_load(envoy_yaml.read_text())
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    (strict,) = [host for host in manager["route_config"]["virtual_hosts"] if host["name"] == "strict"]
+    metadata = strict["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["overrides"][
+        "grpc_initial_metadata"
+    ]
+    metadata.append({"key": "x-kvgate-interactive-max-tokens", "value": "lots"})
+    envoy_yaml.write_text(yaml.safe_dump(config, sort_keys=False))
+    return envoy_yaml
+
+
 @pytest.fixture(scope="module")
 def gate_metrics(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The /metrics text of a real gate with a real agent on both pools, after a short and a long request
-    went through the real Envoy (so every counter, histogram and gauge has a sample)."""
+    went through the real Envoy, and one to a host whose route policy holds a bad value (so every
+    counter, histogram and gauge has a sample)."""
     tmp = tmp_path_factory.mktemp("dashboard")
     ports = {name: free_port() for name in ("listener", "gate", "interactive", "long", "async", "admin")}
     upstreams = Upstreams({pool: ports[pool] for pool in ("interactive", "long", "async")})
     upstreams.start()
     agent_port = free_port()
     agent = agent_process(
-        tmp, "agent", agent_port, f"127.0.0.1:{ports['long']}", ["--capacity-tokens", "100000"]
+        tmp,
+        "agent",
+        agent_port,
+        f"127.0.0.1:{ports['long']}",
+        ["--capacity-tokens", str(AGENT_CAPACITY_TOKENS)],
     )
     envoy = envoy_process(
-        render_envoy(ENVOY_YAML, tmp / "envoy.yaml", ports), tmp, ports["admin"], ports["listener"]
+        with_bad_route_value(render_envoy(ENVOY_YAML, tmp / "envoy.yaml", ports)),
+        tmp,
+        ports["admin"],
+        ports["listener"],
     )
     agents = f"{{agents: ['127.0.0.1:{agent_port}']}}"
     # Prefix-aware placement on, and a long prompt: the placement metrics get samples too.
@@ -161,11 +204,82 @@ def gate_metrics(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                 time.sleep(0.2)  # the gate's first headroom message is still on its way
             assert long_reply.status == 200, long_reply.body
             assert post(ports["listener"], "/v1/chat/completions", chat("hello")).status == 200
-            url = f"http://127.0.0.1:{gate.metrics_port}/metrics"
-            with urllib.request.urlopen(url, timeout=5) as response:
-                yield response.read().decode()
+            strict = post(ports["listener"], "/v1/chat/completions", chat("hello"), {"host": "strict.local"})
+            assert strict.status == 200, strict.body
+            yield scrape(gate.metrics_port)
     finally:
         envoy.stop()
+        agent.stop()
+        upstreams.stop()
+
+
+def _until(what: str, check: Callable[[], bool], timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"no {what} after {timeout_s} s"
+        time.sleep(0.2)
+
+
+async def _reserve(agent: str, reservation: str, tokens: int, release: bool = False) -> None:
+    view = HeadroomView(HeadroomSettings(agents=(agent,)))
+    await view.start()
+    try:
+        if release:
+            await view.release(agent, reservation)
+        else:
+            assert (await view.reserve(agent, reservation, tokens)).granted
+    finally:
+        await view.stop()
+
+
+@pytest.fixture(scope="module")
+def queue_metrics(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The /metrics text of a real `kvgate queue`, scraped while a deferred job waits for room (a
+    reservation the test holds fills the node) and again once it ran: together every family has a sample."""
+    tmp = tmp_path_factory.mktemp("dashboard-queue")
+    node_port, agent_port, queue_port, metrics_port = free_port(), free_port(), free_port(), free_port()
+    upstreams = Upstreams({"long": node_port})
+    upstreams.start()
+    agent = agent_process(
+        tmp, "agent", agent_port, f"127.0.0.1:{node_port}", ["--capacity-tokens", str(AGENT_CAPACITY_TOKENS)]
+    )
+    (tmp / "queue.yaml").write_text(f"headroom: {{agents: ['127.0.0.1:{agent_port}']}}\n")
+    queue = started(
+        Service(
+            "queue",
+            kvgate_command(
+                "queue",
+                *("--listen", f"127.0.0.1:{queue_port}", "--config", str(tmp / "queue.yaml")),
+                *(
+                    "--store",
+                    f"sqlite:///{tmp / 'queue.db'}",
+                    "--metrics-listen",
+                    f"127.0.0.1:{metrics_port}",
+                ),
+            ),
+            tmp,
+            port=queue_port,
+        ),
+        queue_port,
+    )
+    agent_address = f"127.0.0.1:{agent_port}"
+    try:
+        # Leave the node 1,000 tokens of its 90,000 admissible: the job (about 4,000) waits.
+        asyncio.run(_reserve(agent_address, "blocker", int(AGENT_CAPACITY_TOKENS * 0.9) - 1000))
+        accepted = post(
+            queue_port, "/v1/chat/completions", chat("hello", max_tokens=4000), {"prefer": "respond-async"}
+        )
+        assert accepted.status == 202, accepted.body
+        job_url = accepted.headers["location"]
+        _until("tokens waiting", lambda: "kvgate_queue_tokens_waiting{" in scrape(metrics_port))
+        waiting = scrape(metrics_port)
+        asyncio.run(_reserve(agent_address, "blocker", 0, release=True))
+        _until("finished job", lambda: post(queue_port, job_url, None).json()["status"] == "succeeded")
+        _until("engine call count", lambda: "kvgate_queue_attempts_total{" in scrape(metrics_port))
+        _until("stats after the job", lambda: 'state="succeeded"' in scrape(metrics_port))
+        yield waiting + scrape(metrics_port)
+    finally:
+        queue.stop()
         agent.stop()
         upstreams.stop()
 
@@ -175,18 +289,36 @@ def exported_series(text: str) -> set[str]:
 
 
 @pytest.mark.slow
-def test_every_dashboard_metric_is_exported_by_a_running_gate(gate_metrics: str) -> None:
-    exported = exported_series(gate_metrics)
+def test_every_dashboard_metric_is_exported_by_a_running_gate_or_queue(
+    gate_metrics: str, queue_metrics: str
+) -> None:
+    exported = exported_series(gate_metrics) | exported_series(queue_metrics)
     missing = used_metrics(dashboard()) - exported
-    assert not missing, f"the dashboard queries metrics the gate does not export: {sorted(missing)}"
+    assert not missing, (
+        f"the dashboard queries metrics neither the gate nor the queue exports: {sorted(missing)}"
+    )
+
+
+def families(metrics: str) -> set[str]:
+    return {line.split()[2] for line in metrics.splitlines() if line.startswith("# TYPE kvgate_")}
 
 
 @pytest.mark.slow
-def test_every_gate_metric_family_is_on_the_dashboard(gate_metrics: str) -> None:
-    families = {line.split()[2] for line in gate_metrics.splitlines() if line.startswith("# TYPE kvgate_")}
+@pytest.mark.parametrize("process", ["gate", "queue"])
+def test_every_metric_family_is_on_the_dashboard(process: str, gate_metrics: str, queue_metrics: str) -> None:
+    exported = families(gate_metrics if process == "gate" else queue_metrics)
     used = used_metrics(dashboard())
-    unused = {f for f in families if not any(name.startswith(f) for name in used)}
-    assert not unused, f"gate metrics no panel shows: {sorted(unused)}"
+    unused = {f for f in exported if not any(name.startswith(f) for name in used)}
+    assert not unused, f"{process} metrics no panel shows: {sorted(unused)}"
+
+
+def test_queue_panels_have_their_own_job_variable() -> None:
+    """The queue is scraped as its own job (its Service, its ServiceMonitor)."""
+    board = dashboard()
+    queue_exprs = [e for e in expressions(board) if "kvgate_queue_" in e and not e.startswith("label_values")]
+    assert queue_exprs and all('job=~"$queue_job"' in e for e in queue_exprs)
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["queue_job"]["definition"] == "label_values(kvgate_queue_running, job)"
 
 
 def test_metric_pattern_finds_names_and_skips_labels() -> None:
