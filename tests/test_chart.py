@@ -988,6 +988,10 @@ def test_envoy_gateway_route_configuration_names_are_settable(helm: Helm) -> Non
             r"envoy\.pools\.async\.address must stay empty with queue\.enabled",
         ),
         (
+            standalone(queue={"enabled": True}, agent={"enabled": False}),
+            r"queue\.enabled needs the long pool's agents",
+        ),
+        (
             standalone(envoy={"routePolicies": [{"name": "a", "maxTotalTokens": 2000}]}),
             r"at '/envoy/routePolicies/0': 'anyOf' failed",
         ),
@@ -1088,6 +1092,7 @@ def test_envoy_gateway_route_configuration_names_are_settable(helm: Helm) -> Non
         "queue-sqlite-replicas",
         "queue-postgresql-needs-a-secret",
         "queue-and-async-address",
+        "queue-without-agents",
         "route-policy-needs-hosts-or-path",
         "route-policy-sets-nothing",
         "route-policy-trailing-slash",
