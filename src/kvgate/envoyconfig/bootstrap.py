@@ -12,6 +12,11 @@ client's priority header is left for the gate). Then, by `EnvoySettings.round_tr
   x-kvgate-* upstream headers. A bodiless request never reaches the gate and takes the default pool.
 Either way a long request the gate pinned to a node (x-kvgate-endpoint) goes to that address through
 an ORIGINAL_DST cluster. With `EnvoySettings.gate_tls` Envoy talks TLS (or mTLS) to the gate.
+
+With a queue (`EnvoySettings.queue_pool`), `kvgate queue`'s own API goes to it first with ext_proc off,
+and the route to it waits longer than the queue holds a request. Route policies
+(`EnvoySettings.route_layout`) add a virtual host per set of policy hosts and a copy of the pool routes
+under each policy path, carrying the gate's per-route gRPC metadata.
 """
 
 from __future__ import annotations
