@@ -15,10 +15,18 @@ from pathlib import Path
 from kvgate.request.shape import Api, RequestShape
 
 HELDOUT = Path(__file__).resolve().parent / "heldout"
-KINDS = ("english", "code", "chinese", "json", "other")
+KINDS = ("english", "code", "chinese", "compact_json", "pretty_json", "tools", "other", "mixed")
 SIZES = (500, 4000, 16000, 32000)
-# The parts of a mixed chat and each one's share of its tokens.
-CHAT_PARTS = (("english", 0.15), ("code", 0.35), ("json", 0.25), ("chinese", 0.1), ("other", 0.15))
+# The parts of an agent's chat and each one's share of its tokens: tool definitions, a system prompt,
+# code, a tool result, a question in another language.
+CHAT_PARTS = (
+    ("tools", 0.2),
+    ("english", 0.1),
+    ("code", 0.3),
+    ("compact_json", 0.2),
+    ("chinese", 0.1),
+    ("other", 0.1),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +60,7 @@ def _slice(kind: str, tokens: int, offset: int, ratio: float) -> str | None:
 
 
 def cases(count: Callable[[str], int], offsets: int = 3) -> Iterator[Case]:
-    """Every kind (and mixed chats) at every size in SIZES, at up to `offsets` places in the text."""
+    """Every kind (and agent chats) at every size in SIZES, at up to `offsets` places in the text."""
     ratios = {kind: chars_per_token(kind, count) for kind in KINDS}
     for size in SIZES:
         for offset in range(offsets):
