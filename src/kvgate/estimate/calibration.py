@@ -2,6 +2,8 @@
 
 `kvgate calibrate` writes one; the gate finds the one for its tokenizer by the file's SHA-256, first
 among the calibrations shipped in this package, then beside the tokenizer (`<file>.calibration.json`).
+A model without a tokenizer is estimated with the calibrations of every shipped tokenizer family at
+once (`generic`): its band spans them all.
 """
 
 from __future__ import annotations
@@ -11,37 +13,60 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvgate.errors import ConfigError
 from kvgate.estimate.exact import TokenizerFile
-from kvgate.estimate.features import FEATURES
+from kvgate.estimate.features import (
+    BYTE_CLASS,
+    CLASSES,
+    FEATURE_MAPS,
+    FEATURES,
+    FOURBYTE_LEADS,
+    PAIR_FEATURES,
+    STRETCH_NAMES,
+    pair_table,
+)
 
 SHIPPED = Path(__file__).parent / "calibrations"
-# Used when a model names no tokenizer: Llama/Mistral-style sentencepiece, the most common family.
-DEFAULT_SHIPPED = "mistral_instruct_tokenizer_240323.model.v3.json"
+# Used together when a model names no tokenizer: one per tokenizer family (the sentencepiece models
+# v1 to v7 count text alike, and so do both tekken files).
+GENERIC = ("mistral_instruct_tokenizer_240323.model.v3.json", "tekken_240718.json")
 SUFFIX = ".calibration.json"
+# Version of the feature set; a calibration of another version must be fitted again.
+FORMAT = 2
+_FEATURE_INDEX = {name: i for i, name in enumerate(FEATURES)}
+_Table = np.ndarray[tuple[int], np.dtype[np.float64]]
 
 
 @dataclass(frozen=True, slots=True)
 class Band:
     min_tokens: int
-    under: float  # how far above the estimate the exact count was seen, relative (times a margin)
-    over: float  # how far below
+    under: float  # how many band widths above the estimate the exact count was seen (with a margin)
+    over: float  # how many below
 
 
 @dataclass(frozen=True, slots=True)
 class Calibration:
     tokenizer: str  # the file name it was fitted on, for people reading the JSON
-    sha256: str
-    weights: tuple[float, ...]  # tokens per occurrence of each FEATURES entry
+    sha256: str  # empty for the generic calibration
+    # Tokens per occurrence of each FEATURES entry the corpus showed enough of; the others are
+    # absent, and pairs made of them count as never seen.
+    weights: tuple[tuple[str, float], ...]
     per_text: float  # tokens every text costs by itself (a dummy prefix, a first-word piece)
     trap_density: float  # tokens per byte of base64, the point estimate of a blob window
     run_density: float  # tokens per byte of runs of common characters, the point estimate of a run
-    # Tokens one 4-byte character (emoji) takes, fewest and most; the weight holds the mean.
+    # Tokens one 4-byte character (emoji) takes: fewest, mean (its weight), most.
     fourbyte_min: float
+    fourbyte_mean: float
     fourbyte_max: float
-    # Band: estimate - over * estimate - absolute_error <= exact <= estimate + under * estimate +
+    # Relative error of the tokens of pairs whose first byte is of this class (held-back pieces,
+    # with a margin); a pair never seen is given `unseen_width` tokens of width instead.
+    uncertainty: tuple[tuple[str, float], ...]
+    unseen_width: float
+    # Band: estimate - over * width - absolute_error <= exact <= estimate + under * width +
     # absolute_error, with (under, over) from the last tier whose min_tokens the estimate reaches:
-    # errors shrink as texts grow.
+    # small texts stray further than their pairs' widths say.
     bands: tuple[Band, ...]
     absolute_error: float
     # Certainty rule: exact <= max_tokens_per_byte * bytes + 1 for every text seen while fitting.
@@ -59,22 +84,66 @@ class Calibration:
                 chosen = band
         return chosen
 
+    def weight_vector(self) -> _Table:
+        vector = np.zeros(len(FEATURES))
+        for name, value in self.weights:
+            vector[_FEATURE_INDEX[name]] = value
+        return vector
+
+    def relative_error(self, name: str) -> float:
+        return dict(self.uncertainty).get(name, 0.0)
+
+    def stretches(self) -> tuple[_Table, _Table]:
+        """Per run of whitespace counted (`features.STRETCHES`): the tokens each occurrence adds, and
+        the width it adds (a space's or a tab's relative error)."""
+        weights = self.weight_vector()[len(PAIR_FEATURES) :]
+        relative = [self.relative_error("tab" if "tab" in name else "space") for name in STRETCH_NAMES]
+        return weights, np.abs(weights) * np.array(relative)
+
+    def tables(self) -> tuple[_Table, _Table]:
+        """Per pair value: the tokens it adds, and the width it adds to the band."""
+        # Refinements can make a pair worth less than nothing (a Thai letter after another one costs
+        # less than the letter alone): only a text's sum needs to be positive, which it is for text
+        # like the corpus; `fast` never lets an estimate fall below the certain floor.
+        tokens = pair_table(self.weight_vector()[: len(PAIR_FEATURES)])
+        known = np.zeros(len(PAIR_FEATURES) + 1, dtype=bool)
+        known[
+            [_FEATURE_INDEX[name] for name, _ in self.weights if _FEATURE_INDEX[name] < len(PAIR_FEATURES)]
+        ] = True
+        known[-1] = True  # index -1: a pair that is no block
+        _, _, class_pairs, blocks = FEATURE_MAPS
+        seen = known[class_pairs] & known[blocks]
+        relative = np.zeros(len(CLASSES))
+        for name, value in self.uncertainty:
+            relative[CLASSES.index(name)] = value
+        first_class = BYTE_CLASS[np.arange(len(tokens)) >> 8]
+        width = np.where(seen, relative[first_class] * np.abs(tokens), self.unseen_width)
+        # Emoji carry their own band (fourbyte_min..fourbyte_max per character).
+        width[FOURBYTE_LEADS[0] << 8 : (FOURBYTE_LEADS[-1] + 1) << 8] = 0.0
+        return tokens, width
+
     def to_json(self) -> str:
-        document: dict[str, Any] = asdict(self)
-        document["weights"] = dict(zip(FEATURES, self.weights, strict=True))
-        return json.dumps(document, indent=2) + "\n"
+        document: dict[str, Any] = {"format": FORMAT, **asdict(self)}
+        document["weights"] = dict(self.weights)
+        document["uncertainty"] = dict(self.uncertainty)
+        return json.dumps(document, indent=1) + "\n"
 
     @classmethod
     def from_json(cls, text: str, source: str) -> Calibration:
         try:
             document = json.loads(text)
-            weights = document["weights"]
-            if set(weights) != set(FEATURES):
+            if document.pop("format", None) != FORMAT:
                 raise ConfigError(
                     f"{source}: calibration features do not match this kvgate version; "
                     "run `kvgate calibrate` again"
                 )
-            document["weights"] = tuple(float(weights[name]) for name in FEATURES)
+            unknown_features = set(document["weights"]) - set(_FEATURE_INDEX)
+            unknown_classes = set(document["uncertainty"]) - set(CLASSES)
+            if unknown_features or unknown_classes:
+                unknown_names = ", ".join(sorted(unknown_features | unknown_classes))
+                raise ConfigError(f"{source}: unknown features {unknown_names}; run `kvgate calibrate` again")
+            document["weights"] = tuple((str(k), float(v)) for k, v in document["weights"].items())
+            document["uncertainty"] = tuple((str(k), float(v)) for k, v in document["uncertainty"].items())
             document["bands"] = tuple(Band(**band) for band in document["bands"])
             names = {f.name for f in fields(cls)}
             unknown = set(document) - names
@@ -110,5 +179,6 @@ def for_tokenizer(tokenizer: TokenizerFile) -> Calibration:
     )
 
 
-def default() -> Calibration:
-    return load(SHIPPED / DEFAULT_SHIPPED)
+def generic() -> tuple[Calibration, ...]:
+    """The calibrations a model whose tokenizer is not configured is estimated with."""
+    return tuple(load(SHIPPED / name) for name in GENERIC)

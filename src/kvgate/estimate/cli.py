@@ -39,7 +39,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "exact) and class (interactive, long, too_long), with the gate's default thresholds."
         ),
     )
-    estimate.add_argument("--tokenizer", type=Path, help="sentencepiece .model or tokenizer.json")
+    estimate.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="sentencepiece .model, Hugging Face tokenizer.json or Mistral tekken .json "
+        "(without one: the estimate spans every shipped tokenizer family, settled on the safe side "
+        "near a threshold, as the gate does)",
+    )
     estimate.add_argument(
         "--method",
         choices=["auto", "fast", "exact"],
@@ -63,10 +69,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "Count real text with the tokenizer, fit the fast estimator's weights and error band, and "
             "write them as JSON. The gate uses the file when it sits beside the tokenizer as "
             f"<tokenizer>{calibration.SUFFIX}. Use a few hundred KB of each kind of text your users "
-            "send (prose, code, JSON, every language); .txt and .gz files, directories walked."
+            "send (prose, code, compact and pretty JSON, tool definitions, every language); .txt and "
+            ".gz files, directories walked."
         ),
     )
-    calibrate.add_argument("--tokenizer", type=Path, required=True)
+    calibrate.add_argument(
+        "--tokenizer",
+        type=Path,
+        required=True,
+        help="sentencepiece .model, Hugging Face tokenizer.json or Mistral tekken .json",
+    )
     calibrate.add_argument("--corpus", type=Path, nargs="+", required=True, metavar="DIR_OR_FILE")
     calibrate.add_argument("--out", type=Path, required=True)
     calibrate.set_defaults(func=run_calibrate)
@@ -150,11 +162,11 @@ def run_calibrate(args: argparse.Namespace) -> int:
         raise ConfigError("the corpus holds no text")
     fitted = fit(tokenizer, load_counter(tokenizer), texts)
     args.out.write_text(fitted.to_json(), "utf-8")
-    widest = fitted.bands[-1]
+    relative = sorted(value for _, value in fitted.uncertainty)
     print(
         f"{args.out}: {fitted.samples} pieces, held-back error mean {fitted.mean_error:.1%} "
-        f"worst {fitted.worst_error:.1%}; band at {widest.min_tokens}+ tokens "
-        f"+{widest.under:.1%}/-{widest.over:.1%} ± {fitted.absolute_error:g} tokens",
+        f"worst {fitted.worst_error:.1%}; band per class of text {relative[0]:.1%} to {relative[-1]:.1%} "
+        f"(median {relative[len(relative) // 2]:.1%}) ± {fitted.absolute_error:g} tokens",
         file=sys.stderr,
     )
     return 0

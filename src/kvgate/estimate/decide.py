@@ -30,6 +30,25 @@ def settled(low: int, high: int, thresholds: Sequence[int]) -> bool:
     return all(high <= limit or low > limit for limit in thresholds)
 
 
+def safe_total(estimate: int, low: int, high: int, thresholds: Sequence[int]) -> int:
+    """The total to decide with when nothing can be counted and [low, high] may reach across
+    thresholds, given as `policy.thresholds` gives them: pool boundaries, then the refusal limit.
+
+    A band reaching across the limit keeps the total at the limit, so only a band wholly above it is
+    refused. A band reaching across a pool boundary below the limit puts the total just above the
+    boundary, in the larger pool, which can hold what the smaller would refuse."""
+    if not thresholds:
+        return estimate
+    *pools, limit = thresholds
+    total = estimate
+    for boundary in pools:
+        if boundary < limit and low <= boundary < high:
+            total = max(total, boundary + 1)
+    if low <= limit < high:
+        total = min(total, limit)
+    return total
+
+
 @dataclass(frozen=True, slots=True)
 class CountJob:
     """Everything a worker needs, picklable: what to count and when to stop."""

@@ -6,6 +6,11 @@ otherwise the exact tokenizer counts (off the event loop, in an executor the est
 stops as soon as the class is certain. At most `max_pending` counts wait or run at once; past that
 the estimator answers `Unavailable` (the gateway's own overload, which the gate refuses with a
 retryable 503) rather than queue without bound.
+
+Without a tokenizer nothing can be counted, so a band that reaches across a threshold is settled on
+its safe side (`decide.safe_total`): across a pool boundary the request goes to the larger pool (an
+interactive engine would refuse it; the long pool costs only capacity), and it is refused as too long
+only when its whole band lies above the limit.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ class TokenEstimate:
     method: Method
     # Exact counts that stopped early: the class is exact, prompt_tokens is partly estimated.
     complete: bool = True
+    # No tokenizer, and the band reached across a threshold: prompt_tokens was moved to its safe side.
+    rounded: bool = False
 
     @property
     def total(self) -> int:
@@ -109,13 +116,26 @@ class Estimator:
         assert self._exact is not None
         return decide.CountJob(self._exact, self._fast, shape.texts, self._extra(shape), tuple(thresholds))
 
-    def _result(self, shape: RequestShape, text_tokens: int, method: Method, complete: bool) -> TokenEstimate:
+    def _result(
+        self, shape: RequestShape, text_tokens: int, method: Method, complete: bool, rounded: bool = False
+    ) -> TokenEstimate:
         return TokenEstimate(
             prompt_tokens=text_tokens + self.fixed_prompt_tokens(shape),
             output_tokens=self.output_tokens(shape),
             method=method,
             complete=complete,
+            rounded=rounded,
         )
+
+    def _fast_answer(self, shape: RequestShape, band: TextBand, thresholds: Sequence[int]) -> TokenEstimate:
+        """The answer when no exact count runs: the estimate, settled on the safe side of any threshold
+        its band reaches across when there is no tokenizer to count with."""
+        if self._exact is not None or not shape.texts:
+            return self._result(shape, band.tokens, "fast", True)
+        extra = self._extra(shape)
+        estimate = band.tokens + extra
+        total = decide.safe_total(estimate, band.low + extra, band.high + extra, thresholds)
+        return self._result(shape, total - extra, "fast", True, rounded=total != estimate)
 
     def _counted(self, shape: RequestShape, counted: decide.Counted) -> TokenEstimate:
         return self._result(shape, counted.tokens, "exact", counted.complete)
@@ -129,7 +149,7 @@ class Estimator:
         band = self.fast_band(shape)
         if self.needs_exact(shape, band, thresholds):
             return self._counted(shape, decide.run(self._job(shape, thresholds)))
-        return self._result(shape, band.tokens, "fast", True)
+        return self._fast_answer(shape, band, thresholds)
 
     def count_sync(self, shape: RequestShape) -> TokenEstimate:
         """The full exact count, whatever the thresholds; the fast estimate without a tokenizer."""
@@ -140,7 +160,7 @@ class Estimator:
     async def estimate(self, shape: RequestShape, thresholds: Sequence[int]) -> TokenEstimate | Unavailable:
         band = self.fast_band(shape)
         if not self.needs_exact(shape, band, thresholds):
-            return self._result(shape, band.tokens, "fast", True)
+            return self._fast_answer(shape, band, thresholds)
         if self._pending >= self._max_pending:
             return Unavailable("The gateway is counting too many long prompts right now; retry shortly.")
         self._pending += 1

@@ -1,10 +1,23 @@
-"""The fast estimate of one text: fitted byte-class weights, an error band, and hard bounds.
+"""The fast estimate of one text: fitted byte-pair weights, an error band that follows the text's
+make-up, and hard bounds.
 
-The band is [estimate * (1 - over) - absolute, estimate * (1 + under) + absolute], with the errors
-the tokenizer's calibration measured for texts of that size, then clipped to what holds whatever the
-text: a text never takes more tokens than `max_tokens_per_byte` * its UTF-8 bytes + 1 (so a text of
-fewer bytes than a threshold is certainly under it), nor fewer than its bytes over the longest piece
-of the vocabulary.
+One table holds, per pair value, the tokens it adds (real part) and how far that may be off (imaginary
+part), so a single `take` and `sum` over a text's pairs gives both the estimate and its band's width.
+A pair's width is its class's relative error (measured while fitting, see `fit`) times its tokens,
+and a full token per byte for pairs the fit never saw: ordinary prose and code get a narrow band,
+scripts, symbols and punctuation the corpus knew less well a wider one, and text made of pairs nobody
+measured a band wide enough that the class is counted exactly (or, without a tokenizer, rounded to
+the safe side).
+
+The band is [estimate - over * width - absolute, estimate + under * width + absolute], with (under,
+over) the multipliers the calibration measured for texts of that size, then clipped to what holds
+whatever the text: a text never takes more tokens than `max_tokens_per_byte` * its UTF-8 bytes + 1
+(so a text of fewer bytes than a threshold is certainly under it), nor fewer than its bytes over the
+longest piece of the vocabulary.
+
+Without a tokenizer the estimator is given several calibrations, one per tokenizer family: each
+prices the text, and the band spans them all (their lowest low to their highest high), the estimate
+being their mean. The table then has a column per calibration, still read in one `take`.
 
 Trap windows (see `features`) and emoji are uncertain by nature: the band spans everything they could
 cost (from a vocabulary's longest piece per byte up to a token per byte; from the fewest to the most
@@ -14,6 +27,7 @@ request look short, nor a long one look too long.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,22 +36,25 @@ import numpy as np
 
 from kvgate.estimate.calibration import Calibration
 from kvgate.estimate.features import (
-    FEATURES,
+    CODE_PAIR_VALUES,
     FULL_SCAN_BYTES,
-    PAIRS_TO_FEATURES,
+    NO_PAIRS,
     UTF8_MAX_BYTES,
     WINDOW_BYTES,
     WINDOWS,
     Sample,
-    pair_index_table,
-    plain_pair_index,
+    code_pair_index,
+    fourbyte_count,
+    is_plain,
     sample,
+    stretch_counts,
 )
 
-_FOURBYTE = FEATURES.index("fourbyte")
 # Texts up to this many characters are encoded whole and, when they hold no trap, estimated straight
-# from their class pairs: a chat turn costs three numpy calls instead of a feature tuple.
+# from their pairs: a chat turn costs a few numpy calls.
 _DIRECT_CHARS = FULL_SCAN_BYTES // UTF8_MAX_BYTES
+# Per calibration: the weighted pair sum (real part) and the band's width (imaginary part).
+_Sums = np.ndarray[tuple[int, ...], np.dtype[np.complex128]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,12 +73,26 @@ EMPTY = TextBand(0, 0, 0)
 
 
 class FastEstimator:
-    __slots__ = ("_pair_tokens", "calibration")
+    __slots__ = ("_coded", "_stretch_values", "_table", "calibrations")
 
-    def __init__(self, calibration: Calibration) -> None:
-        self.calibration = calibration
-        # What each class pair adds to the linear estimate: the weights folded into the features.
-        self._pair_tokens = pair_index_table(np.array(calibration.weights) @ PAIRS_TO_FEATURES)
+    def __init__(self, calibration: Calibration, *others: Calibration) -> None:
+        self.calibrations = (calibration, *others)
+        columns = [tokens + 1j * width for tokens, width in (c.tables() for c in self.calibrations)]
+        self._table = columns[0] if not others else np.stack(columns, axis=1)
+        self._coded = self._table[CODE_PAIR_VALUES]
+        # Per calibration, per run of spaces counted: tokens + 1j * width.
+        self._stretch_values = tuple(
+            tuple(complex(t, w) for t, w in zip(*c.stretches(), strict=True)) for c in self.calibrations
+        )
+
+    @property
+    def calibration(self) -> Calibration:
+        return self.calibrations[0]
+
+    def __reduce__(self) -> tuple[object, tuple[tuple[Calibration, ...]]]:
+        # A count job carries the estimator to the worker: send the calibrations, not the 65,536-entry
+        # table, and build the table once per worker.
+        return _estimator_for, (self.calibrations,)
 
     def estimate(self, text: str) -> TextBand:
         return self.estimate_all((text,))
@@ -80,47 +111,80 @@ class FastEstimator:
         """The band of `texts` texts joined into `text`."""
         if len(text) <= _DIRECT_CHARS:
             data = text.encode("utf-8", "surrogatepass")
-            pairs = plain_pair_index(data)
-            if pairs is not None:
-                index, classes = pairs
-                weighted = float(self._pair_tokens.take(index).sum())
-                # Class codes come first in FEATURES: the emoji count is the fourbyte class's bytes.
-                emoji = classes.count(_FOURBYTE)
-                return self._band(weighted, emoji, texts, Sample(len(data), len(data), len(data), (), 0, 0))
+            if is_plain(data):
+                size = len(data)
+                summed = self._coded.take(code_pair_index(data), axis=0).sum(axis=0)
+                features = Sample(size, size, size, 0.0, 0.0, NO_PAIRS, 1.0, fourbyte_count(data))
+                return self._envelope(summed, texts, features, stretch_counts(data))
         return self.band(sample(text), texts)
 
     def band(self, features: Sample, texts: int = 1) -> TextBand:
-        """The band of `texts` texts whose features, read together, are `features`."""
-        linear = sum(w * x for w, x in zip(self.calibration.weights, features.counts, strict=True))
-        return self._band(linear, features.counts[_FOURBYTE], texts, features)
+        """The band of `texts` texts whose pairs, read together, are `features`."""
+        summed = self._coded.take(features.index, axis=0).sum(axis=0) * features.scale
+        return self._envelope(summed, texts, features, features.stretches)
 
-    def _band(self, weighted: float, emoji: float, texts: int, features: Sample) -> TextBand:
-        """The band from the weighted feature sum and the emoji count; `features` gives the sizes and
-        trap bytes (its counts are not read)."""
-        c = self.calibration
-        linear = c.per_text * texts + weighted
-        regular = linear - emoji * c.weights[_FOURBYTE]
-        tokens = linear + features.blob_bytes * c.trap_density + features.run_bytes * c.run_density
-        band = c.band_for(regular)
-        high = (
-            regular * (1 + band.under)
-            + c.absolute_error
-            + emoji * c.fourbyte_max
-            + features.trap_bytes * c.max_tokens_per_byte
-        )
-        low = (
-            regular * (1 - band.over)
-            - c.absolute_error
-            + emoji * c.fourbyte_min
-            + features.trap_bytes / c.max_piece_bytes
-        )
-        if features.max_size > features.min_size:
-            # The size was estimated from windows of a long non-ASCII text: one gap between two
-            # windows may hide characters wider than the windows showed.
-            gap_chars = max(0, features.min_size - WINDOWS * WINDOW_BYTES) / (WINDOWS - 1)
-            high += gap_chars * (UTF8_MAX_BYTES - 1) * c.max_tokens_per_byte
-        ceiling = math.floor(c.max_tokens_per_byte * features.max_size) + texts
-        floor = math.ceil(features.min_size / c.max_piece_bytes)
-        high_tokens = max(floor, min(ceiling, math.ceil(high)))
-        low_tokens = min(high_tokens, max(floor, math.floor(low)))
-        return TextBand(min(max(round(tokens), low_tokens), high_tokens), low_tokens, high_tokens)
+    def _envelope(
+        self, summed: _Sums, texts: int, features: Sample, stretches: tuple[float, ...]
+    ) -> TextBand:
+        """The band over every calibration, from each one's weighted pair sum and width (plus the runs
+        of spaces, in plain Python: three products cost less than a numpy call)."""
+        if len(self.calibrations) == 1:
+            total = complex(summed)
+            if any(stretches):
+                total += sum(
+                    count * value for count, value in zip(stretches, self._stretch_values[0], strict=True)
+                )
+            return _band(self.calibration, total.real, total.imag, texts, features)
+        sums = [complex(total) for total in np.atleast_1d(summed)]
+        if any(stretches):
+            sums = [
+                total + sum(count * value for count, value in zip(stretches, values, strict=True))
+                for total, values in zip(sums, self._stretch_values, strict=True)
+            ]
+        bands = [
+            _band(c, total.real, total.imag, texts, features)
+            for c, total in zip(self.calibrations, sums, strict=True)
+        ]
+        low = min(b.low for b in bands)
+        high = max(b.high for b in bands)
+        tokens = round(sum(b.tokens for b in bands) / len(bands))
+        return TextBand(min(max(tokens, low), high), low, high)
+
+
+@functools.lru_cache(maxsize=8)
+def _estimator_for(calibrations: tuple[Calibration, ...]) -> FastEstimator:
+    return FastEstimator(*calibrations)
+
+
+def _band(c: Calibration, weighted: float, width: float, texts: int, features: Sample) -> TextBand:
+    """The band from the weighted pair sum and its width; `features` gives the sizes, emoji and
+    trap bytes (its pairs are not read)."""
+    emoji = features.fourbyte
+    linear = c.per_text * texts + weighted
+    regular = linear - emoji * c.fourbyte_mean
+    tokens = linear + features.blob_bytes * c.trap_density + features.run_bytes * c.run_density
+    band = c.band_for(regular)
+    high = (
+        regular
+        + width * band.under
+        + c.absolute_error
+        + emoji * c.fourbyte_max
+        + features.trap_bytes * c.max_tokens_per_byte
+    )
+    low = (
+        regular
+        - width * band.over
+        - c.absolute_error
+        + emoji * c.fourbyte_min
+        + features.trap_bytes / c.max_piece_bytes
+    )
+    if features.max_size > features.min_size:
+        # The size was estimated from windows of a long non-ASCII text: one gap between two
+        # windows may hide characters wider than the windows showed.
+        gap_chars = max(0, features.min_size - WINDOWS * WINDOW_BYTES) / (WINDOWS - 1)
+        high += gap_chars * (UTF8_MAX_BYTES - 1) * c.max_tokens_per_byte
+    ceiling = math.floor(c.max_tokens_per_byte * features.max_size) + texts
+    floor = math.ceil(features.min_size / c.max_piece_bytes)
+    high_tokens = max(floor, min(ceiling, math.ceil(high)))
+    low_tokens = min(high_tokens, max(floor, math.floor(low)))
+    return TextBand(min(max(round(tokens), low_tokens), high_tokens), low_tokens, high_tokens)

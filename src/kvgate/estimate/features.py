@@ -1,69 +1,147 @@
-"""Byte-class features of a text: what the fast estimator's weights multiply.
+"""Byte-pair features of a text: what the fast estimator's weights multiply.
 
-One `bytes.translate` maps every UTF-8 byte to its class; one `numpy.bincount` then counts every
-class pair, and the classes with them. Runs and pairs carry what single classes cannot: a
-run of letters is a word (sentencepiece spends about one piece per word plus one per few letters), a
-run of digits is a number, case changes split identifiers. Continuation bytes of multi-byte characters
-are not a feature: the lead byte already says what the character is.
+Every byte and the byte after it form a pair (the last byte pairs with a NUL). The estimate is a sum
+over a text's pairs of one number per pair value (with the runs of whitespace, below): one
+`bytes.translate` turns each byte into a code (an ASCII byte's class, any other byte itself), numpy
+reads the codes as overlapping big-endian 16-bit numbers and takes them from a table, with no
+arithmetic per byte. The table is not fitted entry by entry; it is built from features that pairs
+share, so what the corpus shows of a feature carries over to pairs it rarely shows:
+
+- the class of the first byte (`lower`, `digit`, `dquote`, `colon`, `open`, ..., each UTF-8 lead
+  byte on its own, `continuation`): what one character of that kind costs;
+- the end of a run of one class (`lower*`: a word, `digit*`: a number, `space*`: an indentation);
+- the pair of classes (`dquote>colon`: a JSON key's end, `colon>dquote`: a string value's start,
+  `newline>space`: indentation, `backslash>dquote`: an escaped quote inside a JSON string, `slash>
+  lower`: a URL path or an identifier, `upper>lower`: a case change);
+- the lead byte and first continuation byte of a non-ASCII character (`e0b6`: a 64-code-point block
+  of Sinhala): which script, which Latin letters, which symbols, each tokenized its own way;
+- runs of 4, 8 and 16 spaces and of 2, 4 and 8 tabs (`STRETCHES`): indentation and aligned columns,
+  which tokenizers spend a piece on per run rather than per character.
+
+Digits and numbers are `digit` and `digit*`, JSON's punctuation its class pairs, identifiers and
+URLs their case changes and slashes, emoji and rare scripts their lead bytes and blocks. The texts
+are what the request body's JSON decodes to, so a tool result's own JSON is seen as JSON, never the
+body's escapes.
 
 Texts up to FULL_SCAN_BYTES are read whole; longer ones through a fixed number of evenly spaced
 windows, so the cost is the same for 100 KB and 100 MB (a long non-ASCII text is sampled as
-characters, so it is not even encoded whole). A window that looks like a trap (pure ASCII without
-whitespace: base64, data URLs, hex; or a run of one character) is left out of the counts and only its
-size is reported: no weight fitted on real text says what such a stretch costs, so the estimator gives
-it a wide band.
+characters, so it is not even encoded whole). A window that looks like a trap (base64, hex: ASCII with
+almost no whitespace or JSON punctuation and many digits and capitals; or a run of one character) is
+left out of the counts and only its size is reported: no weight fitted on real text says what such a
+stretch costs, so the estimator gives it a wide band.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
 
-CLASSES = (
-    "lower",
-    "upper",
-    "digit",
-    "space",
-    "newline",
-    "control",
-    "punct",  # other ASCII punctuation
-    "quote",  # " and ', JSON's and Python's string delimiters
-    "bracket",  # ( ) [ ] { }
-    "separator",  # , . : ;
-    "latin2",  # 2-byte lead C2-CF: Latin-1 supplement, Latin extended, IPA, Greek
-    "other2",  # 2-byte lead D0-DF: Cyrillic, Armenian, Hebrew, Arabic
-    "script3",  # 3-byte lead E0-E1: Indic, Thai, Georgian, …
-    "symbol3",  # 3-byte lead E2: typographic punctuation, arrows, box drawing
-    "cjk",  # 3-byte lead E3-E9: kana and CJK ideographs
-    "hangul",  # 3-byte lead EA-ED
-    "fullwidth",  # 3-byte lead EE-EF: private use, fullwidth forms
-    "fourbyte",  # 4-byte lead F0-F4: emoji, rare ideographs
-)
-_CONTINUATION = len(CLASSES)
+# Classes of ASCII bytes; every UTF-8 lead byte is a class of its own ("c3", "e4", ...).
+_ASCII_NAMES = {
+    " ": "space", "\t": "tab", "\n": "newline", "\r": "newline", '"': "dquote", "'": "squote",
+    ":": "colon", ",": "comma", ".": "period", ";": "semicolon", "(": "open", "[": "open", "{": "open",
+    ")": "close", "]": "close", "}": "close", "\\": "backslash", "/": "slash", "-": "dash",
+    "_": "underscore", "=": "equals", "<": "angle", ">": "angle",
+}  # fmt: skip
+LEADS = range(0xC2, 0xF5)
+FOURBYTE_LEADS = range(0xF0, 0xF5)
+CONTINUATIONS = range(0x80, 0xC0)
 
-# Runs of a class (a word, a number, an indentation) cost about one piece each plus their length.
-RUNS = ("lower", "upper", "digit", "space", "punct", "quote", "bracket", "separator", "newline")
-PAIRS = (
-    ("space", "lower"),
-    ("space", "upper"),
-    ("upper", "lower"),
-    ("lower", "upper"),
-    ("lower", "digit"),
-    ("digit", "lower"),
-    ("quote", "separator"),
-    ("separator", "space"),
-    ("newline", "space"),
-    # Words in other scripts: a space before a Cyrillic or Hangul letter, accents inside Latin words.
-    ("space", "other2"),
-    ("space", "hangul"),
-    ("lower", "latin2"),
-    ("continuation", "lower"),
-    ("continuation", "space"),
+
+def _class_name(byte: int) -> str:
+    if byte >= 0x80:
+        if byte in LEADS:
+            return f"{byte:02x}"
+        return "continuation" if byte in CONTINUATIONS else "invalid"
+    char = chr(byte)
+    if char.islower():
+        return "lower"
+    if char.isupper():
+        return "upper"
+    if char.isdigit():
+        return "digit"
+    if char in _ASCII_NAMES:
+        return _ASCII_NAMES[char]
+    return "punct" if char.isprintable() else "control"
+
+
+CLASSES = tuple(dict.fromkeys(_class_name(byte) for byte in range(256)))
+BYTE_CLASS = np.array([CLASSES.index(_class_name(byte)) for byte in range(256)], dtype=np.intp)
+# Runs and class pairs are features only where they add something: a lead byte is always followed by
+# a continuation byte (its count says it all), and a continuation byte followed by another one is the
+# inside of a character (which the lead's count and the block already price).
+_ASCII_CLASSES = tuple(dict.fromkeys(_class_name(byte) for byte in range(0x80)))
+_PAIR_FIRST = (*_ASCII_CLASSES, "continuation")
+_BLOCK_LEADS = tuple(lead for lead in LEADS if lead not in FOURBYTE_LEADS)
+BLOCKS = tuple(f"{lead:02x}{cont:02x}" for lead in _BLOCK_LEADS for cont in CONTINUATIONS)
+CLASS_PAIRS = tuple(
+    f"{a}>{b}" for a in _PAIR_FIRST for b in CLASSES if not (a == "continuation" and b == "continuation")
+)
+PAIR_FEATURES = CLASSES + tuple(f"{name}*" for name in _ASCII_CLASSES) + CLASS_PAIRS + BLOCKS
+# Long runs of spaces and tabs (indentation, aligned columns): how many times each of these fits in
+# the text without overlap. A tokenizer spends one piece on a run of whitespace up to some length, so
+# a run's cost grows in steps a pair's weight cannot follow alone.
+STRETCHES = (b" " * 4, b" " * 8, b" " * 16, b"\t" * 2, b"\t" * 4, b"\t" * 8)
+STRETCH_NAMES = ("4 spaces", "8 spaces", "16 spaces", "2 tabs", "4 tabs", "8 tabs")
+FEATURES = PAIR_FEATURES + STRETCH_NAMES
+PAIR_VALUES = 1 << 16
+_Index = np.ndarray[tuple[int], np.dtype[np.intp]]
+
+
+def _feature_maps() -> tuple[_Index, ...]:
+    """Per pair value (first byte * 256 + second): the index in FEATURES of its class, its run end,
+    its class pair and its block, each -1 where the pair has no such feature."""
+    index = {name: i for i, name in enumerate(PAIR_FEATURES)}
+    run_of = np.array([index.get(f"{name}*", -1) for name in CLASSES])
+    pair_of = np.array([[index.get(f"{a}>{b}", -1) for b in CLASSES] for a in CLASSES])
+    block_of = np.array([[index.get(f"{a:02x}{b:02x}", -1) for b in range(256)] for a in range(256)])
+    first, second = np.divmod(np.arange(PAIR_VALUES), 256)
+    a, b = BYTE_CLASS[first], BYTE_CLASS[second]
+    return a, np.where(a != b, run_of[a], -1), pair_of[a, b], block_of[first, second]
+
+
+FEATURE_MAPS = _feature_maps()
+
+
+# Texts are read through codes: an ASCII byte's code is its class (every ASCII pair of the same two
+# classes has the same features), any other byte's code stands for the byte itself. A table over code
+# pairs gives the same sums as the table over pair values, and the pairs of ordinary text fall in a
+# small, cache-friendly corner of it.
+_CODES = bytes(
+    _ASCII_CLASSES.index(_class_name(byte)) if byte < 0x80 else len(_ASCII_CLASSES) + byte - 0x80
+    for byte in range(256)
+)
+_CODE_END = bytes((_CODES[0],))  # the NUL after the last byte
+_CODE_COUNT = len(_ASCII_CLASSES) + 0x80
+_REPRESENTATIVE = [_CODES.index(bytes((code,))) for code in range(_CODE_COUNT)]
+# The pair value each code pair index (first code * 256 + second code) stands for.
+CODE_PAIR_VALUES = np.array(
+    [
+        _REPRESENTATIVE[a] * 256 + (_REPRESENTATIVE[b] if b < _CODE_COUNT else 0)
+        for a in range(_CODE_COUNT)
+        for b in range(256)
+    ]
 )
 
-FEATURES = CLASSES + tuple(f"{name}*" for name in RUNS) + tuple(f"{a}>{b}" for a, b in PAIRS)
+
+def code_pair_index(data: bytes) -> PairIndex:
+    """Per byte of `data`: its code and the next byte's (a NUL after the last) read as one big-endian
+    16-bit number, with no arithmetic per byte; indexes tables laid out by CODE_PAIR_VALUES."""
+    return np.ndarray((len(data),), dtype=">u2", buffer=data.translate(_CODES) + _CODE_END, strides=(1,))
+
+
+def pair_table(
+    weights: np.ndarray[tuple[int], np.dtype[np.float64]],
+) -> np.ndarray[tuple[int], np.dtype[np.float64]]:
+    """The value of each pair: the sum of the weights (one per PAIR_FEATURES entry) of its features."""
+    padded = np.append(weights, 0.0)  # index -1: no such feature
+    table: np.ndarray[tuple[int], np.dtype[np.float64]] = np.zeros(PAIR_VALUES)
+    for feature_of in FEATURE_MAPS:
+        table += padded[feature_of]
+    return table
+
 
 WINDOWS = 32
 WINDOW_BYTES = 256
@@ -73,121 +151,111 @@ FULL_SCAN_BYTES = 96 * 1024
 # Non-ASCII texts up to this many characters are encoded whole, so their byte size is exact; longer
 # ones are sampled as characters and only the windows are encoded.
 ENCODE_CHARS = 32768
-# An ASCII window with less than one whitespace per this many bytes is a trap candidate; prose has
-# one every ~6 bytes, code one every ~4, so only blob-like stretches get flagged.
+# An ASCII window is a blob when it has less than one whitespace per TRAP_BYTES_PER_SPACE bytes (prose
+# has one every ~6 bytes, code one every ~4), less than one JSON or code delimiter per
+# TRAP_BYTES_PER_DELIMITER (compact JSON has one every ~5), and at least a quarter digits and capitals
+# (base64: ~45%, hex: ~60%, a URL or an identifier: a few).
 TRAP_BYTES_PER_SPACE = 40
+TRAP_BYTES_PER_DELIMITER = 32
+TRAP_DIGIT_SHARE = 4
 UTF8_MAX_BYTES = 4
 
-
-def _class_of(byte: int) -> int:
-    ranges = (
-        (0x61, 0x7A, "lower"),
-        (0x41, 0x5A, "upper"),
-        (0x30, 0x39, "digit"),
-        (0x20, 0x20, "space"),
-        (0x0A, 0x0A, "newline"),
-        (0x0D, 0x0D, "newline"),
-        (0x22, 0x22, "quote"),
-        (0x27, 0x27, "quote"),
-        (0x28, 0x29, "bracket"),
-        (0x5B, 0x5B, "bracket"),
-        (0x5D, 0x5D, "bracket"),
-        (0x7B, 0x7B, "bracket"),
-        (0x7D, 0x7D, "bracket"),
-        (0x2C, 0x2E, "separator"),
-        (0x3A, 0x3B, "separator"),
-        (0x21, 0x7E, "punct"),
-        (0x00, 0x7F, "control"),
-        (0xC2, 0xCF, "latin2"),
-        (0xD0, 0xDF, "other2"),
-        (0xE0, 0xE1, "script3"),
-        (0xE2, 0xE2, "symbol3"),
-        (0xE3, 0xE9, "cjk"),
-        (0xEA, 0xED, "hangul"),
-        (0xEE, 0xEF, "fullwidth"),
-        (0xF0, 0xF4, "fourbyte"),
-    )
-    for low, high, name in ranges:
-        if low <= byte <= high:
-            return CLASSES.index(name)
-    return _CONTINUATION
-
-
-_TABLE = bytes(_class_of(b) for b in range(256))
-_STRIDE = 32  # > number of class codes, so a pair (a, b) is the single number a * _STRIDE + b (a << 5)
-_Bytes = np.ndarray[tuple[int], np.dtype[np.uint8]]
 _Sliceable = TypeVar("_Sliceable", str, bytes)
 _Counts = np.ndarray[tuple[int, ...], np.dtype[np.intp]]
 PairIndex = np.ndarray[tuple[int], np.dtype[np.uint16]]
-PairTable = np.ndarray[tuple[int], np.dtype[np.float64]]
 # Every 12th byte: the same byte of each character in a run of 1-, 2-, 3- or 4-byte characters.
 _PROBE_STEP = 12
 _BLOB, _RUN = 1, 2
 _SPACE_BYTE = ord(" ")
-_END = _STRIDE - 1  # a class code no byte has: what follows the last byte
-_END_BYTE = bytes((_END,))
-_CODES = {name: code for code, name in enumerate((*CLASSES, "continuation"))}
-
-
-def _pairs_to_features() -> np.ndarray[tuple[int, int], np.dtype[np.float64]]:
-    """The matrix that turns a histogram of class pairs into FEATURES counts (features = M @ pairs).
-
-    Each byte is the first of exactly one pair (the last one's pair ends in a sentinel), so a class's
-    count is its row of pairs; a run of class c starts wherever c follows anything but c."""
-    matrix = np.zeros((len(FEATURES), _STRIDE * _STRIDE))
-    for code in range(len(CLASSES)):
-        matrix[code, code * _STRIDE : (code + 1) * _STRIDE] = 1.0
-    for row, name in enumerate(RUNS, start=len(CLASSES)):
-        code = _CODES[name]
-        matrix[row, code * _STRIDE : (code + 1) * _STRIDE] = 1.0
-        matrix[row, code * _STRIDE + code] = 0.0
-    for row, (first, second) in enumerate(PAIRS, start=len(CLASSES) + len(RUNS)):
-        matrix[row, _CODES[first] * _STRIDE + _CODES[second]] = 1.0
-    return matrix
-
-
-PAIRS_TO_FEATURES = _pairs_to_features()
 # Up to this size the trap windows are found with bytes methods, past it with numpy.
 _SMALL_TEXT_BYTES = 16 * WINDOW_BYTES
 # 1 for space, newline, tab and control characters (none of them occurs in a blob), 0 for the rest.
 _WHITESPACE_ONES = bytes(int(byte <= _SPACE_BYTE) for byte in range(256))
+# 1 for what separates JSON values and code tokens; base64 and hex have none of them.
+_DELIMITER_ONES = bytes(int(chr(byte) in "\"',:;{}[]()<>") if byte < 0x80 else 0 for byte in range(256))
+# 1 for digits and capitals.
+_DIGIT_UPPER_ONES = bytes(
+    int(chr(byte).isdigit() or chr(byte).isupper()) if byte < 0x80 else 0 for byte in range(256)
+)
+# For numpy: one code per byte, so a window's counts are comparisons of one array.
+_DELIMITER, _DIGIT_UPPER, _NON_ASCII = 1, 2, 3
+_BLOB_CODES = bytes(
+    _NON_ASCII
+    if byte >= 0x80
+    else _DELIMITER
+    if _DELIMITER_ONES[byte]
+    else _DIGIT_UPPER
+    if _DIGIT_UPPER_ONES[byte]
+    else 0
+    for byte in range(256)
+)
 
 
-@dataclass(frozen=True, slots=True)
+NO_PAIRS: PairIndex = np.zeros(0, dtype=np.uint16)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class Sample:
-    """Feature counts of a text (scaled up from its windows when it was sampled)."""
+    """The byte pairs a text was read by (through windows when it was sampled), and its sizes."""
 
     size: float  # UTF-8 bytes of the whole text (estimated when a long non-ASCII text was sampled)
     min_size: int  # certainly at least this many UTF-8 bytes
     max_size: int  # certainly no more than this many
-    counts: tuple[float, ...]  # one per FEATURES entry, for the whole text outside trap windows
-    blob_bytes: float  # bytes of the whole text in blob windows (base64, hex, URLs)
+    blob_bytes: float  # bytes of the whole text in blob windows (base64, hex)
     run_bytes: float  # bytes of the whole text in runs of one character
+    # The code pair index (see `code_pair_index`) of every byte read outside trap windows, and what
+    # one of them stands for in the whole text.
+    index: PairIndex = field(default_factory=lambda: NO_PAIRS)
+    scale: float = 1.0
+    fourbyte: float = 0.0  # 4-byte characters (emoji, rare ideographs) outside trap windows
+    stretches: tuple[float, ...] = (0.0,) * len(STRETCHES)  # counts of STRETCHES outside trap windows
 
     @property
     def trap_bytes(self) -> float:
         return self.blob_bytes + self.run_bytes
 
+    def histogram(
+        self,
+    ) -> tuple[np.ndarray[tuple[int], np.dtype[np.intp]], np.ndarray[tuple[int], np.dtype[np.float64]]]:
+        """The pair values seen, and how often, for the whole text."""
+        counts = np.bincount(self.index, minlength=len(CODE_PAIR_VALUES))
+        seen = np.flatnonzero(counts)
+        pairs: np.ndarray[tuple[int], np.dtype[np.intp]] = CODE_PAIR_VALUES[seen]
+        scaled: np.ndarray[tuple[int], np.dtype[np.float64]] = counts[seen].astype(np.float64) * self.scale
+        return pairs, scaled
 
-EMPTY_SAMPLE = Sample(0.0, 0, 0, (0.0,) * len(FEATURES), 0.0, 0.0)
+    def features(self) -> np.ndarray[tuple[int], np.dtype[np.float64]]:
+        """Counts of every FEATURES entry (what a calibration's weights multiply)."""
+        pairs, counts = self.histogram()
+        totals = np.zeros(len(PAIR_FEATURES) + 1)
+        for feature_of in FEATURE_MAPS:
+            np.add.at(totals, feature_of[pairs], counts)
+        return np.concatenate((totals[:-1], self.stretches))
 
 
-def sample(text: str) -> Sample:
-    """Features of the whole of `text`: read whole up to FULL_SCAN_BYTES, through windows beyond."""
+EMPTY_SAMPLE = Sample(0.0, 0, 0, 0.0, 0.0)
+
+
+def sample(text: str, whole: bool = False) -> Sample:
+    """The pairs of the whole of `text`: read whole up to FULL_SCAN_BYTES (or `whole`: always, as a fit
+    wants them), through windows beyond."""
     if not text:
         return EMPTY_SAMPLE
+    if whole:
+        data = text.encode("utf-8", "surrogatepass")
+        return _sample(data, len(data), len(data), len(data))
     if text.isascii():
         # One byte per character: the size is known without encoding, and only windows are encoded.
         read = text if len(text) <= FULL_SCAN_BYTES else "".join(_windows(text))
-        return _features(read.encode("ascii"), len(text), len(text), len(text))
+        return _sample(read.encode("ascii"), len(text), len(text), len(text))
     if len(text) <= ENCODE_CHARS:
         data = text.encode("utf-8", "surrogatepass")
         size = len(data)
         read_bytes = data if size <= FULL_SCAN_BYTES else b"".join(_windows(data))
-        return _features(read_bytes, size, size, size)
+        return _sample(read_bytes, size, size, size)
     data = "".join(_windows(text)).encode("utf-8", "surrogatepass")
     estimated = len(text) * len(data) / (WINDOWS * WINDOW_BYTES)
-    return _features(data, estimated, len(text), len(text) * UTF8_MAX_BYTES)
+    return _sample(data, estimated, len(text), len(text) * UTF8_MAX_BYTES)
 
 
 def _windows(sequence: _Sliceable) -> list[_Sliceable]:
@@ -196,63 +264,79 @@ def _windows(sequence: _Sliceable) -> list[_Sliceable]:
     return [sequence[round(i * step) : round(i * step) + WINDOW_BYTES] for i in range(WINDOWS)]
 
 
-def _features(data: bytes, size: float, min_size: int, max_size: int) -> Sample:
-    raw = np.frombuffer(data, dtype=np.uint8)
-    codes = _pair_codes(data)
+_NO_STRETCHES = (0,) * len(STRETCHES)
+
+
+def stretch_counts(data: bytes) -> tuple[int, ...]:
+    """How many times each of STRETCHES fits in `data` without overlap."""
+    spaces = STRETCHES[0] in data
+    tabs = STRETCHES[3] in data
+    if not spaces and not tabs:
+        return _NO_STRETCHES
+    return tuple(
+        data.count(stretch) if (spaces if stretch[0] == _SPACE_BYTE else tabs) else 0 for stretch in STRETCHES
+    )
+
+
+_FOURBYTE_LEAD_BYTES = bytes(FOURBYTE_LEADS)
+
+
+def fourbyte_count(data: bytes) -> int:
+    """4-byte characters in `data` (their lead bytes)."""
+    if data.isascii():
+        return 0
+    return len(data) - len(data.translate(None, _FOURBYTE_LEAD_BYTES))
+
+
+def _sample(data: bytes, size: float, min_size: int, max_size: int) -> Sample:
+    index = code_pair_index(data)
     trap_kind = _trap_kinds(data)
     blob_bytes = run_bytes = 0
+    fourbyte = fourbyte_count(data)
+    stretches = stretch_counts(data)
     if trap_kind.any():
         # The partial window at the end goes with the last whole one: a run or a blob that reaches the
         # end of the text must not have its last bytes priced at ordinary-text weights.
-        tail = len(raw) - len(trap_kind) * WINDOW_BYTES
+        tail = len(data) - len(trap_kind) * WINDOW_BYTES
         tail_kind = int(trap_kind[-1])
         regular = np.repeat(trap_kind == 0, WINDOW_BYTES)
         regular = np.concatenate((regular, np.full(tail, tail_kind == 0, dtype=bool)))
-        codes = codes[regular]
+        index = index[regular]
         blob_bytes = int(np.count_nonzero(trap_kind == _BLOB)) * WINDOW_BYTES + (
             tail if tail_kind == _BLOB else 0
         )
         run_bytes = int(np.count_nonzero(trap_kind == _RUN)) * WINDOW_BYTES + (
             tail if tail_kind == _RUN else 0
         )
-    scale = size / len(raw)
-    counts = PAIRS_TO_FEATURES @ np.bincount(codes, minlength=_STRIDE * _STRIDE) * scale
-    return Sample(size, min_size, max_size, tuple(counts.tolist()), blob_bytes * scale, run_bytes * scale)
+        kept = np.frombuffer(data, dtype=np.uint8)[regular]
+        fourbyte = int(
+            np.count_nonzero(kept >= FOURBYTE_LEADS[0]) - np.count_nonzero(kept >= FOURBYTE_LEADS[-1] + 1)
+        )
+        stretches = stretch_counts(kept.tobytes())
+    scale = size / len(data)
+    return Sample(
+        size,
+        min_size,
+        max_size,
+        blob_bytes * scale,
+        run_bytes * scale,
+        index,
+        scale,
+        fourbyte * scale,
+        tuple(count * scale for count in stretches),
+    )
 
 
-def pair_index_table(per_pair: np.ndarray[tuple[int], np.dtype[np.float64]]) -> PairTable:
-    """A value per class pair (indexed first class * _STRIDE + second, as PAIRS_TO_FEATURES' columns)
-    laid out for `plain_pair_index`: first class * 256 + second."""
-    table = np.zeros(len(_CODES) * 256)
-    for first in range(len(_CODES)):
-        table[first * 256 : first * 256 + _STRIDE] = per_pair[first * _STRIDE : (first + 1) * _STRIDE]
-    return table
-
-
-def plain_pair_index(data: bytes) -> tuple[PairIndex, bytes] | None:
-    """A text's class pairs, for the estimator's shortcut, or None when the text has a trap window
-    (which `sample` prices apart) or is too long to read whole. Returns the pair index of every byte
-    (its class * 256 + the next byte's class: the class bytes read as overlapping big-endian 16-bit
-    numbers, so numpy does no arithmetic per byte) and the class bytes themselves."""
-    if len(data) > FULL_SCAN_BYTES or _has_trap(data):
-        return None
-    classes = data.translate(_TABLE) + _END_BYTE
-    return np.ndarray((len(data),), dtype=">u2", buffer=classes, strides=(1,)), classes
-
-
-def _pair_codes(data: bytes) -> np.ndarray[tuple[int], np.dtype[np.uint16]]:
-    """Per byte: its class * _STRIDE + the next byte's class (a sentinel after the last byte)."""
-    classes = np.frombuffer(data.translate(_TABLE), dtype=np.uint8)
-    codes = np.left_shift(classes, 5, dtype=np.uint16)
-    codes[:-1] += classes[1:]
-    codes[-1] += _END
-    return codes
+def is_plain(data: bytes) -> bool:
+    """Whether the estimator may read `data`'s pairs directly: short enough to read whole, and no
+    trap window (which `sample` prices apart)."""
+    return len(data) <= FULL_SCAN_BYTES and not _has_trap(data)
 
 
 def _trap_kinds(data: bytes) -> _Counts:
     """Per whole window of `data`: 0, _BLOB or _RUN (see `_trap_windows`)."""
     if len(data) > _SMALL_TEXT_BYTES:
-        return _trap_windows(np.frombuffer(data, dtype=np.uint8))
+        return _trap_windows(data)
     return np.array(_trap_windows_small(data), dtype=np.intp)
 
 
@@ -266,8 +350,10 @@ def _has_trap(data: bytes) -> bool:
 def _trap_windows_small(data: bytes) -> list[int]:
     """`_trap_windows` for a few windows, with bytes methods: a dozen numpy calls on small arrays cost
     more than the work itself (about 40 µs for a 2 KB chat message against about 5 µs here)."""
+    if len(data) < WINDOW_BYTES:
+        return []
     whitespace = data.translate(_WHITESPACE_ONES)
-    ascii_text = data.isascii()
+    codes = b""
     kinds = []
     for start in range(0, len(data) - WINDOW_BYTES + 1, WINDOW_BYTES):
         end = start + WINDOW_BYTES
@@ -275,25 +361,48 @@ def _trap_windows_small(data: bytes) -> list[int]:
         middle = probes[len(probes) // 2]
         if probes.count(middle) * 4 >= len(probes) * 3:
             kinds.append(_RUN)
-        elif whitespace.count(1, start, end) * TRAP_BYTES_PER_SPACE < WINDOW_BYTES and (
-            ascii_text or data[start:end].isascii()
-        ):
-            kinds.append(_BLOB)
-        else:
+            continue
+        if whitespace.count(1, start, end) * TRAP_BYTES_PER_SPACE >= WINDOW_BYTES:
             kinds.append(0)
+            continue
+        codes = codes or data.translate(_BLOB_CODES)
+        blob = (
+            codes.count(_NON_ASCII, start, end) == 0
+            and codes.count(_DELIMITER, start, end) * TRAP_BYTES_PER_DELIMITER < WINDOW_BYTES
+            and codes.count(_DIGIT_UPPER, start, end) * TRAP_DIGIT_SHARE >= WINDOW_BYTES
+        )
+        kinds.append(_BLOB if blob else 0)
     return kinds
 
 
-def _trap_windows(raw: _Bytes) -> _Counts:
-    """Per whole window: _BLOB when pure ASCII with almost no whitespace (base64, hex, URLs), _RUN when
-    one character repeats (every 12th byte probed: that lands on the same byte of each 1-, 2-, 3- or
-    4-byte character), else 0. A last, partial window is never a trap."""
-    windows = raw[: len(raw) // WINDOW_BYTES * WINDOW_BYTES].reshape(-1, WINDOW_BYTES)
-    # Space, newline, tab and control characters: none of them occurs in a blob.
-    whitespace = (windows <= _SPACE_BYTE).view(np.uint8).sum(axis=1, dtype=np.uint16)
-    blob = (windows.max(axis=1, initial=0) < 0x80) & (whitespace * TRAP_BYTES_PER_SPACE < WINDOW_BYTES)
+def _trap_windows(data: bytes) -> _Counts:
+    """Per whole window: _BLOB when it is a blob (ASCII, little whitespace, almost no delimiters, a
+    quarter or more digits and capitals), _RUN when one character repeats
+    (every 12th byte probed: that lands on the same byte of each 1-, 2-, 3- or 4-byte character), else
+    0. A last, partial window is never a trap. Only windows with little whitespace are read further."""
+    whole = len(data) // WINDOW_BYTES * WINDOW_BYTES
+    windows = np.frombuffer(data, dtype=np.uint8, count=whole).reshape(-1, WINDOW_BYTES)
     probes = windows[:, ::_PROBE_STEP]
     middle = probes[:, probes.shape[1] // 2 : probes.shape[1] // 2 + 1]
     same = (probes == middle).view(np.uint8).sum(axis=1, dtype=np.uint16)
-    run = same.astype(np.intp) * 4 >= probes.shape[1] * 3
-    return np.where(run, _RUN, np.where(blob, _BLOB, 0))
+    kinds = np.where(same.astype(np.intp) * 4 >= probes.shape[1] * 3, _RUN, 0)
+    whitespace = (windows <= _SPACE_BYTE).view(np.uint8).sum(axis=1, dtype=np.uint16)
+    candidates = np.flatnonzero(
+        (whitespace.astype(np.intp) * TRAP_BYTES_PER_SPACE < WINDOW_BYTES) & (kinds == 0)
+    )
+    if len(candidates):
+        codes = np.frombuffer(data[:whole].translate(_BLOB_CODES), dtype=np.uint8).reshape(-1, WINDOW_BYTES)
+        chosen = codes[candidates]
+        blob = (
+            (_per_window(chosen, _NON_ASCII) == 0)
+            & (_per_window(chosen, _DELIMITER) * TRAP_BYTES_PER_DELIMITER < WINDOW_BYTES)
+            & (_per_window(chosen, _DIGIT_UPPER) * TRAP_DIGIT_SHARE >= WINDOW_BYTES)
+        )
+        kinds[candidates[blob]] = _BLOB
+    return kinds
+
+
+def _per_window(windows: np.ndarray[tuple[int, int], np.dtype[np.uint8]], code: int) -> _Counts:
+    """How many bytes of each window have this code."""
+    counts: _Counts = (windows == code).view(np.uint8).sum(axis=1, dtype=np.uint16).astype(np.intp)
+    return counts
