@@ -216,6 +216,7 @@ class _AgentServicer(pb_grpc.AgentServicer):
                 request.lease_s,
                 request.holder,
                 prefix=chain_from_proto(request),
+                output_tokens=request.output_tokens,
             )
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -80,8 +80,9 @@ class AgentClient:
         timeout_s: float,
         *,
         prefix: PrefixChain | None = None,
+        output_tokens: int = 0,
     ) -> ReserveOutcome:
-        request = reserve_request(request_id, tokens, lease_s, holder, prefix)
+        request = reserve_request(request_id, tokens, lease_s, holder, prefix, output_tokens=output_tokens)
         try:
             response: pb.ReserveResponse = await self._stub.Reserve(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:

@@ -9,9 +9,11 @@ clock (`ManualClock` for tests): staleness of a node's last message and lease ex
 Script it: `update` is a message from the node's agent (new usage, health), `go_silent` stops its
 messages (it goes stale as the clock moves), `disconnect` drops its stream, `restart_agent` gives it
 a new, empty ledger (what a restarted agent remembers), `fail_reserves` makes its Reserve calls fail
-as an unreachable agent's do, `evict_prefixes` is the node's engine evicting idle prefix blocks.
+as an unreachable agent's do, `evict_prefixes` is the node's engine evicting idle prefix blocks,
+`measure_decode_rate` is its agent measuring the engine's per-request decode rate.
 Reservations that carry a prefix chain share held blocks as the agent's do, and each node's messages
-carry the agent's prefix summary.
+carry the agent's prefix summary, its reservations' expected releases (at the measured decode rate) and
+the tokens ended reservations freed.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 from kvgate.errors import HeadroomError
 from kvgate.headroom.ledger import Budget, ReservationLedger
+from kvgate.headroom.releases import expected_releases
 from kvgate.headroom.snapshot import (
     CapacitySource,
     NodeHeadroom,
@@ -62,6 +65,7 @@ class _Node:
     connected: bool = True
     silent: bool = False
     failing_reserves: int = 0
+    decode_tokens_per_s: float | None = None
 
     def budget(self) -> Budget:
         return Budget(self.capacity_tokens, self.safety_ratio, self.used_tokens, self.healthy, self.reason)
@@ -154,6 +158,11 @@ class FakeHeadroom:
         prefixes.evict(prefixes.idle_tokens if tokens is None else tokens)
         self.update(name)
 
+    def measure_decode_rate(self, name: str, tokens_per_s: float | None) -> None:
+        """The node's agent has measured (or lost) its engine's output tokens per second per request."""
+        self._nodes[name].decode_tokens_per_s = tokens_per_s
+        self.update(name)
+
     def reserved_tokens(self, name: str) -> int:
         return self._nodes[name].ledger.reserved_tokens
 
@@ -179,13 +188,21 @@ class FakeHeadroom:
         return True
 
     async def reserve(
-        self, node: str, request_id: str, tokens: int, prefix: PrefixChain | None = None
+        self,
+        node: str,
+        request_id: str,
+        tokens: int,
+        prefix: PrefixChain | None = None,
+        *,
+        output_tokens: int = 0,
     ) -> ReserveOutcome:
         state = self._answering(node)
         if state.failing_reserves > 0:
             state.failing_reserves -= 1
             raise HeadroomError(f"agent {node} did not answer Reserve")
-        result = state.ledger.reserve(request_id, tokens, self._lease_s, state.budget(), prefix=prefix)
+        result = state.ledger.reserve(
+            request_id, tokens, self._lease_s, state.budget(), prefix=prefix, output_tokens=output_tokens
+        )
         await asyncio.sleep(0)  # an answer arrives on a later turn of the loop, as over gRPC
         return ReserveOutcome(
             result.granted,
@@ -236,6 +253,10 @@ class FakeHeadroom:
             gpus=(),
             period_ms=100,
             prefix=node.ledger.prefixes.summary(node.ledger.saved_tokens),
+            decode_tokens_per_s=node.decode_tokens_per_s,
+            # As of the node's last message, as an agent's are.
+            releases=expected_releases(node.ledger.live(), node.received_at, node.decode_tokens_per_s),
+            freed_tokens_total=node.ledger.freed_tokens,
         )
 
     def _new_ledger(self) -> ReservationLedger:

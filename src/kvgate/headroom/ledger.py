@@ -42,6 +42,8 @@ class Reservation:
     holder: str
     blocks: tuple[int, ...] = ()  # its prefix chain's blocks, held in the ledger's PrefixBlocks
     own_tokens: int = 0  # tokens beyond its chain: charged to it alone
+    granted_at: float = 0.0  # by the ledger's clock; a renewal keeps it
+    output_tokens: int = 0  # of `tokens`, the request's output budget; 0 when unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +86,7 @@ class ReservationLedger:
         self._live: dict[str, Reservation] = {}
         self._reserved = 0  # own tokens of live reservations plus every held prefix block once
         self._asked = 0  # tokens live reservations asked for: _asked - _reserved is what sharing saves
+        self._freed = 0  # tokens ended reservations gave back (released or expired), in all
         # No lease ends before this (renewals may leave it early, never late): until then `expire`,
         # called on every snapshot and reservation, has nothing to scan for.
         self._next_expiry = math.inf
@@ -97,6 +100,16 @@ class ReservationLedger:
     def count(self) -> int:
         self.expire()
         return len(self._live)
+
+    @property
+    def freed_tokens(self) -> int:
+        """Tokens ended reservations (released or expired) gave back since the ledger began."""
+        self.expire()
+        return self._freed
+
+    def live(self) -> tuple[Reservation, ...]:
+        self.expire()
+        return tuple(self._live.values())
 
     @property
     def saved_tokens(self) -> int:
@@ -128,13 +141,17 @@ class ReservationLedger:
         holder: str = "",
         *,
         prefix: PrefixChain | None = None,
+        output_tokens: int = 0,
     ) -> ReserveResult:
         """Charge `tokens` if they fit in the headroom, else refuse. `lease_s` <= 0 takes the default.
 
         With a `prefix` chain, the chain's blocks that live reservations hold are not charged again.
+        `output_tokens`, the request's output budget within `tokens`, says when it is expected to end.
         """
         if tokens <= 0 or not request_id:
             raise ValueError(f"a reservation needs a request_id and tokens > 0, got {request_id!r}, {tokens}")
+        if not 0 <= output_tokens <= tokens:
+            raise ValueError(f"output_tokens must be within 0..tokens ({tokens}), got {output_tokens}")
         if prefix is not None and (prefix.block_tokens <= 0 or prefix.tokens > tokens):
             raise ValueError(
                 f"a prefix chain of {len(prefix.blocks)} blocks x {prefix.block_tokens} tokens does not "
@@ -160,7 +177,8 @@ class ReservationLedger:
             return self._result(False, ReserveReason.INSUFFICIENT_HEADROOM, budget, 0.0, cached=cached)
         held = self.prefixes.hold(chain) if chain is not None else 0
         blocks = chain.blocks if chain is not None else ()
-        self._hold(Reservation(request_id, tokens, self._clock() + lease, holder, blocks, own))
+        now = self._clock()
+        self._hold(Reservation(request_id, tokens, now + lease, holder, blocks, own, now, output_tokens))
         self._reserved += own + held
         self._asked += tokens
         return self._result(True, ReserveReason.GRANTED, budget, lease, charged=own + held, cached=cached)
@@ -177,7 +195,9 @@ class ReservationLedger:
         reservation = self._live.pop(request_id, None)
         if reservation is None:
             return False
-        self._reserved -= reservation.own_tokens + self.prefixes.release(reservation.blocks)
+        freed = reservation.own_tokens + self.prefixes.release(reservation.blocks)
+        self._reserved -= freed
+        self._freed += freed
         self._asked -= reservation.tokens
         return True
 

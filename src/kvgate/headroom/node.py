@@ -17,6 +17,10 @@ Reservations that carry a prefix chain share the blocks live reservations hold
 enable_prefix_caching, SGLang's radix cache); idle prefix blocks are forgotten as the engine's KV
 fills and when its hit counters fall short (kvgate.headroom.prefix_audit). On any other engine a chain
 is ignored: every request is charged in full.
+Each message also says when the live reservations are expected to end (kvgate.headroom.releases), at
+the per-request decode rate measured from the engine's generation counter
+(kvgate.headroom.decode_rate), and how many tokens ended reservations have freed in all: what a gate
+needs to tell a refused client when to come back.
 """
 
 from __future__ import annotations
@@ -26,10 +30,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvgate.headroom.capacity import ModelShape, kv_bytes_per_token, static_capacity_tokens
+from kvgate.headroom.decode_rate import DecodeRate
 from kvgate.headroom.engines import EngineReading, PageState
 from kvgate.headroom.ledger import Budget, ReservationLedger, ReserveReason, ReserveResult
 from kvgate.headroom.prefix_audit import PrefixAudit
 from kvgate.headroom.prefix_blocks import PrefixBlocks
+from kvgate.headroom.releases import expected_releases
 from kvgate.headroom.snapshot import CapacitySource, NodeHeadroom, NvmlReading, PrefixChain, UsageSource
 
 # A granted request reaches its engine (and the engine's request count) within this long.
@@ -90,6 +96,7 @@ class NodeState:
         self._seq = 0
         self._grants: deque[float] = deque()  # when reservations were granted, the last ARRIVAL_S
         self._bytes_per_token = kv_bytes_per_token(settings.model_shape) if settings.model_shape else None
+        self.decode_rate = DecodeRate()
 
     def observe_engine(self, reading: EngineReading) -> None:
         now = self._clock()
@@ -98,6 +105,7 @@ class NodeState:
             changed = now
         self._engine = _EngineSample(reading, now, "", changed)
         self._age_prefixes(now, reading)
+        self.decode_rate.observe(now, reading.generation_tokens_total, reading.running)
 
     def _age_prefixes(self, now: float, reading: EngineReading) -> None:
         """Forget idle prefix blocks the engine can no longer hold: they must fit in its free KV (it
@@ -129,10 +137,13 @@ class NodeState:
         holder: str = "",
         *,
         prefix: PrefixChain | None = None,
+        output_tokens: int = 0,
     ) -> ReserveResult:
         shares = self._engine.reading is not None and self._engine.reading.prefix_caching is True
         chain = prefix if shares else None
-        result = self.ledger.reserve(request_id, tokens, lease_s, self.budget(), holder, prefix=chain)
+        result = self.ledger.reserve(
+            request_id, tokens, lease_s, self.budget(), holder, prefix=chain, output_tokens=output_tokens
+        )
         if result.reason is ReserveReason.GRANTED:
             now = self._clock()
             self._grants.append(now)
@@ -182,6 +193,9 @@ class NodeState:
                 round((now - self._engine.taken_at) * 1000) if self._engine.reading is not None else None
             ),
             prefix=self.ledger.prefixes.summary(self.ledger.saved_tokens),
+            decode_tokens_per_s=self.decode_rate.tokens_per_s,
+            releases=expected_releases(self.ledger.live(), now, self.decode_rate.tokens_per_s),
+            freed_tokens_total=self.ledger.freed_tokens,
         )
 
     def _assess(self) -> _Assessment:

@@ -68,6 +68,15 @@ NO_PREFIXES = PrefixSummary()
 
 
 @dataclass(frozen=True, slots=True)
+class ExpectedRelease:
+    """Live reservations a node's agent expects to end `after_s` after its sample, freeing `tokens`
+    (kvgate.headroom.releases)."""
+
+    after_s: float
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class GpuReading:
     uuid: str
     index: int
@@ -121,6 +130,11 @@ class NodeHeadroom:
     unreserved_tokens: int | None = None
     engine_sample_age_ms: int | None = None  # since the last good scrape of the engine
     prefix: PrefixSummary = NO_PREFIXES
+    # Output tokens per second per running request, measured from the engine's counters.
+    decode_tokens_per_s: float | None = None
+    # When live reservations are expected to end, soonest first (what a refused request waits for).
+    releases: tuple[ExpectedRelease, ...] = ()
+    freed_tokens_total: int = 0  # tokens freed by ended reservations since the agent started
 
 
 @dataclass(frozen=True, slots=True)

@@ -124,12 +124,21 @@ class HeadroomView:
         tokens: int,
         prefix: PrefixChain | None = None,
         lease_s: float | None = None,
+        *,
+        output_tokens: int = 0,
     ) -> ReserveOutcome:
-        """Ask the agent `node` (a NodeView.agent) to charge `tokens`. See the module doc for errors."""
+        """Ask the agent `node` (a NodeView.agent) to charge `tokens`, of which `output_tokens` are the
+        request's output budget (0: unknown). See the module doc for errors."""
         link = self._link(node)
         lease = self.settings.lease_s if lease_s is None else lease_s
         outcome = await link.client.reserve(
-            request_id, tokens, lease, self._subscriber, self.settings.reserve_timeout_s, prefix=prefix
+            request_id,
+            tokens,
+            lease,
+            self._subscriber,
+            self.settings.reserve_timeout_s,
+            prefix=prefix,
+            output_tokens=output_tokens,
         )
         self._merge(link, outcome.headroom_tokens, outcome.reserved_tokens, outcome.reservations)
         if outcome.granted and prefix is not None:

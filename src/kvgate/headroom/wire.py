@@ -10,6 +10,7 @@ from kvgate._proto.headroom.v1 import headroom_pb2 as pb
 from kvgate.headroom.snapshot import (
     NO_PREFIXES,
     CapacitySource,
+    ExpectedRelease,
     GpuReading,
     NodeHeadroom,
     PrefixChain,
@@ -70,6 +71,9 @@ def _scalars_to_proto(h: NodeHeadroom) -> pb.NodeHeadroom:
         usage_source=h.usage_source.value,
         unreserved_tokens=h.unreserved_tokens,
         engine_sample_age_ms=h.engine_sample_age_ms,
+        decode_tokens_per_s=h.decode_tokens_per_s,
+        releases=[pb.ExpectedRelease(after_ms=round(r.after_s * 1000), tokens=r.tokens) for r in h.releases],
+        freed_tokens_total=h.freed_tokens_total,
     )
 
 
@@ -90,9 +94,17 @@ def prefix_from_proto(m: pb.PrefixSummary, previous: PrefixSummary = NO_PREFIXES
 
 
 def reserve_request(
-    request_id: str, tokens: int, lease_s: float, holder: str, prefix: PrefixChain | None
+    request_id: str,
+    tokens: int,
+    lease_s: float,
+    holder: str,
+    prefix: PrefixChain | None,
+    *,
+    output_tokens: int = 0,
 ) -> pb.ReserveRequest:
-    request = pb.ReserveRequest(request_id=request_id, tokens=tokens, lease_s=lease_s, holder=holder)
+    request = pb.ReserveRequest(
+        request_id=request_id, tokens=tokens, lease_s=lease_s, holder=holder, output_tokens=output_tokens
+    )
     if prefix is not None:
         request.prefix_blocks.extend(prefix.blocks)
         request.prefix_block_tokens = prefix.block_tokens
@@ -141,6 +153,9 @@ def headroom_from_proto(m: pb.NodeHeadroom, previous: PrefixSummary = NO_PREFIXE
         unreserved_tokens=m.unreserved_tokens if m.HasField("unreserved_tokens") else None,
         engine_sample_age_ms=m.engine_sample_age_ms if m.HasField("engine_sample_age_ms") else None,
         prefix=prefix_from_proto(m.prefix, previous) if m.HasField("prefix") else NO_PREFIXES,
+        decode_tokens_per_s=m.decode_tokens_per_s if m.HasField("decode_tokens_per_s") else None,
+        releases=tuple(ExpectedRelease(r.after_ms / 1000, r.tokens) for r in m.releases),
+        freed_tokens_total=m.freed_tokens_total,
     )
 
 

@@ -49,6 +49,9 @@ class EngineReading:
     cache_hit_rate: float | None = None
     # Whether the engine shares cached prompt blocks among requests (None: not known to).
     prefix_caching: bool | None = None
+    # Output tokens generated, summed over engines, counted as they are generated (vLLM's counter);
+    # None where the page has no such counter (SGLang counts a request's tokens when it finishes).
+    generation_tokens_total: int | None = None
 
     @property
     def kv_usage(self) -> float | None:

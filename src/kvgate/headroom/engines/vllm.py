@@ -30,6 +30,10 @@ Rules, from vLLM's source (vllm-project/vllm v0.33.0, commit 4ba787ec9, unless s
   `vllm:gpu_prefix_cache_queries` / `_hits` (loggers.py @005a810, PrometheusStatLogger.__init__ and
   record: "Deprecated in 0.9 - Renamed as vllm:prefix_cache_queries"). Whether the engine caches
   prefixes at all is cache_config_info's `enable_prefix_caching` label (CacheConfig field).
+- Output tokens are counted per engine as they are generated: the counter `vllm:generation_tokens`
+  (so `_total` on the page), labels `model_name, engine`, incremented on every engine step by that
+  step's `num_generation_tokens` (loggers.py @005a810, PrometheusStatLogger.__init__ and record). Over
+  the running requests it gives each one's decode rate (kvgate.headroom.decode_rate).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
 PREFIX_QUERIES_BEFORE_0_10 = "vllm:gpu_prefix_cache_queries_total"
 PREFIX_HITS_BEFORE_0_10 = "vllm:gpu_prefix_cache_hits_total"
+GENERATION = "vllm:generation_tokens_total"
 # vLLM writes every step, but usage only moves when a request takes a new block (every block_size
 # decode steps): 30 s without any change while requests run allows below one token per second.
 BUSY_REFRESH_S = 30.0
@@ -67,6 +72,7 @@ def read(text: str) -> EngineReading | None:
     preemptions = _sum(promtext.samples(text, PREEMPTIONS), PREEMPTIONS)
     queries = _counter(text, PREFIX_QUERIES, PREFIX_QUERIES_BEFORE_0_10)
     hits = _counter(text, PREFIX_HITS, PREFIX_HITS_BEFORE_0_10)
+    generated = _sum(promtext.samples(text, GENERATION), GENERATION)
     info = promtext.samples(text, CACHE_INFO)
     caching = bool(info) and promtext.label(info[0], "enable_prefix_caching") == "True"
     if per_engine is None:
@@ -85,6 +91,7 @@ def read(text: str) -> EngineReading | None:
             queries,
             hits,
             prefix_caching=caching,
+            generation_tokens_total=generated,
         )
     used = sum(round(fraction * per_engine) for fraction in fractions.values())
     return EngineReading(
@@ -101,6 +108,7 @@ def read(text: str) -> EngineReading | None:
         queries,
         hits,
         prefix_caching=caching,
+        generation_tokens_total=generated,
     )
 
 

@@ -1,0 +1,144 @@
+"""What an agent says about when its reservations end: the decode rate it measures from the engine's
+generation counter, the expected releases of its ledger, the tokens ended reservations freed, and all
+of it over the wire."""
+
+from __future__ import annotations
+
+import pytest
+from fixtures.engines.pages import Vllm
+
+from kvgate._proto.headroom.v1 import headroom_pb2 as pb
+from kvgate.headroom.decode_rate import DecodeRate
+from kvgate.headroom.engines import read_engine_page
+from kvgate.headroom.fake_source import ManualClock
+from kvgate.headroom.ledger import Budget, Reservation, ReservationLedger
+from kvgate.headroom.node import NodeSettings, NodeState
+from kvgate.headroom.releases import expected_releases
+from kvgate.headroom.snapshot import ExpectedRelease
+from kvgate.headroom.wire import HeadroomEncoder, chain_from_proto, headroom_from_proto, reserve_request
+
+BUDGET = Budget(100_000, 1.0, 0, True)
+
+
+def test_the_decode_rate_is_tokens_over_request_seconds_in_the_window() -> None:
+    rate = DecodeRate(window_s=1.5)
+    assert rate.tokens_per_s is None
+    rate.observe(0.0, 0, 4)
+    rate.observe(1.0, 0, 4)  # prefill only: nothing generated, nothing known yet
+    assert rate.tokens_per_s is None
+    rate.observe(2.0, 160, 4)  # 160 tokens over 2 intervals x 4 requests
+    assert rate.tokens_per_s == pytest.approx(160 / 8)
+    rate.observe(3.0, 360, 4)  # the prefill second has left the window
+    assert rate.tokens_per_s == pytest.approx((160 + 200) / 8)
+
+
+def test_an_idle_engine_keeps_its_rate_and_a_restarted_counter_starts_again() -> None:
+    rate = DecodeRate(window_s=1.0)
+    for t, total in enumerate((0, 100, 200)):
+        rate.observe(float(t), total, 2)
+    assert rate.tokens_per_s == pytest.approx(50.0)
+    rate.observe(3.0, 250, 0)  # both finished within the second: 50 tokens over 2 x 1/2 s
+    for t in range(4, 10):
+        rate.observe(float(t), 250, 0)
+    assert rate.tokens_per_s == pytest.approx(50.0), "idle: the last measure stands"
+    rate.observe(10.0, 5, 1)  # the counter went back: the engine restarted
+    rate.observe(11.0, 35, 1)
+    assert rate.tokens_per_s == pytest.approx(30.0)
+    rate.observe(12.0, None, None)  # a page without the counter changes nothing
+    assert rate.tokens_per_s == pytest.approx(30.0)
+
+
+def reservation(
+    request_id: str, granted_at: float, output: int, own: int = 30_000, lease_end: float = 999.0
+) -> Reservation:
+    return Reservation(request_id, own, lease_end, "gate", (), own, granted_at, output)
+
+
+def test_releases_are_due_after_the_output_budget_soonest_first_and_never_after_the_lease() -> None:
+    live = [
+        reservation("late", 0.0, 500),
+        reservation("soon", 1.0, 100),
+        reservation("no budget", 0.0, 0),
+        reservation("leased", 0.0, 5000, lease_end=20.0),
+        reservation("overdue", 0.0, 10),
+    ]
+    assert expected_releases(live, now=2.0, decode_tokens_per_s=50.0) == (
+        ExpectedRelease(0.0, 30_000),  # overdue: expected now
+        ExpectedRelease(1.0, 30_000),  # 1 + 100/50 - 2
+        ExpectedRelease(8.0, 30_000),  # 500/50 - 2
+        ExpectedRelease(18.0, 30_000),  # its lease ends at 20
+    )
+    assert expected_releases(live, 2.0, None) == ()
+
+
+def test_many_releases_fold_into_the_last_entry_at_the_latest_time() -> None:
+    live = [reservation(str(i), 0.0, 50 * (i + 1), own=1000) for i in range(10)]
+    folded = expected_releases(live, 0.0, 50.0, limit=4)
+    assert folded == (
+        ExpectedRelease(1.0, 1000),
+        ExpectedRelease(2.0, 1000),
+        ExpectedRelease(3.0, 1000),
+        ExpectedRelease(10.0, 7000),
+    )
+
+
+def test_the_ledger_remembers_grant_time_and_budget_and_counts_what_ends() -> None:
+    clock = ManualClock(10.0)
+    ledger = ReservationLedger(clock, default_lease_s=5.0, max_lease_s=60.0)
+    ledger.reserve("a", 30_000, 0, BUDGET, output_tokens=256)
+    clock.advance(1.0)
+    ledger.reserve("a", 30_000, 0, BUDGET, output_tokens=256)  # a renewal keeps the grant time
+    ledger.reserve("b", 20_000, 0, BUDGET)
+    assert {(r.request_id, r.granted_at, r.output_tokens) for r in ledger.live()} == {
+        ("a", 10.0, 256),
+        ("b", 11.0, 0),
+    }
+    assert ledger.release("a") and ledger.freed_tokens == 30_000
+    clock.advance(10.0)  # b's lease ran out
+    assert ledger.freed_tokens == 50_000 and ledger.live() == ()
+    with pytest.raises(ValueError, match="output_tokens"):
+        ledger.reserve("c", 1000, 0, BUDGET, output_tokens=1001)
+
+
+def test_a_vllm_node_publishes_its_rate_releases_and_freed_tokens() -> None:
+    clock = ManualClock(0.0)
+    state = NodeState(NodeSettings("n", "e:1", safety_ratio=1.0), clock, uses_engine=True, uses_nvml=False)
+
+    def scrape(generated: int, running: int) -> None:
+        page = Vllm(blocks=(5000,), usage=(0.5,), running=(running,), generation=(generated,)).page()
+        state.observe_engine(read_engine_page(page))
+
+    scrape(0, 2)
+    assert state.reserve("r1", 30_000, 0, output_tokens=400).granted
+    clock.advance(1.0)
+    scrape(80, 2)  # 40 tokens per second per request
+    clock.advance(1.0)
+    scrape(160, 2)
+    h = state.snapshot(1)
+    assert h.decode_tokens_per_s == pytest.approx(40.0)
+    assert h.releases == (ExpectedRelease(pytest.approx(8.0), 30_000),)  # type: ignore[arg-type]
+    assert h.freed_tokens_total == 0
+    state.release("r1")
+    assert state.snapshot(2).freed_tokens_total == 30_000
+
+
+def test_rate_releases_freed_tokens_and_output_budget_cross_the_wire() -> None:
+    clock = ManualClock(0.0)
+    state = NodeState(NodeSettings("n", "e:1", capacity_tokens=100_000), clock, False, False)
+    state.decode_rate.observe(0.0, 0, 1)
+    state.decode_rate.observe(1.0, 25, 1)
+    state.reserve("r1", 10_000, 0, output_tokens=50)
+    state.reserve("r2", 10_000, 0, output_tokens=100)
+    state.release("r1")
+    h = state.snapshot(1)
+    assert (h.decode_tokens_per_s, h.releases, h.freed_tokens_total) == (
+        25.0,
+        (ExpectedRelease(4.0, 10_000),),
+        10_000,
+    )
+    decoded = headroom_from_proto(pb.NodeHeadroom.FromString(HeadroomEncoder().encode(h)))
+    assert decoded == h
+    request = pb.ReserveRequest.FromString(
+        reserve_request("r3", 9000, 0, "gate", None, output_tokens=700).SerializeToString()
+    )
+    assert (request.output_tokens, chain_from_proto(request)) == (700, None)
