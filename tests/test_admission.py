@@ -20,6 +20,7 @@ from kvgate.headroom.fake_source import FakeHeadroom, ManualClock
 from kvgate.headroom.snapshot import NodeView, PrefixChain, ReleaseOutcome
 from kvgate.policy import Reason, Refusal, Route
 from kvgate.policy.water import BreakerState, Level
+from kvgate.telemetry import GateMetrics
 
 MODEL = ModelConfig()
 T = TypeVar("T")
@@ -293,7 +294,13 @@ class SlowAgentView:
         return (node("a", 30000),)
 
     async def reserve(
-        self, node: str, request_id: str, tokens: int, prefix: PrefixChain | None = None
+        self,
+        node: str,
+        request_id: str,
+        tokens: int,
+        prefix: PrefixChain | None = None,
+        *,
+        output_tokens: int = 0,
     ) -> None:
         self.reserving.set()
         await asyncio.sleep(3600)
@@ -359,3 +366,80 @@ def test_a_models_async_mode_decides_what_overflow_becomes() -> None:
                 assert admitted.decision == Route(expected, Reason.ASYNC, 10000)
 
     run(scenario)
+
+
+class RecordedRetries(GateMetrics):
+    """The gate's metrics, with the Retry-After checks kept for the test to read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checked: list[tuple[str, float | None]] = []
+
+    def retry_checked(self, basis: str, error_s: float | None) -> None:
+        super().retry_checked(basis, error_s)
+        self.checked.append((basis, error_s))
+
+
+async def admit_with_budget(
+    admission: Admission, tokens: int, output_tokens: int, request_id: str
+) -> Admitted:
+    return await admission.admit(long_route(tokens), MODEL, None, request_id, output_tokens=output_tokens)
+
+
+def retry_after(admitted: Admitted) -> float | None:
+    assert isinstance(admitted.decision, Refusal), admitted.decision
+    return admitted.decision.retry_after_s
+
+
+def test_a_refused_burst_is_told_to_come_back_as_its_capacity_frees() -> None:
+    """Two 30k requests of 250 output tokens hold the node; at 50 tokens/s they end in 5 s. The next
+    two are due then, the two after when those end in turn; fixed mode tells all of them 2 s."""
+
+    async def scenario(mode: str) -> list[float | None]:
+        source, _, admission = setup(("a", 60000), max_wait_s=0.0, retry_after=mode, retry_jitter=0.0)
+        source.measure_decode_rate("a", 50.0)
+        held = [await admit_with_budget(admission, 30000, 250, f"r{i}") for i in range(2)]
+        assert all(a.ticket is not None for a in held)
+        return [retry_after(await admit_with_budget(admission, 30000, 250, f"x{i}")) for i in range(4)]
+
+    assert run(lambda: scenario("forecast")) == [5.0, 5.0, 10.0, 10.0]
+    assert run(lambda: scenario("fixed")) == [2, 2, 2, 2]
+
+
+def test_without_a_measured_rate_the_fixed_value_is_jittered_later() -> None:
+    async def scenario() -> list[float | None]:
+        source, clock, _ = setup(("a", 30000))
+        draws = iter([0.0, 0.5, 0.999])
+        config = AdmissionConfig(max_wait_s=0.0, retry_after_s=2, retry_jitter=0.5)
+        admission = Admission(config, source, clock=clock, rng=lambda: next(draws))
+        assert (await admit_with_budget(admission, 30000, 250, "held")).ticket is not None
+        return [retry_after(await admit_with_budget(admission, 30000, 250, f"x{i}")) for i in range(3)]
+
+    assert run(scenario) == [2.0, 2.5, 2.999]
+
+
+def test_each_answer_is_checked_against_when_its_capacity_freed() -> None:
+    async def scenario() -> list[tuple[str, float | None]]:
+        clock = ManualClock()
+        source = FakeHeadroom(clock)
+        source.add_node("a", 30000)
+        source.measure_decode_rate("a", 50.0)
+        metrics = RecordedRetries()
+        config = AdmissionConfig(max_wait_s=0.0, retry_jitter=0.0)
+        admission = Admission(config, source, telemetry=metrics, clock=clock)
+        await admission.start()
+        try:
+            held = await admit_with_budget(admission, 30000, 100, "held")  # expected to end in 2 s
+            assert held.ticket is not None
+            assert retry_after(await admit_with_budget(admission, 30000, 100, "refused")) == 2.0
+            clock.advance(2.5)
+            await admission.release(held.ticket)  # it ended half a second late
+            for _ in range(100):
+                if metrics.checked:
+                    break
+                await asyncio.sleep(0.01)
+            return metrics.checked
+        finally:
+            await admission.stop()
+
+    assert run(scenario) == [("forecast", 0.5)]

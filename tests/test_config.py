@@ -41,6 +41,15 @@ models:
     assert entry.pools.async_ == "async"
 
 
+def test_retry_after_is_forecast_by_default_and_fixed_on_request() -> None:
+    admission = Config().admission
+    assert (admission.retry_after, admission.retry_after_s) == ("forecast", 2)
+    bounds = (admission.retry_after_min_s, admission.retry_after_max_s, admission.retry_jitter)
+    assert bounds == (0.5, 60, 0.2)
+    fixed = parse_config("admission: {retry_after: fixed, retry_after_s: 3, retry_jitter: 0}\n").admission
+    assert (fixed.retry_after, fixed.retry_after_s, fixed.retry_jitter) == ("fixed", 3, 0.0)
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
@@ -64,6 +73,11 @@ models:
         ("- a\n", "the file must be a mapping"),
         ("server: {listen: 'a'\n", "not valid YAML"),
         ("server:\n  workers: 2\n  workers: 3\n", "server.workers: key given twice"),
+        ("admission:\n  retry_after: adaptive\n", "<string>:2: admission.retry_after: must be one of"),
+        (
+            "admission: {retry_after_min_s: 5, retry_after_max_s: 1}\n",
+            "admission.retry_after_min_s (5) must not exceed admission.retry_after_max_s (1)",
+        ),
     ],
 )
 def test_errors_name_the_line_and_key(text: str, expected: str) -> None:

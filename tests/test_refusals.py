@@ -48,6 +48,8 @@ def test_openai_and_anthropic_shapes() -> None:
             "x-kvgate-reason": "no_capacity",
             "x-kvgate-tokens": "9000",
             "retry-after": "2",
+            "x-kvgate-retry-after-ms": "2000",
+            "retry-after-ms": "2000",
         }
     )
 
@@ -62,6 +64,20 @@ def test_retry_after_follows_the_rule_unless_the_refusal_knows_better() -> None:
         dict(refusals.answer(Refusal(Reason.NO_CAPACITY, "", retry_after_s=0.3), None).headers)["retry-after"]
         == "1"
     ), "whole seconds, rounded up"
+
+
+def test_a_forecast_retry_after_is_also_sent_to_the_millisecond() -> None:
+    """Whole seconds would put every client of a spread-out forecast back on the same second; the SDKs
+    read `retry-after-ms` first."""
+    answer = Refusals().answer(Refusal(Reason.NO_CAPACITY, "", 12000, retry_after_s=2.3456), Api.CHAT)
+    headers = dict(answer.headers)
+    assert (headers["retry-after"], headers["x-kvgate-retry-after-ms"], headers["retry-after-ms"]) == (
+        "3",
+        "2346",
+        "2346",
+    )
+    never = dict(Refusals().answer(Refusal(Reason.TOO_LONG, "", 99999), Api.CHAT).headers)
+    assert not {"retry-after", "retry-after-ms", "x-kvgate-retry-after-ms"} & never.keys()
 
 
 def test_too_long_status_400_answers_as_the_engines_do() -> None:

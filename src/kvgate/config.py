@@ -121,6 +121,14 @@ class AdmissionConfig:
     # After the wait: hand the request to the async pool instead of answering 429.
     async_fallback: bool = False
     retry_after_s: int = field(default=2, metadata=at_least(1))
+    # Retry-After of a long request refused for want of capacity: `forecast` answers when the agents
+    # expect enough KV to free for it (later by up to retry_jitter of itself, within retry_after_min_s
+    # .. retry_after_max_s; retry_after_s, jittered, when nothing can be forecast); `fixed` always
+    # answers retry_after_s. The official SDKs do not retry past a Retry-After of 120 s.
+    retry_after: Literal["forecast", "fixed"] = "forecast"
+    retry_after_min_s: float = field(default=0.5, metadata=at_least(0))
+    retry_after_max_s: float = field(default=60.0, metadata=at_least(0))
+    retry_jitter: float = field(default=0.2, metadata=at_least(0))
     breaker_open_s: float = field(default=2.0, metadata=at_least(0))
     breaker_probes: int = field(default=2, metadata=at_least(1))
     water: WaterThresholds = WaterThresholds()
@@ -359,6 +367,11 @@ def _check(config: Config, loader: _Loader) -> None:
         raise ConfigError(
             f"{config.source}: admission.default_priority {admission.default_priority!r} is not one of "
             f"admission.priorities {list(admission.priorities)}"
+        )
+    if admission.retry_after_min_s > admission.retry_after_max_s:
+        raise ConfigError(
+            f"{config.source}: admission.retry_after_min_s ({admission.retry_after_min_s:g}) must not "
+            f"exceed admission.retry_after_max_s ({admission.retry_after_max_s:g})"
         )
     if config.request.max_decompressed_bytes < config.request.max_body_bytes:
         raise ConfigError(

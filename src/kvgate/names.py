@@ -17,6 +17,12 @@ ENDPOINT_HEADER = "x-kvgate-endpoint"
 # The headers the gate itself decides; a client's header of the same name is overwritten, never trusted.
 ROUTING_HEADERS = (POOL_HEADER, ENDPOINT_HEADER, TOKENS_HEADER, REASON_HEADER)
 
+# On a refusal the client may retry: when to come back, in milliseconds (Retry-After takes whole
+# seconds). `retry-after-ms` is the same value under the name the official OpenAI and Anthropic SDKs
+# read first (kvgate.policy.refusals).
+RETRY_AFTER_MS_HEADER = "x-kvgate-retry-after-ms"
+SDK_RETRY_AFTER_MS_HEADER = "retry-after-ms"
+
 # Set by the async queue on its answers: the job a request became (GET /v1/kvgate/jobs/{id}).
 JOB_ID_HEADER = "x-kvgate-job-id"
 

@@ -57,6 +57,11 @@ PREFIX_HIT_TOKENS = "kvgate.gate.prefix.hit"
 PREFIX_SAVED_TOKENS = "kvgate.gate.prefix.saved"
 PLACEMENTS = "kvgate.gate.placements"
 PLACEMENT_CACHED_FRACTION = "kvgate_gate_placement_cached_fraction"
+# Retry-After of capacity refusals (kvgate.policy.retry_forecast), kept locally like the two above: what
+# clients were told, and when the capacity they were told about freed, less that (signed).
+RETRY_AFTER = "kvgate_gate_retry_after_seconds"
+RETRY_AFTER_ERROR = "kvgate_gate_retry_after_error_seconds"
+RETRY_AFTER_UNRESOLVED = "kvgate.gate.retry_after.unresolved"
 # The async queue (kvgate queue).
 QUEUE_JOBS = "kvgate.queue.jobs"
 QUEUE_OLDEST_JOB_AGE = "kvgate.queue.oldest_job.age"
@@ -72,6 +77,9 @@ GPU_MEMORY_USAGE = "hw.gpu.memory.usage"
 # Token counts from a few hundred to far past any context window.
 _TOKEN_BUCKETS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
 _FRACTION_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99)
+_RETRY_BUCKETS = (0.5, 1, 2, 3, 5, 10, 20, 30, 60, 120)
+# Signed: positive when the capacity freed after the client was due back (it came too early).
+_RETRY_ERROR_BUCKETS = (-30, -10, -5, -2, -1, -0.5, -0.25, 0, 0.25, 0.5, 1, 2, 5, 10, 30)
 _SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1, 2.5, 5)
 
 
@@ -283,7 +291,37 @@ class GateMetrics:
             "placement",
             _FRACTION_BUCKETS,
         )
+        self._retry_after = histogram(
+            RETRY_AFTER,
+            "Retry-After of capacity refusals, by what it was made from (forecast, fallback, fixed)",
+            "basis",
+            _RETRY_BUCKETS,
+        )
+        self._retry_error = histogram(
+            RETRY_AFTER_ERROR,
+            "When the capacity a refused client was told about freed, less when it was told to come back "
+            "(positive: it came back too early), by what the Retry-After was made from",
+            "basis",
+            _RETRY_ERROR_BUCKETS,
+        )
+        self._retry_unresolved = Tally(
+            m,
+            RETRY_AFTER_UNRESOLVED,
+            "{refusal}",
+            "Retry-After answers whose capacity had not freed when their watch ran out",
+            ("basis",),
+        )
         self.meter = m
+
+    def retry_advised(self, basis: str, seconds: float) -> None:
+        self._retry_after.record(seconds, basis)
+
+    def retry_checked(self, basis: str, error_s: float | None) -> None:
+        """A Retry-After checked against when its capacity freed (None: it had not, in time)."""
+        if error_s is None:
+            self._retry_unresolved.add(basis)
+        else:
+            self._retry_error.record(error_s, basis)
 
     def decision(self, target: str, reason: str, method: str, tokens: int, seconds: float) -> None:
         self._decisions.add(target, reason, method)

@@ -6,6 +6,10 @@ request that finds no room gets (`overflow`). A long request is admitted only on
 granted its reservation: several requests that arrive within one sampling period cannot all read
 the same free capacity, because the agent charges each grant before answering the next.
 
+A long request refused for want of capacity is told when to come back (`retry_forecast.RetryPlanner`:
+when the agents expect enough KV to free for it, or admission.retry_after_s), and every such answer is
+checked against when its capacity did free, on each message of the pool's agents.
+
 Admission needs little of a headroom source, and says so in `HeadroomSource`: the gate's
 `kvgate.headroom.view.HeadroomView` is one, and `kvgate.headroom.fake_source.FakeHeadroom` (in-process
 agents with a controllable clock) is another, for tests that drive admission without processes.
@@ -14,7 +18,9 @@ agents with a controllable clock) is another, for tests that drive admission wit
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,10 +30,11 @@ from kvgate.config import AdmissionConfig, ModelConfig
 from kvgate.errors import HeadroomError
 from kvgate.gate.waitqueue import WaitQueue
 from kvgate.headroom.snapshot import NodeView, PrefixChain, ReleaseOutcome, ReserveOutcome
-from kvgate.policy import Decision, Reason, Route
+from kvgate.policy import Decision, Reason, Refusal, Route
 from kvgate.policy.nodes import Affinity, choose_nodes
 from kvgate.policy.overflow import interactive_saturated, no_healthy_node, overflow
 from kvgate.policy.pressure import PoolPressure
+from kvgate.policy.retry_forecast import RetryPlanner, RetrySettings
 from kvgate.policy.shedding import PoolKind, Verdict
 from kvgate.policy.water import pool_signals
 from kvgate.telemetry import AdmissionGauges, GateMetrics, PoolGauges
@@ -41,10 +48,17 @@ class HeadroomSource(Protocol):
     def snapshot(self) -> tuple[NodeView, ...]: ...
 
     async def reserve(
-        self, node: str, request_id: str, tokens: int, prefix: PrefixChain | None = None
+        self,
+        node: str,
+        request_id: str,
+        tokens: int,
+        prefix: PrefixChain | None = None,
+        *,
+        output_tokens: int = 0,
     ) -> ReserveOutcome:
         """The agent's answer, a refusal included; HeadroomError when it gives none. Blocks of `prefix`
-        that live reservations on the node hold are not charged again."""
+        that live reservations on the node hold are not charged again; `output_tokens` (the request's
+        output budget, 0 when unknown) tells the agent when the reservation is expected to end."""
         ...
 
     async def release(self, node: str, request_id: str) -> ReleaseOutcome: ...
@@ -64,6 +78,17 @@ class Ticket:
 
 
 @dataclass(frozen=True, slots=True)
+class _Ask:
+    """One long request asking for a node."""
+
+    request_id: str
+    rank: int
+    max_wait_s: float
+    affinity: Affinity | None
+    output_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class Admitted:
     decision: Decision
     ticket: Ticket | None = None
@@ -77,6 +102,8 @@ class Admission:
         interactive: HeadroomSource | None = None,
         telemetry: GateMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        rng: Callable[[], float] = random.random,
     ) -> None:
         self._config = config
         self._long = long
@@ -89,6 +116,14 @@ class Admission:
         self._pump: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._metrics = telemetry or GateMetrics()
+        retry = RetrySettings(
+            config.retry_after,
+            config.retry_after_s,
+            config.retry_after_min_s,
+            config.retry_after_max_s,
+            config.retry_jitter,
+        )
+        self._retries = RetryPlanner(retry, clock, rng)
 
     def gauges(self) -> AdmissionGauges:
         pools = [
@@ -123,9 +158,11 @@ class Admission:
         wait_s: float | None = None,
         *,
         affinity: Affinity | None = None,
+        output_tokens: int = 0,
     ) -> Admitted:
         """`wait_s` (the client's `Prefer: wait=N`) can only shorten admission.max_wait_s. With
-        `affinity`, nodes that hold the prompt's prefix are tried first (kvgate.policy.nodes)."""
+        `affinity`, nodes that hold the prompt's prefix are tried first (kvgate.policy.nodes).
+        `output_tokens` is the request's output budget within route.tokens (0 when unknown)."""
         rank = self.rank(priority)
         if route.reason is Reason.SHORT:
             return Admitted(self._admit_interactive(route, rank))
@@ -137,11 +174,19 @@ class Admission:
         signals = pool_signals(nodes, len(self._queue), self._config.queue_size)
         if self._long_pressure.judge(signals, self._clock(), rank) is Verdict.SHED:
             why = f"the long-context pool is {self._long_pressure.level.name.lower()}"
-            return Admitted(overflow(route, model, Reason.SHED, why, self._config.async_fallback))
+            shed = overflow(route, model, Reason.SHED, why, self._config.async_fallback)
+            return Admitted(self._come_back(shed, self._long, output_tokens))
         max_wait_s = self._config.max_wait_s if wait_s is None else min(wait_s, self._config.max_wait_s)
-        return await self._place(
-            self._long, route, model, rank, request_id, max_wait_s=max_wait_s, affinity=affinity
-        )
+        ask = _Ask(request_id, rank, max_wait_s, affinity, output_tokens)
+        return await self._place(self._long, route, model, ask)
+
+    def _come_back(self, decision: Decision, source: HeadroomSource, output_tokens: int) -> Decision:
+        """A capacity refusal with when to come back (retry_forecast); any other decision as it is."""
+        if not isinstance(decision, Refusal):
+            return decision
+        advice = self._retries.advise(source.snapshot(), decision.tokens, output_tokens)
+        self._metrics.retry_advised(advice.basis.value, advice.retry_after_s)
+        return dataclasses.replace(decision, retry_after_s=advice.retry_after_s)
 
     def _admit_interactive(self, route: Route, rank: int) -> Decision:
         if self._interactive is None:
@@ -151,28 +196,20 @@ class Admission:
             return interactive_saturated(route)
         return route
 
-    async def _place(
-        self,
-        source: HeadroomSource,
-        route: Route,
-        model: ModelConfig,
-        rank: int,
-        request_id: str,
-        *,
-        max_wait_s: float,
-        affinity: Affinity | None = None,
-    ) -> Admitted:
+    async def _place(self, source: HeadroomSource, route: Route, model: ModelConfig, ask: _Ask) -> Admitted:
         """Wait in priority order, at most max_wait_s, until a node's agent grants the reservation.
 
         The wait is measured on the event loop's clock (it is a real wait); the head of the queue
         always tries at least once, so max_wait_s 0 means "no waiting", not "never".
         """
-        place = self._queue.join(rank)
+        place = self._queue.join(ask.rank)
         if place is None:
             why = "the admission queue is full"
-            return Admitted(overflow(route, model, Reason.QUEUE_FULL, why, self._config.async_fallback))
+            full = overflow(route, model, Reason.QUEUE_FULL, why, self._config.async_fallback)
+            return Admitted(self._come_back(full, source, ask.output_tokens))
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + max_wait_s
+        deadline = loop.time() + ask.max_wait_s
+        affinity = ask.affinity
         try:
             while True:
                 if self._queue.is_head(place):
@@ -181,7 +218,7 @@ class Admission:
                         return Admitted(no_healthy_node(route))
                     prefix = affinity.chain if affinity is not None else None
                     for node in choice.candidates:
-                        ticket = await self._try_reserve(source, node.agent, request_id, route.tokens, prefix)
+                        ticket = await self._try_reserve(source, node.agent, route.tokens, ask, prefix)
                         if ticket is not None and node.headroom is not None:
                             if prefix is not None:
                                 saved = ticket.tokens - ticket.charged_tokens
@@ -193,18 +230,18 @@ class Admission:
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     why = "no node has room"
-                    return Admitted(
-                        overflow(route, model, Reason.NO_CAPACITY, why, self._config.async_fallback)
-                    )
+                    refused = overflow(route, model, Reason.NO_CAPACITY, why, self._config.async_fallback)
+                    return Admitted(self._come_back(refused, source, ask.output_tokens))
                 await self._queue.wait_change(remaining)
         finally:
             self._queue.leave(place)
 
     async def _try_reserve(
-        self, source: HeadroomSource, agent: str, request_id: str, tokens: int, prefix: PrefixChain | None
+        self, source: HeadroomSource, agent: str, tokens: int, ask: _Ask, prefix: PrefixChain | None
     ) -> Ticket | None:
+        request_id = ask.request_id
         try:
-            outcome = await source.reserve(agent, request_id, tokens, prefix)
+            outcome = await source.reserve(agent, request_id, tokens, prefix, output_tokens=ask.output_tokens)
         except asyncio.CancelledError:
             # The stream went away mid-Reserve (client abort, Envoy timeout): the agent may have granted
             # already, so give it back now rather than hold the capacity until the lease runs out.
@@ -237,3 +274,5 @@ class Admission:
         while True:
             await source.wait_update(1.0)
             self._queue.pulse()
+            for checked in self._retries.check(source.snapshot()):
+                self._metrics.retry_checked(checked.basis.value, checked.error_s)

@@ -268,7 +268,13 @@ class Pipeline:
             self._affinity(head, body, shape, estimate, entry) if decision.reason is Reason.LONG else None
         )
         admitted = await self._admission.admit(
-            decision, model, head.priority, head.request_id, head.hints.wait_s, affinity=affinity
+            decision,
+            model,
+            head.priority,
+            head.request_id,
+            head.hints.wait_s,
+            affinity=affinity,
+            output_tokens=estimate.output_tokens,
         )
         return Outcome(admitted.decision, shape, estimate, admitted.ticket)
 

@@ -6,6 +6,13 @@ typed exception with kvgate's message: OpenAI's error object (`{"error": {"messa
 "param", "code"}}`) for OpenAI paths, Anthropic's (`{"type": "error", "error": {"type", "message"}}`,
 type names from https://docs.claude.com/en/api/errors) for `/v1/messages`. Both SDKs retry 429 and
 5xx by themselves (honouring Retry-After) and raise at once on the rest.
+
+A refusal the client may retry says when, three ways: `Retry-After` in whole seconds (rounded up, so
+never too early), and the exact value in milliseconds as `x-kvgate-retry-after-ms` and as
+`retry-after-ms`, the header both official SDKs read before Retry-After and wait exactly, without
+jitter of their own, when it is at most 120 s (openai 3.57.0 `_base_client.py`,
+`_parse_retry_after_header` and `_calculate_retry_timeout`; anthropic 2.14.0 `_base_client.py`, the
+same). Whole seconds would put every client of a spread-out forecast back on the same second.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from kvgate.errors import BodyTooLargeError, InvalidRequestError, RequestError, UnsupportedEncodingError
-from kvgate.names import REASON_HEADER, TOKENS_HEADER
+from kvgate.names import REASON_HEADER, RETRY_AFTER_MS_HEADER, SDK_RETRY_AFTER_MS_HEADER, TOKENS_HEADER
 from kvgate.policy.decision import Reason, Refusal
 from kvgate.request.shape import Api
 
@@ -28,7 +35,7 @@ class RetryRule(enum.Enum):
 
     NEVER = "never"  # the same request will be refused again: no Retry-After
     SOON = "soon"  # the gateway's own momentary overload: one second
-    CAPACITY = "capacity"  # the pools are full: admission.retry_after_s
+    CAPACITY = "capacity"  # the pools are full: admission.retry_after_s, or the refusal's forecast
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +143,8 @@ class Refusals:
         if wait is not None:
             # Retry-After takes whole seconds; rounding up never invites a client back too early.
             headers.append(("retry-after", str(max(1, math.ceil(wait)))))
+            milliseconds = str(max(1, round(wait * 1000)))
+            headers += [(RETRY_AFTER_MS_HEADER, milliseconds), (SDK_RETRY_AFTER_MS_HEADER, milliseconds)]
         return HttpAnswer(rule.status, tuple(headers), error_body(rule, refusal.message, api))
 
 
