@@ -1,8 +1,8 @@
 """The fast estimate of one text: fitted byte-pair weights, an error band that follows the text's
 make-up, and hard bounds.
 
-One table holds, per pair value, the tokens it adds (real part) and how far that may be off (imaginary
-part), so a single `take` and `sum` over a text's pairs gives both the estimate and its band's width.
+One table holds, per pair, the tokens it adds (real part) and how far that may be off (imaginary part),
+so a single `take` and `sum` over a text's pairs gives both the estimate and its band's width.
 A pair's width is its class's relative error (measured while fitting, see `fit`) times its tokens,
 and a full token per byte for pairs the fit never saw: ordinary prose and code get a narrow band,
 scripts, symbols and punctuation the corpus knew less well a wider one, and text made of pairs nobody
@@ -17,7 +17,7 @@ longest piece of the vocabulary.
 
 Without a tokenizer the estimator is given several calibrations, one per tokenizer family: each
 prices the text, and the band spans them all (their lowest low to their highest high), the estimate
-being their mean. The table then has a column per calibration, still read in one `take`.
+being their mean (one `take` per calibration).
 
 Trap windows (see `features`) and emoji are uncertain by nature: the band spans everything they could
 cost (from a vocabulary's longest piece per byte up to a token per byte; from the fewest to the most
@@ -42,6 +42,7 @@ from kvgate.estimate.features import (
     UTF8_MAX_BYTES,
     WINDOW_BYTES,
     WINDOWS,
+    PairIndex,
     Sample,
     code_pair_index,
     fourbyte_count,
@@ -53,8 +54,6 @@ from kvgate.estimate.features import (
 # Texts up to this many characters are encoded whole and, when they hold no trap, estimated straight
 # from their pairs: a chat turn costs a few numpy calls.
 _DIRECT_CHARS = FULL_SCAN_BYTES // UTF8_MAX_BYTES
-# Per calibration: the weighted pair sum (real part) and the band's width (imaginary part).
-_Sums = np.ndarray[tuple[int, ...], np.dtype[np.complex128]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,14 +72,18 @@ EMPTY = TextBand(0, 0, 0)
 
 
 class FastEstimator:
-    __slots__ = ("_coded", "_stretch_values", "_table", "calibrations")
+    __slots__ = ("_coded", "_stretch_values", "calibrations")
 
     def __init__(self, calibration: Calibration, *others: Calibration) -> None:
         self.calibrations = (calibration, *others)
-        columns = [tokens + 1j * width for tokens, width in (c.tables() for c in self.calibrations)]
-        self._table = columns[0] if not others else np.stack(columns, axis=1)
-        self._coded = self._table[CODE_PAIR_VALUES]
-        # Per calibration, per run of spaces counted: tokens + 1j * width.
+        # Per calibration, one table laid out by code pairs: tokens + 1j * width, in single precision
+        # (it halves what the cache must hold; a sum of tokens needs no more). One flat table each:
+        # a numpy `take` from it costs less than from one table with a column per calibration.
+        self._coded = tuple(
+            (tokens + 1j * width).astype(np.complex64)[CODE_PAIR_VALUES]
+            for tokens, width in (c.tables() for c in self.calibrations)
+        )
+        # Per calibration, per run of whitespace counted: tokens + 1j * width.
         self._stretch_values = tuple(
             tuple(complex(t, w) for t, w in zip(*c.stretches(), strict=True)) for c in self.calibrations
         )
@@ -90,8 +93,8 @@ class FastEstimator:
         return self.calibrations[0]
 
     def __reduce__(self) -> tuple[object, tuple[tuple[Calibration, ...]]]:
-        # A count job carries the estimator to the worker: send the calibrations, not the 65,536-entry
-        # table, and build the table once per worker.
+        # A count job carries the estimator to the worker: send the calibrations, not the tables, and
+        # build the tables once per worker.
         return _estimator_for, (self.calibrations,)
 
     def estimate(self, text: str) -> TextBand:
@@ -113,34 +116,29 @@ class FastEstimator:
             data = text.encode("utf-8", "surrogatepass")
             if is_plain(data):
                 size = len(data)
-                summed = self._coded.take(code_pair_index(data), axis=0).sum(axis=0)
+                sums = self._sums(code_pair_index(data), 1.0)
                 features = Sample(size, size, size, 0.0, 0.0, NO_PAIRS, 1.0, fourbyte_count(data))
-                return self._envelope(summed, texts, features, stretch_counts(data))
+                return self._envelope(sums, texts, features, stretch_counts(data))
         return self.band(sample(text), texts)
 
     def band(self, features: Sample, texts: int = 1) -> TextBand:
         """The band of `texts` texts whose pairs, read together, are `features`."""
-        summed = self._coded.take(features.index, axis=0).sum(axis=0) * features.scale
-        return self._envelope(summed, texts, features, features.stretches)
+        return self._envelope(self._sums(features.index, features.scale), texts, features, features.stretches)
+
+    def _sums(self, index: PairIndex, scale: float) -> list[complex]:
+        """Per calibration: its tokens (real part) and width (imaginary part) summed over `index`."""
+        return [complex(table.take(index).sum()) * scale for table in self._coded]
 
     def _envelope(
-        self, summed: _Sums, texts: int, features: Sample, stretches: tuple[float, ...]
+        self, sums: list[complex], texts: int, features: Sample, stretches: Sequence[float]
     ) -> TextBand:
         """The band over every calibration, from each one's weighted pair sum and width (plus the runs
-        of spaces, in plain Python: three products cost less than a numpy call)."""
-        if len(self.calibrations) == 1:
-            total = complex(summed)
-            if any(stretches):
-                total += sum(
-                    count * value for count, value in zip(stretches, self._stretch_values[0], strict=True)
-                )
-            return _band(self.calibration, total.real, total.imag, texts, features)
-        sums = [complex(total) for total in np.atleast_1d(summed)]
+        of whitespace, in plain Python: a few products cost less than a numpy call)."""
         if any(stretches):
-            sums = [
-                total + sum(count * value for count, value in zip(stretches, values, strict=True))
-                for total, values in zip(sums, self._stretch_values, strict=True)
-            ]
+            runs = self._stretch_values
+            sums = [_plus_runs(total, stretches, values) for total, values in zip(sums, runs, strict=True)]
+        if len(sums) == 1:
+            return _band(self.calibration, sums[0].real, sums[0].imag, texts, features)
         bands = [
             _band(c, total.real, total.imag, texts, features)
             for c, total in zip(self.calibrations, sums, strict=True)
@@ -149,6 +147,13 @@ class FastEstimator:
         high = max(b.high for b in bands)
         tokens = round(sum(b.tokens for b in bands) / len(bands))
         return TextBand(min(max(tokens, low), high), low, high)
+
+
+def _plus_runs(total: complex, counts: Sequence[float], values: Sequence[complex]) -> complex:
+    for count, value in zip(counts, values, strict=True):
+        if count:
+            total += count * value
+    return total
 
 
 @functools.lru_cache(maxsize=8)

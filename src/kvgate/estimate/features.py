@@ -265,17 +265,21 @@ def _windows(sequence: _Sliceable) -> list[_Sliceable]:
 
 
 _NO_STRETCHES = (0,) * len(STRETCHES)
+_SPACES_4, _SPACES_8, _SPACES_16, _TABS_2, _TABS_4, _TABS_8 = STRETCHES
 
 
 def stretch_counts(data: bytes) -> tuple[int, ...]:
-    """How many times each of STRETCHES fits in `data` without overlap."""
-    spaces = STRETCHES[0] in data
-    tabs = STRETCHES[3] in data
+    """How many times each of STRETCHES fits in `data` without overlap (a longer run is only looked
+    for where a shorter one was found: most texts have neither)."""
+    spaces = data.count(_SPACES_4)
+    tabs = data.count(_TABS_2)
     if not spaces and not tabs:
         return _NO_STRETCHES
-    return tuple(
-        data.count(stretch) if (spaces if stretch[0] == _SPACE_BYTE else tabs) else 0 for stretch in STRETCHES
-    )
+    eight = data.count(_SPACES_8) if spaces else 0
+    sixteen = data.count(_SPACES_16) if eight else 0
+    four_tabs = data.count(_TABS_4) if tabs else 0
+    eight_tabs = data.count(_TABS_8) if four_tabs else 0
+    return spaces, eight, sixteen, tabs, four_tabs, eight_tabs
 
 
 _FOURBYTE_LEAD_BYTES = bytes(FOURBYTE_LEADS)
