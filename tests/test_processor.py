@@ -155,7 +155,7 @@ def test_refusals_are_immediate_json_responses() -> None:
 
 
 def test_gzip_bodies_are_offloaded_and_understood() -> None:
-    data = gzip.compress(chat("word " * 20000))
+    data = gzip.compress(chat("word " * 30000))
     _, answer = drive(make_processor(), [headers(**{"content-encoding": "gzip"}), body(data)])
     assert answer.immediate_response.status.code == 413
 
@@ -208,7 +208,7 @@ def test_one_trip_reads_encoding_priority_and_trace_from_attributes() -> None:
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     traceparent = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
     message = one_trip_body(
-        gzip.compress(chat("word " * 20000)), **{"content-encoding": "gzip", "traceparent": traceparent}
+        gzip.compress(chat("word " * 30000)), **{"content-encoding": "gzip", "traceparent": traceparent}
     )
     (answer,) = drive(make_processor(spans=DecisionSpans(provider)), [message])
     assert answer.immediate_response.status.code == 413
@@ -372,3 +372,12 @@ def test_the_client_may_ask_for_the_async_pool_where_the_route_allows_it() -> No
     assert set_headers(default)["x-kvgate-pool"] == "long", "admission.async_fallback is off by default"
     _, allowed = drive(make_processor(), long, [("x-kvgate-async", "allow")])
     assert set_headers(allowed)["x-kvgate-pool"] == "async"
+
+
+def test_a_routes_default_output_budget_is_charged_when_the_client_names_none() -> None:
+    budget = [("x-kvgate-default-output-tokens", "8000")]
+    _, named = drive(make_processor(), [headers(), body(chat("hi", max_tokens=100))], budget)
+    assert set_headers(named)["x-kvgate-pool"] == "interactive", "the client's own budget stands"
+    _, unnamed = drive(make_processor(), [headers(), body(chat("hi"))], budget)
+    assert set_headers(unnamed)["x-kvgate-pool"] == "long"
+    assert int(set_headers(unnamed)["x-kvgate-tokens"]) > 8000

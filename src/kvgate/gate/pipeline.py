@@ -8,6 +8,7 @@ runs on a thread pool with a bounded queue, so one huge prompt never stalls the 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 from collections.abc import Callable, Iterable
@@ -253,6 +254,9 @@ class Pipeline:
             return Outcome(self.passthrough(head))
         entry = self._models.lookup(shape.model)
         model = self.effective(entry, head.route)
+        if shape.output_budget is None and model.default_output_tokens != entry.default_output_tokens:
+            # The route's default output budget, charged as the budget the client did not name.
+            shape = dataclasses.replace(shape, output_budget=model.default_output_tokens * shape.n)
         estimate = await self._estimators[entry].estimate(shape, thresholds(model))
         if isinstance(estimate, Unavailable):
             return Outcome(Refusal(Reason.OVERLOADED, estimate.message), shape)
