@@ -28,7 +28,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--tokenizer",
         type=Path,
-        help="tokenizer for the default model entry: a sentencepiece .model or a Hugging Face tokenizer.json",
+        help=(
+            "tokenizer for the default model entry: a sentencepiece .model, a Hugging Face "
+            "tokenizer.json or a Mistral tekken .json (without one, estimates round to the safe side)"
+        ),
     )
     parser.add_argument("--listen", help="HOST:PORT to serve on (overrides server.listen)")
     parser.add_argument(
