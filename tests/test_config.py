@@ -45,7 +45,7 @@ def test_retry_after_is_forecast_by_default_and_fixed_on_request() -> None:
     admission = Config().admission
     assert (admission.retry_after, admission.retry_after_s) == ("forecast", 2)
     bounds = (admission.retry_after_min_s, admission.retry_after_max_s, admission.retry_jitter)
-    assert bounds == (0.5, 60, 0.2)
+    assert bounds == (0.5, 60, 0.1)
     fixed = parse_config("admission: {retry_after: fixed, retry_after_s: 3, retry_jitter: 0}\n").admission
     assert (fixed.retry_after, fixed.retry_after_s, fixed.retry_jitter) == ("fixed", 3, 0.0)
 

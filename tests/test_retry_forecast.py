@@ -161,13 +161,14 @@ def test_each_answer_is_checked_when_its_node_has_freed_what_it_needed() -> None
     assert plan.watching == 0
 
 
-def test_a_fixed_answer_is_checked_against_the_same_mark() -> None:
+def test_fixed_answers_promise_nothing_and_are_checked_when_their_request_alone_fits() -> None:
     clock = ManualClock(0.0)
     plan = planner(clock, "fixed", fixed_s=2.0)
-    plan.advise([node("a", 0, ((5.0, T),))], T, 250)
+    nodes = [node("a", 0, ((5.0, T), (9.0, T)))]
+    assert [plan.advise(nodes, T, 250).retry_after_s for _ in range(2)] == [2.0, 2.0]
     clock.advance(5.0)
-    (checked,) = plan.check([node("a", T, freed=T)])
-    assert (checked.basis, checked.error_s) == (Basis.FIXED, 3.0)
+    checked = plan.check([node("a", T, freed=T)])
+    assert [(c.basis, c.error_s) for c in checked] == [(Basis.FIXED, 3.0)] * 2
 
 
 def test_watches_that_run_out_are_reported_and_memory_is_bounded() -> None:

@@ -128,7 +128,7 @@ class AdmissionConfig:
     retry_after: Literal["forecast", "fixed"] = "forecast"
     retry_after_min_s: float = field(default=0.5, metadata=at_least(0))
     retry_after_max_s: float = field(default=60.0, metadata=at_least(0))
-    retry_jitter: float = field(default=0.2, metadata=at_least(0))
+    retry_jitter: float = field(default=0.1, metadata=at_least(0))
     breaker_open_s: float = field(default=2.0, metadata=at_least(0))
     breaker_probes: int = field(default=2, metadata=at_least(1))
     water: WaterThresholds = WaterThresholds()

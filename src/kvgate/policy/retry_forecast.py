@@ -17,13 +17,14 @@ admitted or refused, and holds a reservation of its own or a new promise.
 The answer is the forecast made later by up to `jitter` of itself (never earlier: a client that comes
 back early is held by admission or refused again), within [min_s, max_s]. When nothing can be forecast
 (no node has measured its decode rate, or what is expected to end does not cover the request) it is
-`fixed_s`, jittered the same way; in `fixed` mode it is always `fixed_s`, as is.
+`fixed_s`, jittered the same way; in `fixed` mode it is always `fixed_s`, as is, and promises nothing.
 
 The check: each forecast from expected releases is watched until the node it counted on has freed the
 tokens it needed (its agent's freed-tokens counter reaching the mark), and the error is that moment
 less the moment the client was told to come back: positive when the client came back too early,
-negative when the capacity waited for it. Fixed answers are checked the same way against the same
-mark. Watches are bounded in number and time; one that runs out unresolved is reported as such.
+negative when the capacity waited for it. A fixed answer is checked the same way, against the first
+moment enough freed for its request alone (its clients keep no promises). Watches are bounded in
+number and time; one that runs out unresolved is reported as such.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class RetrySettings:
     fixed_s: float = 2.0  # admission.retry_after_s
     min_s: float = 0.5
     max_s: float = 60.0
-    jitter: float = 0.2
+    jitter: float = 0.1
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_s <= self.max_s or self.jitter < 0 or self.fixed_s <= 0:
@@ -195,18 +196,25 @@ class RetryPlanner:
         back; its promise and its watch are recorded."""
         now = self._clock()
         self._drop_lapsed(now)
-        fit = forecast_fit(nodes, tokens, output_tokens, self._promises, now)
         fixed_s = self._settings.fixed_s
         if self._settings.mode == "fixed":
+            # Its clients keep no promise (they all come back after fixed_s): checked against the first
+            # moment enough frees for the request alone.
+            fit = forecast_fit(nodes, tokens, output_tokens)
             advice = RetryAdvice(fixed_s, Basis.FIXED)
-        elif fit is None:
-            advice = RetryAdvice(self._bounded(fixed_s * self._spread()), Basis.FALLBACK)
         else:
-            advice = RetryAdvice(self._bounded(fit.after_s * self._spread()), Basis.FORECAST)
+            fit = forecast_fit(nodes, tokens, output_tokens, self._promises, now)
+            if fit is None:
+                advice = RetryAdvice(self._bounded(fixed_s * self._spread()), Basis.FALLBACK)
+            else:
+                advice = RetryAdvice(self._bounded(fit.after_s * self._spread()), Basis.FORECAST)
         if fit is not None:
             # The client's request runs from whichever comes later: the capacity or the client.
             starts = now + max(fit.after_s, advice.retry_after_s)
-            self._promises.append(Promise(fit.agent, tokens, starts + fit.run_s, starts + PROMISE_GRACE_S))
+            if advice.basis is Basis.FORECAST:
+                self._promises.append(
+                    Promise(fit.agent, tokens, starts + fit.run_s, starts + PROMISE_GRACE_S)
+                )
             answered = now + advice.retry_after_s
             self._watches.append(
                 _Watch(fit.agent, fit.freed_mark, answered, starts + WATCH_HORIZON_S, advice.basis)
