@@ -9,7 +9,9 @@ TTFT includes any wait for admission); `long_goodput_tokens_per_s` counts prompt
 of long requests served in full, over the window from the first long request sent to the last one
 finished; `long_capacity_tokens_per_s` is what the pool serving long requests would do at full use
 over the same kind of traffic (see `capacity`). `prefix_hit_tokens` is what the nodes' engines found
-in their prefix caches (vllm:prefix_cache_hits), over the whole run.
+in their prefix caches (vllm:prefix_cache_hits), over the whole run. `retry_*` are the gate's
+Retry-After answers to capacity refusals over the whole run, and how close each came to when the
+capacity it counted on freed (kvgate.demo.retry_figures); None for the baseline.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgate.demo.load import Outcome, Result
+from kvgate.demo.retry_figures import RetryFigures
 from kvgate.demo.scrape import NodeMetrics, Sample
 
 REPORTED_OUTCOMES: tuple[Outcome, ...] = ("ok", "413", "429", "503", "async", "other")
@@ -75,6 +78,8 @@ def summarize_run(
     nodes: Mapping[str, NodeMetrics | None],
     pools: Mapping[str, str],
     long_capacity_tokens_per_s: float,
+    *,
+    retry: RetryFigures | None = None,
 ) -> dict[str, Any]:
     outcomes = Counter(r.outcome for r in burst)
     ttfts = short_ttfts(burst)
@@ -103,7 +108,27 @@ def summarize_run(
         "long_ttft_p50_ms": _ms(percentile(served_ttfts(burst, "long"), 50)),
         "long_ttft_p99_ms": _ms(percentile(served_ttfts(burst, "long"), 99)),
         "prefix_hit_tokens": sum(m.prefix_hit_tokens for m in known),
+        "retry_answers": retry.answers if retry else None,
+        "retry_checked": retry.checked if retry else None,
+        "retry_unresolved": retry.unresolved if retry else None,
+        "retry_error_within_0_5_s_pct": _percent(retry.within_half_s) if retry else None,
+        "retry_error_within_1_s_pct": _percent(retry.within_1_s) if retry else None,
+        "retry_error_median_bound_s": retry.median_bound_s if retry else None,
     }
+
+
+RETRY_KEYS = (
+    "retry_answers",
+    "retry_checked",
+    "retry_unresolved",
+    "retry_error_within_0_5_s_pct",
+    "retry_error_within_1_s_pct",
+    "retry_error_median_bound_s",
+)
+
+
+def _percent(fraction: float | None) -> float | None:
+    return None if fraction is None else round(fraction * 100, 1)
 
 
 def _cell(value: object) -> str:
@@ -135,6 +160,8 @@ def format_table(report: Mapping[str, Mapping[str, Any]]) -> str:
         "prefix_hit_tokens",
     )
     for key in keys:
+        rows.append((key, [_cell(report[r].get(key)) for r in runs]))
+    for key in RETRY_KEYS:
         rows.append((key, [_cell(report[r].get(key)) for r in runs]))
     label_width = max(len(label) for label, _ in rows)
     widths = [max(len(run), *(len(cells[i]) for _, cells in rows)) for i, run in enumerate(runs)]

@@ -22,8 +22,9 @@ from kvgate.demo.capacity import node_capacity_tokens_per_s
 from kvgate.demo.load import LoadGenerator, Result
 from kvgate.demo.plot import write_plot
 from kvgate.demo.report import RunTrace, format_table, summarize_run
+from kvgate.demo.retry_figures import RetryFigures, read_retry_figures
 from kvgate.demo.scenario import RunName, Scenario, long_shape, plan
-from kvgate.demo.scrape import Sampler, final_metrics
+from kvgate.demo.scrape import Sampler, fetch_page, final_metrics
 from kvgate.demo.stacks import Stack, start_baseline, start_kvgate
 from kvgate.harness.processes import ProcessGroup
 
@@ -118,10 +119,19 @@ async def _run_one(
         sampler = Sampler(stack.nodes)
         burst = await _phase(f"{name} {busy}", stack, scenario, True, progress, sampler=sampler)
         final = await final_metrics(stack.nodes, wait_s=scenario.node.restart_s + 2.0)
+        retry = await _retry_figures(stack)
     long_capacity = len(stack.long_pool) * node_capacity_tokens_per_s(scenario.node, *long_shape(scenario))
     pools = {node.name: node.pool for node in stack.nodes}
-    summary = summarize_run(burst, no_burst, final, pools, long_capacity)
+    summary = summarize_run(burst, no_burst, final, pools, long_capacity, retry=retry)
     return RunTrace(summary, burst, sampler.timeline)
+
+
+async def _retry_figures(stack: Stack) -> RetryFigures | None:
+    """The gate's Retry-After answers and their check (kvgate.demo.retry_figures); None without a gate."""
+    if stack.gate_metrics_url is None:
+        return None
+    page = await fetch_page(stack.gate_metrics_url)
+    return read_retry_figures(page) if page is not None else None
 
 
 async def run_demo(

@@ -100,6 +100,18 @@ class Sampler:
                 await asyncio.sleep(self._interval)
 
 
+async def fetch_page(url: str, timeout_s: float = 2.0) -> str | None:
+    """A /metrics page as text; None when it cannot be read."""
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session,
+            session.get(url) as response,
+        ):
+            return await response.text() if response.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+
+
 async def final_metrics(nodes: Sequence[Node], wait_s: float) -> dict[str, NodeMetrics | None]:
     """Each node's counters, waiting up to `wait_s` for nodes that are restarting after a crash."""
     deadline = time.monotonic() + wait_s

@@ -30,6 +30,7 @@ class Stack:
     # Nodes whose served requests count as long-pool goodput and capacity.
     long_pool: tuple[str, ...]
     async_nodes: frozenset[str]
+    gate_metrics_url: str | None = None  # the gate's /metrics (kvgate runs)
 
 
 def _sim_command(scenario: Scenario, node: Node, max_model_len: int, seed: int) -> list[str]:
@@ -177,4 +178,6 @@ async def start_kvgate(
     await _wait_all(group, ready)
     url = f"http://127.0.0.1:{listen}/v1/chat/completions"
     async_nodes = frozenset(n.name for n in nodes if n.pool == "async")
-    return Stack(url, tuple(nodes), tuple(n.name for n in long_nodes), async_nodes)
+    return Stack(
+        url, tuple(nodes), tuple(n.name for n in long_nodes), async_nodes, f"http://{gate_metrics}/metrics"
+    )
