@@ -192,6 +192,8 @@ def gate_metrics(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     agents = f"{{agents: ['127.0.0.1:{agent_port}']}}"
     # Prefix-aware placement on, and a long prompt: the placement metrics get samples too.
     config = f"headroom: {agents}\ninteractive_headroom: {agents}\nplacement: {{prefix_affinity: true}}\n"
+    # No waiting for room: the capacity refusal below answers at once, with its Retry-After.
+    config += "admission: {max_wait_s: 0}\n"
     try:
         with gate_process(config, tmp, ports["gate"]) as gate:
             deadline = time.monotonic() + 10
@@ -206,6 +208,19 @@ def gate_metrics(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             assert post(ports["listener"], "/v1/chat/completions", chat("hello")).status == 200
             strict = post(ports["listener"], "/v1/chat/completions", chat("hello"), {"host": "strict.local"})
             assert strict.status == 200, strict.body
+            # A long request that finds no room (the rest is held by a reservation of the test's own):
+            # a 429 with Retry-After, checked once the reservation is released and its tokens free.
+            agent_address = f"127.0.0.1:{agent_port}"
+            asyncio.run(_reserve(agent_address, "filler", 85_000))
+            full = post(
+                ports["listener"], "/v1/chat/completions", chat("lorem ipsum " * 1000, max_tokens=8000)
+            )
+            assert full.status == 429, full.body
+            asyncio.run(_reserve(agent_address, "filler", 0, release=True))
+            _until(
+                "a checked Retry-After",
+                lambda: "kvgate_gate_retry_after_error_seconds_bucket" in scrape(gate.metrics_port),
+            )
             yield scrape(gate.metrics_port)
     finally:
         envoy.stop()

@@ -171,6 +171,19 @@ def test_fixed_answers_promise_nothing_and_are_checked_when_their_request_alone_
     assert [(c.basis, c.error_s) for c in checked] == [(Basis.FIXED, 3.0)] * 2
 
 
+def test_answers_without_a_forecast_are_checked_too() -> None:
+    """No measured rate (a reservation-only node): the fallback answer is still measured, against the
+    node that needs to free the least."""
+    clock = ManualClock(0.0)
+    plan = planner(clock, fixed_s=2.0)
+    nodes = [node("a", 5_000, rate=None, freed=100), node("b", 20_000, rate=None, freed=0)]
+    assert plan.advise(nodes, T, 250).basis is Basis.FALLBACK
+    clock.advance(1.0)
+    assert plan.check([node("b", 20_000, rate=None, freed=T - 20_001)]) == []
+    (checked,) = plan.check([node("b", T, rate=None, freed=T - 20_000)])
+    assert (checked.basis, checked.error_s) == (Basis.FALLBACK, -1.0)
+
+
 def test_watches_that_run_out_are_reported_and_memory_is_bounded() -> None:
     clock = ManualClock(0.0)
     settings = RetrySettings("forecast", jitter=0.0)

@@ -146,6 +146,22 @@ def forecast_fit(
     return best
 
 
+def _closest(nodes: Sequence[NodeView], tokens: int) -> tuple[str, int] | None:
+    """The usable node that must free the fewest tokens for `tokens` to fit, and its freed-tokens mark
+    once it has; None when no node could ever hold them."""
+    best: tuple[int, str, int] | None = None
+    for node in nodes:
+        h = node.headroom
+        if h is None or not node.connected or not node.healthy:
+            continue
+        if math.floor(h.capacity_tokens * h.safety_ratio) < tokens:
+            continue
+        need = max(tokens - h.headroom_tokens, 0)
+        if best is None or need < best[0]:
+            best = (need, node.agent, h.freed_tokens_total + need)
+    return None if best is None else (best[1], best[2])
+
+
 def _freeing(node: NodeView, ahead: Sequence[Promise], now: float) -> list[tuple[float, int]]:
     """(seconds from now, tokens) the node is expected to free: its reservations, then its promises."""
     assert node.headroom is not None
@@ -208,6 +224,7 @@ class RetryPlanner:
                 advice = RetryAdvice(self._bounded(fixed_s * self._spread()), Basis.FALLBACK)
             else:
                 advice = RetryAdvice(self._bounded(fit.after_s * self._spread()), Basis.FORECAST)
+        answered = now + advice.retry_after_s
         if fit is not None:
             # The client's request runs from whichever comes later: the capacity or the client.
             starts = now + max(fit.after_s, advice.retry_after_s)
@@ -215,10 +232,14 @@ class RetryPlanner:
                 self._promises.append(
                     Promise(fit.agent, tokens, starts + fit.run_s, starts + PROMISE_GRACE_S)
                 )
-            answered = now + advice.retry_after_s
             self._watches.append(
                 _Watch(fit.agent, fit.freed_mark, answered, starts + WATCH_HORIZON_S, advice.basis)
             )
+        elif (target := _closest(nodes, tokens)) is not None:
+            # No forecast to go by (no measured rate): the answer is still checked, against the node
+            # that needs to free the least for the request.
+            agent, mark = target
+            self._watches.append(_Watch(agent, mark, answered, answered + WATCH_HORIZON_S, advice.basis))
         return advice
 
     def check(self, nodes: Sequence[NodeView]) -> list[Checked]:
