@@ -166,7 +166,7 @@ def table_markdown() -> str:
     retry = {
         _N: "none (do not retry as is)",
         _S: f"{_SOON_S:g} s",
-        _C: "`admission.retry_after_s`",
+        _C: "forecast from the agents (`admission.retry_after`), else `admission.retry_after_s`",
     }
     for reason, rule in RULES.items():
         lines.append(
