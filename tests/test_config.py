@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,12 @@ def test_empty_file_is_all_defaults() -> None:
 
 def test_shipped_example_loads_and_matches_the_defaults() -> None:
     config = load_config(ROOT / "envoy" / "kvgate.yaml")
-    assert config.default_model == Config().default_model
-    assert config.server.listen == "127.0.0.1:9002"
+    assert dataclasses.replace(config, source="<defaults>") == Config()
+    text = (ROOT / "envoy" / "kvgate.yaml").read_text()
+    sections = {f.name for f in dataclasses.fields(Config)} - {"source"}
+    assert not {s for s in sections if f"\n{s}:" not in text and f"\n# {s}:" not in text}, (
+        "envoy/kvgate.yaml shows every section of kvgate.yaml, set or commented"
+    )
 
 
 def test_model_entries_inherit_from_default_model() -> None:
