@@ -127,8 +127,11 @@ async def _peaks(ports: list[int]) -> list[tuple[float, float, float]]:
     ]
 
 
-def _body() -> bytes:
-    return chat("x" * PROMPT_BYTES, max_tokens=OUTPUT_TOKENS).replace(b"test-model", b"bench")
+def _body(job: int) -> bytes:
+    """A distinct prompt per job: the simulated engines cache prefixes, as vLLM does, and identical
+    prompts would share their KV blocks."""
+    prompt = f"job {job:06d} " + "x" * (PROMPT_BYTES - 11)
+    return chat(prompt, max_tokens=OUTPUT_TOKENS).replace(b"test-model", b"bench")
 
 
 async def baseline(ports: list[int]) -> tuple[list[tuple[float, float, float]], float]:
@@ -138,7 +141,7 @@ async def baseline(ports: list[int]) -> tuple[list[tuple[float, float, float]], 
 
         async def one(i: int) -> None:
             url = f"http://127.0.0.1:{ports[i % NODES]}/v1/chat/completions"
-            async with session.post(url, data=_body(), headers={"content-type": "application/json"}) as r:
+            async with session.post(url, data=_body(i), headers={"content-type": "application/json"}) as r:
                 await r.read()
 
         await asyncio.gather(*(one(i) for i in range(JOBS)))
@@ -185,14 +188,14 @@ async def _burst(port: int, timeline: Timeline) -> list[str]:
     async with aiohttp.ClientSession() as session:
         headers = {"prefer": "respond-async", "x-kvgate-tokens": str(JOB_TOKENS)}
 
-        async def submit() -> str:
-            async with session.post(f"{url}/v1/chat/completions", data=_body(), headers=headers) as r:
+        async def submit(job: int) -> str:
+            async with session.post(f"{url}/v1/chat/completions", data=_body(job), headers=headers) as r:
                 assert r.status == 202, await r.text()
                 timeline.submitted += 1
                 job_id: str = (await r.json())["id"]
                 return job_id
 
-        ids = await asyncio.gather(*(submit() for _ in range(JOBS)))
+        ids = await asyncio.gather(*(submit(job) for job in range(JOBS)))
         while True:
             statuses = []
             for job_id in ids:
