@@ -58,7 +58,7 @@ def test_plan_is_deterministic_and_the_no_burst_phase_is_the_same_short_traffic(
 
 
 def test_the_queue_and_separate_async_nodes_are_alternatives() -> None:
-    with pytest.raises(ConfigError, match="layout.queue and layout.async_nodes are alternatives"):
+    with pytest.raises(ConfigError, match=r"layout\.queue and layout\.async_nodes are alternatives"):
         parse_scenario("layout: {async_nodes: 1}")
     assert parse_scenario("layout: {async_nodes: 1, queue: false}").layout.async_nodes == 1
     no_queue = parse_scenario("runs: [kvgate, kvgate_no_queue]")
