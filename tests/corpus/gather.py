@@ -4,13 +4,13 @@
     python tests/corpus/gather.py tools mixed      only these kinds
 
 Kinds: English (rendered man pages), code (Python standard library), Chinese (zh_CN/zh_TW man pages,
-vim's and the system's catalogs), other languages (European, Cyrillic, Japanese, Korean man pages;
-vim's and the system's translation catalogs in Arabic, Hebrew, Indic, Thai, Greek, Georgian,
-Armenian, Ethiopic, Vietnamese, ...), compact JSON (API examples, cloud resource dumps, ISO code
-lists, package manifests: what a tool result or a pasted API response carries), pretty JSON (Kubernetes and JSON schemas, SDK
-resource models, CLI trees, SBOMs), tool definitions (the compact JSON the gate counts for `tools`:
-AWS operations, Google API methods and CloudFormation resources rendered as OpenAI or Anthropic tool
-definitions) and mixed (package READMEs: prose, code, tables, links, a little JSON and emoji).
+vim's and the system's catalogs), other languages (European, Cyrillic, Japanese, Korean man pages; vim's
+and the system's translation catalogs in Arabic, Hebrew, Indic, Thai, Greek, Georgian, Armenian,
+Ethiopic, Vietnamese, ...), compact JSON (API examples, cloud resource dumps, ISO code lists, package
+manifests: what a tool result or a pasted API response carries), pretty JSON (Kubernetes and JSON
+schemas, SDK resource models, CLI trees, SBOMs), tool definitions (the compact JSON the gate counts for
+`tools`: AWS operations, Google API methods and CloudFormation resources rendered as OpenAI or Anthropic
+tool definitions) and mixed (package READMEs: prose, code, tables, links, a little JSON and emoji).
 
 Each kind is split by source file into `train/` (fitting the shipped calibrations) and `heldout/`
 (the tests and the benchmark), so no source feeds both; no source file feeds two kinds either. The
