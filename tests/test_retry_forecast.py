@@ -6,9 +6,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from test_water import node as water_node
 
 from kvgate.headroom.fake_source import ManualClock
-from kvgate.headroom.snapshot import CapacitySource, ExpectedRelease, NodeHeadroom, NodeView
+from kvgate.headroom.snapshot import ExpectedRelease, NodeView
 from kvgate.policy.retry_forecast import (
     PROMISE_GRACE_S,
     WATCH_HORIZON_S,
@@ -33,26 +34,16 @@ def node(
     age_s: float = 0.0,
     healthy: bool = True,
 ) -> NodeView:
-    h = NodeHeadroom(
-        node=agent,
+    """test_water's node, with this module's capacity, expected releases, decode rate and freed tokens."""
+    view = water_node(agent, headroom, healthy=healthy)
+    assert view.headroom is not None
+    h = dataclasses.replace(
+        view.headroom,
         endpoint=f"{agent}:8000",
-        seq=1,
-        sample_time_unix_ns=0,
         capacity_tokens=capacity,
-        safety_ratio=1.0,
         used_tokens=None,
         reserved_tokens=capacity - headroom,
         reservations=len(releases),
-        headroom_tokens=headroom,
-        healthy=healthy,
-        reason="",
-        capacity_source=CapacitySource.MANUAL,
-        kv_usage=None,
-        running=None,
-        waiting=None,
-        preemptions_total=None,
-        gpus=(),
-        period_ms=100,
         decode_tokens_per_s=rate,
         releases=tuple(ExpectedRelease(after, tokens) for after, tokens in releases),
         freed_tokens_total=freed,
