@@ -75,35 +75,25 @@ def read(text: str) -> EngineReading | None:
     pools = sorted({promtext.label(s, "dp_rank") or "" for s in found}, key=_rank)
     engines = tuple(_describe(pool, found) for pool in pools)
     if any(pool not in capacity for pool in pools):
+        state, total, in_use = PageState.NOT_READY, None, _total(used, pools)
         rule = (
             f"{CAPACITY} is 0: older SGLang writes it from its first request on"
             if capacity_samples
             else f"no {CAPACITY} on the page yet"
         )
-        return EngineReading(
-            EngineKind.SGLANG,
-            PageState.NOT_READY,
-            None,
-            _total(used, pools),
-            _total(running, pools),
-            _total(waiting, pools),
-            _total(retracted, pools),
-            engines,
-            rule,
-            BUSY_REFRESH_S,
-            cache_hit_rate=hit_rate,
-            prefix_caching=True,
-        )
-    state = PageState.READY if all(pool in used for pool in pools) else PageState.IDLE
-    per_pool = sorted({capacity[p] for p in pools})
-    rule = f"{CAPACITY} {'/'.join(str(c) for c in per_pool)}"
-    if len(pools) > 1:
-        rule += f" x {len(pools)} dp ranks"
+    else:
+        state = PageState.READY if all(pool in used for pool in pools) else PageState.IDLE
+        total = sum(capacity[p] for p in pools)
+        # An idle pool that has not written its usage yet holds nothing.
+        in_use = sum(used.get(p, 0) for p in pools)
+        rule = f"{CAPACITY} {'/'.join(str(c) for c in sorted({capacity[p] for p in pools}))}"
+        if len(pools) > 1:
+            rule += f" x {len(pools)} dp ranks"
     return EngineReading(
         EngineKind.SGLANG,
         state,
-        sum(capacity[p] for p in pools),
-        sum(used.get(p, 0) for p in pools),
+        total,
+        in_use,
         _total(running, pools),
         _total(waiting, pools),
         _total(retracted, pools),
