@@ -23,15 +23,15 @@ from contextlib import contextmanager
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvgate.agent.sources.fake_engine import FakeEngineMetrics
+from kvgate.config.headroom import HeadroomSettings
 from kvgate.headroom.client import AgentClient
-from kvgate.headroom.fake_engine import FakeEngineMetrics
-from kvgate.headroom.settings import HeadroomSettings
 from kvgate.headroom.view import HeadroomView
 from kvgate.localports import free_port
 
 PERIOD_S = 0.1
 LAUNCH = (
-    "import argparse, sys; from kvgate.headroom.cli import register; p = argparse.ArgumentParser(); "
+    "import argparse, sys; from kvgate.agent.cli import register; p = argparse.ArgumentParser(); "
     "register(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))"
 )
 

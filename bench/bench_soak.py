@@ -31,7 +31,7 @@ from pathlib import Path
 
 from bench.soak_stack import LONG_NODES, ROOT, SoakStack, rss_bytes
 from bench.soak_traffic import Tally, send_steady
-from kvgate.headroom.settings import HeadroomSettings
+from kvgate.config.headroom import HeadroomSettings
 from kvgate.headroom.view import HeadroomView
 
 DEFAULT_SECONDS = 600.0

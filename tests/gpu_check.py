@@ -23,12 +23,12 @@ from collections.abc import Callable
 
 import pynvml
 
-from kvgate.headroom.agent import Agent
-from kvgate.headroom.capacity import ModelShape, kv_bytes_per_token
-from kvgate.headroom.fake_nvml import FakeNvml, make_gpus
-from kvgate.headroom.node import NodeSettings
-from kvgate.headroom.nvml import NvmlModule, NvmlPoller, NvmlSampler
-from kvgate.headroom.settings import HeadroomSettings
+from kvgate.agent.capacity import ModelShape, kv_bytes_per_token
+from kvgate.agent.node import NodeSettings
+from kvgate.agent.server import Agent
+from kvgate.agent.sources.fake_nvml import FakeNvml, make_gpus
+from kvgate.agent.sources.nvml import NvmlModule, NvmlPoller, NvmlSampler
+from kvgate.config.headroom import HeadroomSettings
 from kvgate.headroom.snapshot import NodeHeadroom, NvmlReading
 from kvgate.headroom.view import HeadroomView
 

@@ -14,9 +14,9 @@ from typing import TypeVar
 
 from test_water import node
 
+from kvgate.agent.in_process import FakeHeadroom, ManualClock
 from kvgate.config import AdmissionConfig, ModelConfig
 from kvgate.gate.admission import Admission, Admitted
-from kvgate.headroom.fake_source import FakeHeadroom, ManualClock
 from kvgate.headroom.snapshot import NodeView, PrefixChain, ReleaseOutcome
 from kvgate.policy import Reason, Refusal, Route
 from kvgate.policy.water import BreakerState, Level

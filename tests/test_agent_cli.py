@@ -11,16 +11,16 @@ import time
 
 import pytest
 
+from kvgate.agent.cli import register, settings_from_args
+from kvgate.config.headroom import HeadroomSettings
 from kvgate.errors import ConfigError
-from kvgate.headroom.cli import register, settings_from_args
-from kvgate.headroom.settings import HeadroomSettings
 from kvgate.headroom.snapshot import CapacitySource
 from kvgate.headroom.view import HeadroomView
 from kvgate.localports import free_port
 
 # The agent subcommand through its own parser, as kvgate.cli will call it once registered.
 LAUNCH = (
-    "import argparse, logging, sys; from kvgate.headroom.cli import register; "
+    "import argparse, logging, sys; from kvgate.agent.cli import register; "
     "logging.basicConfig(level='INFO'); p = argparse.ArgumentParser(); register(p.add_subparsers()); "
     "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))"
 )

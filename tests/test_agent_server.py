@@ -17,15 +17,15 @@ from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvgate._proto.headroom.v1 import headroom_pb2 as pb
+from kvgate.agent.node import NodeSettings, NodeState
+from kvgate.agent.server import SERVICE_NAME, Agent
+from kvgate.agent.sources.fake_engine import FakeEngineMetrics
+from kvgate.agent.sources.fake_nvml import FakeNvml, make_gpus
+from kvgate.agent.sources.nvml import NvmlPoller, NvmlSampler
+from kvgate.agent.sources.scrape import EngineScraper
 from kvgate.errors import HeadroomError
 from kvgate.headroom import wire
-from kvgate.headroom.agent import SERVICE_NAME, Agent
 from kvgate.headroom.client import AgentClient
-from kvgate.headroom.fake_engine import FakeEngineMetrics
-from kvgate.headroom.fake_nvml import FakeNvml, make_gpus
-from kvgate.headroom.node import NodeSettings, NodeState
-from kvgate.headroom.nvml import NvmlPoller, NvmlSampler
-from kvgate.headroom.scrape import EngineScraper
 from kvgate.headroom.snapshot import GpuReading, NodeHeadroom
 from kvgate.headroom.wire import HeadroomEncoder, headroom_from_proto
 

@@ -11,12 +11,12 @@ from contextlib import contextmanager
 
 import pytest
 
-from kvgate.headroom.agent import Agent
-from kvgate.headroom.cli import register
-from kvgate.headroom.fake_engine import FakeEngineMetrics
-from kvgate.headroom.node import NodeSettings, NodeState
-from kvgate.headroom.scrape import EngineScraper
-from kvgate.headroom.status import status_json, status_text
+from kvgate.agent.cli import register
+from kvgate.agent.node import NodeSettings, NodeState
+from kvgate.agent.server import Agent
+from kvgate.agent.sources.fake_engine import FakeEngineMetrics
+from kvgate.agent.sources.scrape import EngineScraper
+from kvgate.agent.status import status_json, status_text
 from kvgate.localports import free_port
 
 

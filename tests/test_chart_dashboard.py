@@ -18,12 +18,12 @@ import pytest
 import yaml
 from test_chart import CHART, Helm, by_kind, real_helm, standalone
 
+from kvgate.config.headroom import HeadroomSettings
 from kvgate.harness.client import chat, post
 from kvgate.harness.envoy import render_envoy
 from kvgate.harness.processes import Service, kvgate_command
 from kvgate.harness.stack import agent_process, envoy_process, gate_process, started
 from kvgate.harness.upstreams import Upstreams
-from kvgate.headroom.settings import HeadroomSettings
 from kvgate.headroom.view import HeadroomView
 from kvgate.localports import free_port
 

@@ -39,11 +39,11 @@ from test_chart import (
 from test_chart_envoy import envoy_validate
 from texts import text_with_tokens
 
+from kvgate.agent.cli import register, tls_from_args
 from kvgate.config import parse_config
 from kvgate.harness.client import chat, post, post_until_admitted
 from kvgate.harness.stack import agent_process, envoy_process, gate_process
 from kvgate.harness.upstreams import Upstreams
-from kvgate.headroom.cli import register, tls_from_args
 from kvgate.localports import free_port
 
 GATE_SECRET = "kvgate-gate-tls"

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 from texts import text_with_tokens
 
+from kvgate.config.headroom import HeadroomSettings
 from kvgate.harness.client import Reply, chat, post
 from kvgate.harness.envoy import render_envoy
 from kvgate.harness.processes import Service
 from kvgate.harness.stack import agent_process, envoy_process, gate_process
 from kvgate.harness.upstreams import Upstreams
-from kvgate.headroom.settings import HeadroomSettings
 from kvgate.headroom.view import HeadroomView
 from kvgate.localports import free_port
 

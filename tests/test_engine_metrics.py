@@ -7,9 +7,9 @@ import time
 import pytest
 from fixtures.engines.pages import Vllm
 
+from kvgate.agent.sources.engines import read_engine_page
+from kvgate.agent.sources.engines.promtext import Sample, label, metric_names, samples
 from kvgate.errors import HeadroomError
-from kvgate.headroom.engines import read_engine_page
-from kvgate.headroom.engines.promtext import Sample, label, metric_names, samples
 
 M = 'model_name="meta-llama/Llama-3.1-8B-Instruct"'
 

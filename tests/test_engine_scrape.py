@@ -11,9 +11,9 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
+from kvgate.agent.sources.fake_engine import FakeEngineMetrics
+from kvgate.agent.sources.scrape import EngineScraper, metrics_url, parse_response
 from kvgate.errors import ConfigError, HeadroomError
-from kvgate.headroom.fake_engine import FakeEngineMetrics
-from kvgate.headroom.scrape import EngineScraper, metrics_url, parse_response
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 PAGE = FakeEngineMetrics(kv_usage=0.25).render()

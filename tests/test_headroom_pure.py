@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from kvgate.agent.capacity import ModelShape, kv_bytes_per_token, static_capacity_tokens
+from kvgate.agent.ledger import Budget, ReservationLedger, ReserveReason
+from kvgate.agent.node import NodeSettings, NodeState
+from kvgate.agent.sources.engines import EngineKind, EngineReading, PageState
 from kvgate.errors import ConfigError
-from kvgate.headroom.capacity import ModelShape, kv_bytes_per_token, static_capacity_tokens
-from kvgate.headroom.engines import EngineKind, EngineReading, PageState
-from kvgate.headroom.ledger import Budget, ReservationLedger, ReserveReason
-from kvgate.headroom.node import NodeSettings, NodeState
 from kvgate.headroom.snapshot import CapacitySource, GpuReading, NvmlReading, headroom_tokens
 
 GiB = 1024**3

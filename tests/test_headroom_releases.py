@@ -8,12 +8,12 @@ import pytest
 from fixtures.engines.pages import Vllm
 
 from kvgate._proto.headroom.v1 import headroom_pb2 as pb
-from kvgate.headroom.decode_rate import DecodeRate
-from kvgate.headroom.engines import read_engine_page
-from kvgate.headroom.fake_source import ManualClock
-from kvgate.headroom.ledger import Budget, Reservation, ReservationLedger
-from kvgate.headroom.node import NodeSettings, NodeState
-from kvgate.headroom.releases import expected_releases
+from kvgate.agent.decode_rate import DecodeRate
+from kvgate.agent.in_process import ManualClock
+from kvgate.agent.ledger import Budget, Reservation, ReservationLedger
+from kvgate.agent.node import NodeSettings, NodeState
+from kvgate.agent.releases import expected_releases
+from kvgate.agent.sources.engines import read_engine_page
 from kvgate.headroom.snapshot import ExpectedRelease
 from kvgate.headroom.wire import HeadroomEncoder, chain_from_proto, headroom_from_proto, reserve_request
 

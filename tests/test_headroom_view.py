@@ -12,12 +12,12 @@ import pytest
 
 from kvgate._proto.headroom.v1 import headroom_pb2 as pb
 from kvgate._proto.headroom.v1 import headroom_pb2_grpc as pb_grpc
+from kvgate.agent.node import NodeSettings
+from kvgate.agent.server import Agent
+from kvgate.agent.sources.fake_engine import FakeEngineMetrics
+from kvgate.agent.sources.scrape import EngineScraper
+from kvgate.config.headroom import HeadroomSettings
 from kvgate.errors import ConfigError, HeadroomError
-from kvgate.headroom.agent import Agent
-from kvgate.headroom.fake_engine import FakeEngineMetrics
-from kvgate.headroom.node import NodeSettings
-from kvgate.headroom.scrape import EngineScraper
-from kvgate.headroom.settings import HeadroomSettings
 from kvgate.headroom.snapshot import NodeView
 from kvgate.headroom.view import HeadroomView
 

@@ -23,25 +23,27 @@ IO_MODULES: dict[str, dict[str, str]] = {
         "cli": "`kvgate estimate` / `kvgate calibrate`: files and stdin",
     },
     "headroom": {
-        "agent": "the agent's gRPC server",
-        "agent_metrics": "the agent's Prometheus endpoint",
-        "broadcast": "fans snapshots out to subscribers' asyncio queues",
-        "cli": "`kvgate agent`",
         "client": "the gate's gRPC client of an agent",
         "credentials": "TLS files and gRPC channel credentials",
-        "fake_engine": "a fake engine /metrics over HTTP, for tests",
-        "fake_nvml": "a scriptable pynvml stand-in with a hanging mode (threads)",
-        "fake_source": "in-process agents behind the gate's asyncio interface, for tests",
-        "nvml": "NVML calls on their own thread",
         "protogen": "runs grpcio-tools",
         "resolve": "DNS",
-        "scrape": "the engine's /metrics over HTTP/1.1",
         "view": "the gate's Subscribe streams, Reserve and Release",
         "wire": "protobuf conversion of the agent's messages",
     },
+    "agent": {
+        "server": "the agent's gRPC server",
+        "metrics": "the agent's Prometheus endpoint",
+        "broadcast": "fans snapshots out to subscribers' asyncio queues",
+        "cli": "`kvgate agent`",
+        "in_process": "in-process agents behind the gate's asyncio interface, for tests",
+        "sources.fake_engine": "a fake engine /metrics over HTTP, for tests",
+        "sources.fake_nvml": "a scriptable pynvml stand-in with a hanging mode (threads)",
+        "sources.nvml": "NVML calls on their own thread",
+        "sources.scrape": "the engine's /metrics over HTTP/1.1",
+    },
     "queue": {
         "__init__": "imports nothing, but names the package's I/O modules",
-        "database": "opens the store (SQLite file or PostgreSQL server)",
+        "stores": "opens the store (SQLite file or PostgreSQL server)",
         "sqlite_db": "SQLite on a thread",
         "postgres_db": "PostgreSQL over psycopg",
         "store": "jobs in the store",
@@ -65,7 +67,20 @@ IO_MODULES: dict[str, dict[str, str]] = {
     },
 }
 # Plain modules outside those packages that pure code may import.
-SHARED = {"kvgate.config", "kvgate.errors", "kvgate.names", "kvgate.bounds"}
+SHARED = {
+    "kvgate.config",
+    "kvgate.config.headroom",
+    "kvgate.config.queue",
+    "kvgate.addresses",
+    "kvgate.errors",
+    "kvgate.names",
+    "kvgate.bounds",
+}
+# The floor: modules every package may stand on. They import only each other (and kvgate.config's
+# own section modules), never a package above them.
+FLOOR = SHARED | {"kvgate.tls", "kvgate.telemetry", "kvgate.localports"}
+# Packages that see an agent only through kvgate.headroom's contract, never the agent process's code.
+AGENT_CLIENTS = ("gate", "policy", "queue", "headroom", "request", "estimate")
 FORBIDDEN = (
     "grpc",
     "envoy",
@@ -119,6 +134,67 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
+def all_modules() -> dict[str, Path]:
+    return {module_name(path): path for path in SRC.rglob("*.py") if "_proto" not in path.parts}
+
+
+def kvgate_imports(path: Path) -> set[str]:
+    return {name for name in imported_modules(path) if name.startswith("kvgate.") or name == "kvgate"}
+
+
+def test_the_floor_imports_nothing_above_it() -> None:
+    offenders = [
+        f"{name} imports {imported}"
+        for name, path in sorted(all_modules().items())
+        if name in FLOOR
+        for imported in sorted(kvgate_imports(path))
+        if imported not in FLOOR and imported != "kvgate"
+    ]
+    assert not offenders, offenders
+
+
+def test_the_gate_policy_and_queue_never_import_the_agent() -> None:
+    offenders = [
+        f"{name} imports {imported}"
+        for name, path in sorted(all_modules().items())
+        if name.partition(".")[2].split(".")[0] in AGENT_CLIENTS
+        for imported in sorted(kvgate_imports(path))
+        if imported == "kvgate.agent" or imported.startswith("kvgate.agent.")
+    ]
+    assert not offenders, offenders
+
+
+def test_no_import_circles() -> None:
+    """A circle means two modules are one idea, or a contract that knows its implementations."""
+    modules = all_modules()
+    graph = {
+        name: {i for i in kvgate_imports(path) if i in modules and i != name}
+        for name, path in modules.items()
+    }
+    circles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1 on the current path, 2 done
+    path: list[str] = []
+
+    def visit(name: str) -> None:
+        state[name] = 1
+        path.append(name)
+        for imported in sorted(graph[name]):
+            # A package's __init__ re-exporting its own modules is not a circle of ideas.
+            if name.startswith(imported + "."):
+                continue
+            if state.get(imported) == 1:
+                circles.append([*path[path.index(imported) :], imported])
+            elif imported not in state:
+                visit(imported)
+        path.pop()
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name)
+    assert not circles, circles
+
+
 def test_pure_modules_stay_pure() -> None:
     pure = pure_modules()
     offenders = []
@@ -141,7 +217,7 @@ def test_the_io_lists_name_real_modules_and_the_docstrings_claim_purity() -> Non
 
 
 def test_only_adapters_import_envoy_types() -> None:
-    allowed = {"gate", "headroom", "_proto", "envoyconfig", "demo", "harness"}
+    allowed = {"gate", "headroom", "agent", "_proto", "envoyconfig", "demo", "harness"}
     offenders = []
     for path in SRC.rglob("*.py"):
         top = path.relative_to(SRC).parts[0]

@@ -7,8 +7,8 @@ import time
 import pynvml
 import pytest
 
-from kvgate.headroom.fake_nvml import FakeNvml, GiB, make_gpus
-from kvgate.headroom.nvml import NvmlPoller, NvmlSampler
+from kvgate.agent.sources.fake_nvml import FakeNvml, GiB, make_gpus
+from kvgate.agent.sources.nvml import NvmlPoller, NvmlSampler
 
 
 class Clock:

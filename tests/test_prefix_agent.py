@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 from kvgate._proto.headroom.v1 import headroom_pb2 as pb
-from kvgate.headroom.engines import read_engine_page
-from kvgate.headroom.fake_source import ManualClock
-from kvgate.headroom.ledger import Budget, ReservationLedger, ReserveReason
-from kvgate.headroom.node import NodeSettings, NodeState
-from kvgate.headroom.prefix_audit import PrefixAudit
-from kvgate.headroom.prefix_blocks import PrefixBlocks
+from kvgate.agent.in_process import ManualClock
+from kvgate.agent.ledger import Budget, ReservationLedger, ReserveReason
+from kvgate.agent.node import NodeSettings, NodeState
+from kvgate.agent.prefix_audit import PrefixAudit
+from kvgate.agent.prefix_blocks import PrefixBlocks
+from kvgate.agent.sources.engines import read_engine_page
 from kvgate.headroom.snapshot import PrefixChain
 from kvgate.headroom.wire import HeadroomEncoder, chain_from_proto, headroom_from_proto, reserve_request
 

@@ -10,14 +10,14 @@ from typing import Any, TypeVar
 
 from test_water import node
 
+from kvgate.agent.in_process import FakeHeadroom, ManualClock
+from kvgate.agent.node import NodeSettings
+from kvgate.agent.server import Agent
+from kvgate.agent.sources.fake_engine import FakeEngineMetrics
+from kvgate.agent.sources.scrape import EngineScraper
 from kvgate.config import AdmissionConfig, ModelConfig
+from kvgate.config.headroom import HeadroomSettings
 from kvgate.gate.admission import Admission, Admitted
-from kvgate.headroom.agent import Agent
-from kvgate.headroom.fake_engine import FakeEngineMetrics
-from kvgate.headroom.fake_source import FakeHeadroom, ManualClock
-from kvgate.headroom.node import NodeSettings
-from kvgate.headroom.scrape import EngineScraper
-from kvgate.headroom.settings import HeadroomSettings
 from kvgate.headroom.snapshot import NodeView, PrefixChain, PrefixSummary
 from kvgate.headroom.view import HeadroomView
 from kvgate.policy import Reason, Route

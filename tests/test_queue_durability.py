@@ -22,10 +22,10 @@ import pytest
 from aiohttp import web
 from postgres import PostgresServer, postgres_server
 
+from kvgate.config.headroom import HeadroomSettings
 from kvgate.harness.client import Reply, chat, post
 from kvgate.harness.processes import Service, kvgate_command, sim_command
 from kvgate.harness.stack import agent_process, started
-from kvgate.headroom.settings import HeadroomSettings
 from kvgate.headroom.view import HeadroomView
 from kvgate.localports import free_port
 

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from kvgate.config import parse_config
+from kvgate.config.queue import QueueSettings
 from kvgate.errors import ConfigError
 from kvgate.headroom.snapshot import CapacitySource, NodeHeadroom, NodeView
 from kvgate.policy.decision import Reason
@@ -15,7 +16,6 @@ from kvgate.queue.app import prefers_async
 from kvgate.queue.metrics import TENANT_LABELS, tenant_series
 from kvgate.queue.placement import Fit, fit
 from kvgate.queue.refusals import QueueRefusals
-from kvgate.queue.settings import QueueSettings
 from kvgate.request.shape import Api
 
 

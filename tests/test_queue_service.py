@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 import aiohttp
 from aiohttp.test_utils import TestServer
 
+from kvgate.agent.in_process import FakeHeadroom
 from kvgate.config import parse_config
-from kvgate.headroom.fake_source import FakeHeadroom
 from kvgate.queue.engines import EngineFailure
 from kvgate.queue.jobs import JobRequest
 from kvgate.queue.live import Head

@@ -18,9 +18,9 @@ import pytest
 from postgres import PostgresServer, postgres_server
 
 from kvgate.errors import StoreError
-from kvgate.queue.database import open_database
 from kvgate.queue.jobs import JobError, JobRequest, JobResult, JobState, NewJob, new_id
 from kvgate.queue.store import CANCEL, DONE, NEW, JobStore, Limits, QueueFull
+from kvgate.queue.stores import open_database
 
 T = TypeVar("T")
 ROOMY = Limits(max_jobs=1000, max_tokens_waiting=10**9)

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 from test_water import node as water_node
 
-from kvgate.headroom.fake_source import ManualClock
+from kvgate.agent.in_process import ManualClock
 from kvgate.headroom.snapshot import ExpectedRelease, NodeView
 from kvgate.policy.retry_forecast import (
     PROMISE_GRACE_S,

@@ -14,8 +14,8 @@ import pytest
 from aiohttp import web
 from texts import text_with_tokens
 
+from kvgate.agent.sources.engines import EngineKind, PageState, read_engine_page
 from kvgate.errors import ConfigError
-from kvgate.headroom.engines import EngineKind, PageState, read_engine_page
 from kvgate.sim.api import parse_request
 from kvgate.sim.engine import Engine, EngineConfig
 from kvgate.sim.layout import Layout

@@ -26,19 +26,19 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pki import Authority, Issued
 from texts import text_with_tokens
 
+from kvgate.agent.cli import register, tls_from_args
+from kvgate.agent.cli import run as run_agent
+from kvgate.agent.node import NodeSettings
+from kvgate.agent.server import Agent
 from kvgate.config import parse_config
+from kvgate.config.headroom import HeadroomSettings
 from kvgate.errors import ConfigError, HeadroomError
 from kvgate.harness.client import chat, post, post_until_admitted
 from kvgate.harness.envoy import render_envoy
 from kvgate.harness.processes import find_envoy
 from kvgate.harness.stack import agent_process, envoy_process, gate_process
 from kvgate.harness.upstreams import Upstreams
-from kvgate.headroom.agent import Agent
-from kvgate.headroom.cli import register, tls_from_args
-from kvgate.headroom.cli import run as run_agent
 from kvgate.headroom.credentials import ChannelSecurity
-from kvgate.headroom.node import NodeSettings
-from kvgate.headroom.settings import HeadroomSettings
 from kvgate.headroom.view import HeadroomView
 from kvgate.localports import free_port
 from kvgate.tls import ClientTls, PemFiles, ServerTls

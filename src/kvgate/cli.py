@@ -13,7 +13,7 @@ from kvgate.errors import ConfigError
 # Modules that each define `register(subparsers)`; kept as names so `kvgate --help` imports little.
 SUBCOMMAND_MODULES = (
     "kvgate.gate.cli",
-    "kvgate.headroom.cli",
+    "kvgate.agent.cli",
     "kvgate.envoyconfig.cli",
     "kvgate.estimate.cli",
     "kvgate.sim.cli",

@@ -22,8 +22,6 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from opentelemetry.util.types import AttributeValue
 from prometheus_client.core import REGISTRY, HistogramMetricFamily, Metric
 
-from kvgate.headroom.snapshot import NodeView
-
 log = logging.getLogger(__name__)
 
 DECISIONS = "kvgate.gate.decisions"
@@ -347,11 +345,21 @@ class GateMetrics:
 
 
 @dataclass(frozen=True, slots=True)
+class NodeGauges:
+    """One agent's figures as the gate sees them; None where it has not heard from the agent yet."""
+
+    agent: str
+    headroom_tokens: int | None
+    age_s: float | None
+    fresh: bool
+
+
+@dataclass(frozen=True, slots=True)
 class PoolGauges:
     pool: str
     water_level: int  # 0 green, 1 yellow, 2 red
     breaker: str  # closed, half_open, open
-    nodes: tuple[NodeView, ...]
+    nodes: tuple[NodeGauges, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -371,7 +379,7 @@ def observe_admission(meter_: Meter, read: Callable[[], AdmissionGauges]) -> Non
     def pools(value: Callable[[PoolGauges], float]) -> Gauge:
         return lambda: [(value(pool), {"pool": pool.pool}) for pool in read().pools]
 
-    def nodes(value: Callable[[NodeView], float | None]) -> Gauge:
+    def nodes(value: Callable[[NodeGauges], float | None]) -> Gauge:
         def gauge() -> list[tuple[float, dict[str, str]]]:
             found = []
             for pool in read().pools:
@@ -403,14 +411,14 @@ def observe_admission(meter_: Meter, read: Callable[[], AdmissionGauges]) -> Non
         NODE_HEADROOM,
         "{token}",
         "Headroom the node's agent last reported",
-        nodes(lambda n: float(n.headroom.headroom_tokens) if n.headroom else None),
+        nodes(lambda n: None if n.headroom_tokens is None else float(n.headroom_tokens)),
     )
     observe(
         meter_,
         NODE_AGE,
         "s",
         "Age of the node's latest headroom message",
-        nodes(lambda n: n.age_s if n.headroom else None),
+        nodes(lambda n: n.age_s),
     )
     observe(meter_, NODE_FRESH, "1", "1 when the node's headroom is fresh", nodes(lambda n: float(n.fresh)))
 

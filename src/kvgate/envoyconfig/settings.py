@@ -8,10 +8,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvgate.addresses import split_host_port
 from kvgate.config import Config, MiB
 from kvgate.envoyconfig.routepolicy import RouteLayout, RoutePolicy, layout
 from kvgate.errors import ConfigError
-from kvgate.headroom.settings import split_host_port
 
 log = logging.getLogger(__name__)
 # Envoy buffers a little more than the gate accepts, so the gate, with its clear error body, is the

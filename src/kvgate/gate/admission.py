@@ -11,7 +11,7 @@ when the agents expect enough KV to free for it, or admission.retry_after_s), an
 checked against when its capacity did free, on each message of the pool's agents.
 
 Admission needs little of a headroom source, and says so in `HeadroomSource`: the gate's
-`kvgate.headroom.view.HeadroomView` is one, and `kvgate.headroom.fake_source.FakeHeadroom` (in-process
+`kvgate.headroom.view.HeadroomView` is one, and `kvgate.agent.in_process.FakeHeadroom` (in-process
 agents with a controllable clock) is another, for tests that drive admission without processes.
 """
 
@@ -37,7 +37,7 @@ from kvgate.policy.pressure import PoolPressure
 from kvgate.policy.retry_forecast import RetryPlanner, RetrySettings
 from kvgate.policy.shedding import PoolKind, Verdict
 from kvgate.policy.water import pool_signals
-from kvgate.telemetry import AdmissionGauges, GateMetrics, PoolGauges
+from kvgate.telemetry import AdmissionGauges, GateMetrics, NodeGauges, PoolGauges
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,9 @@ class Admission:
 
     def gauges(self) -> AdmissionGauges:
         pools = [
-            PoolGauges(kind.value, pressure.level, pressure.breaker, source.snapshot())
+            PoolGauges(
+                kind.value, pressure.level, pressure.breaker, tuple(map(_node_gauges, source.snapshot()))
+            )
             for kind, source, pressure in (
                 (PoolKind.LONG, self._long, self._long_pressure),
                 (PoolKind.INTERACTIVE, self._interactive, self._interactive_pressure),
@@ -276,3 +278,9 @@ class Admission:
             self._queue.pulse()
             for checked in self._retries.check(source.snapshot()):
                 self._metrics.retry_checked(checked.basis.value, checked.error_s)
+
+
+def _node_gauges(node: NodeView) -> NodeGauges:
+    if node.headroom is None:
+        return NodeGauges(node.agent, None, None, node.fresh)
+    return NodeGauges(node.agent, node.headroom.headroom_tokens, node.age_s, node.fresh)

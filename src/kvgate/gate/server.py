@@ -17,11 +17,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from kvgate.config import Config
+from kvgate.config.headroom import HeadroomSettings
 from kvgate.gate.admission import Admission
 from kvgate.gate.pipeline import Pipeline, estimator_factory
 from kvgate.gate.processor import ExternalProcessor
 from kvgate.headroom.credentials import ChannelSecurity, add_port
-from kvgate.headroom.settings import HeadroomSettings
 from kvgate.headroom.view import HeadroomView
 from kvgate.telemetry import (
     EXACT_COUNTS_PENDING,

@@ -6,8 +6,8 @@ import asyncio
 import socket
 from typing import Protocol
 
+from kvgate.addresses import join_host_port
 from kvgate.errors import HeadroomError
-from kvgate.headroom.settings import join_host_port
 
 
 class Resolver(Protocol):

@@ -44,7 +44,7 @@ class PrefixChain:
 
 @dataclass(frozen=True, slots=True)
 class PrefixSummary:
-    """What a node's agent tells every gate of the prefixes its engine holds (kvgate.headroom.prefix_blocks).
+    """What a node's agent tells every gate of the prefixes its engine holds (kvgate.agent.prefix_blocks).
 
     `blocks` holds hashes of blocks the node holds, a sample of each chain (every few blocks, and its
     tip), so a gate finds how much of a request's chain the node holds within a few blocks.
@@ -70,7 +70,7 @@ NO_PREFIXES = PrefixSummary()
 @dataclass(frozen=True, slots=True)
 class ExpectedRelease:
     """Live reservations a node's agent expects to end `after_s` after its sample, freeing `tokens`
-    (kvgate.headroom.releases)."""
+    (kvgate.agent.releases)."""
 
     after_s: float
     tokens: int
@@ -122,7 +122,7 @@ class NodeHeadroom:
     preemptions_total: int | None
     gpus: tuple[GpuReading, ...]
     period_ms: int
-    engine_kind: str = ""  # kvgate.headroom.engines.EngineKind values; "" without engine metrics
+    engine_kind: str = ""  # kvgate.agent.sources.engines.EngineKind values; "" without engine metrics
     engines: tuple[str, ...] = ()  # the engines and ranks the page showed
     capacity_rule: str = ""  # how capacity_tokens was found
     usage_source: UsageSource = UsageSource.NONE
@@ -154,7 +154,7 @@ class ReserveOutcome:
     """The agent's answer. A refusal (`granted` False, with `reason`) is an answer, not an error."""
 
     granted: bool
-    reason: str  # kvgate.headroom.ledger.ReserveReason values
+    reason: str  # kvgate.agent.ledger.ReserveReason values
     headroom_tokens: int  # after this decision
     reserved_tokens: int
     lease_s: float

@@ -26,11 +26,12 @@ import socket
 import time
 from collections.abc import Callable
 
+from kvgate.addresses import split_host_port
+from kvgate.config.headroom import HeadroomSettings
 from kvgate.errors import HeadroomError
 from kvgate.headroom.client import AgentClient, HeadroomStream
 from kvgate.headroom.credentials import ChannelSecurity
 from kvgate.headroom.resolve import Resolver, resolve_agents
-from kvgate.headroom.settings import HeadroomSettings, split_host_port
 from kvgate.headroom.snapshot import (
     NodeHeadroom,
     NodeView,

@@ -3,7 +3,7 @@
 Pure, over the gate's headroom view; time and randomness are injected.
 
 Each node's agent says when its live reservations are expected to end and what each frees
-(kvgate.headroom.releases), and how many tokens ended reservations have freed in all. A request of
+(kvgate.agent.releases), and how many tokens ended reservations have freed in all. A request of
 `tokens` fits a node once its headroom plus what has ended since covers it: the forecast is the
 earliest such moment over the nodes whose whole capacity can ever hold it.
 

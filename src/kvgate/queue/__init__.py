@@ -6,8 +6,8 @@ long-pool agent granted its KV reservation, on that node, in priority then tenan
 order. Three client contracts: held (the answer on the same connection), deferred (`Prefer:
 respond-async`: 202 and a job URL), and the OpenAI Batch API.
 
-Pure modules: settings, jobs, fairness, placement, batches, batchfile, refusals, schema. The rest do
+Pure modules: jobs, fairness, placement, batches, batchfile, refusals, schema. The rest do
 I/O: the store (database, sqlite_db, postgres_db, store, batchstore), the engines and agents (engines,
 runner, dispatcher, live), HTTP (app, batch_http), and the wiring (intake's estimators, settle,
-metrics, service, cli). Importing the package loads nothing: config.py reads its settings module.
+metrics, service, cli). Its settings are the `queue:` section, kvgate.config.queue.
 """

@@ -71,7 +71,7 @@ def resolve_config(args: argparse.Namespace) -> Config:
 def run(args: argparse.Namespace) -> int:
     import uvloop
 
-    from kvgate.headroom.settings import split_host_port
+    from kvgate.addresses import split_host_port
 
     config = resolve_config(args)
     host, port = split_host_port(args.listen, "--listen")

@@ -1,7 +1,5 @@
-"""What the queue's stores need of a SQL database, and the URL that picks one.
-
-    sqlite:///PATH          one replica (the file is locked); embedded, nothing to run
-    postgresql://…          several replicas; rows claimed with SKIP LOCKED, LISTEN/NOTIFY wakes them
+"""What the queue's stores need of a SQL database (the adapters: sqlite_db, postgres_db; the URL
+that picks one: stores.open_database).
 
 Both adapters take the same SQL (`?` placeholders, standard SQL the two share); the few places they
 differ are named here: the store's clock, row locking, and the lock that makes a bounds check and
@@ -13,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
-
-from kvgate.errors import ConfigError
 
 Row = tuple[Any, ...]
 Listener = Callable[[str], None]
@@ -52,20 +48,3 @@ class Database(Protocol):
         """Connect, create the tables if missing, start listening."""
 
     async def close(self) -> None: ...
-
-
-def open_database(url: str) -> Database:
-    """The adapter for a `--store` URL; ConfigError naming the flag when it is not one."""
-    if url.startswith("sqlite:///"):
-        from kvgate.queue.sqlite_db import SqliteDatabase
-
-        path = url.removeprefix("sqlite:///")
-        if not path:
-            raise ConfigError("--store: sqlite:///PATH needs a file path")
-        # sqlite:///relative/path and sqlite:////absolute/path, as SQLAlchemy spells them.
-        return SqliteDatabase(path)
-    if url.startswith(("postgresql://", "postgres://")):
-        from kvgate.queue.postgres_db import PostgresDatabase
-
-        return PostgresDatabase(url)
-    raise ConfigError(f"--store: expected sqlite:///PATH or postgresql://..., got {url!r}")

@@ -28,13 +28,13 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvgate.config.queue import QueueSettings
 from kvgate.errors import HeadroomError, StoreError
 from kvgate.headroom.snapshot import ReleaseOutcome, ReserveOutcome
 from kvgate.names import JOB_ID_HEADER
 from kvgate.queue.engines import EngineFailure
 from kvgate.queue.jobs import Job, JobError, JobRequest, JobResult
 from kvgate.queue.live import Head, LiveRun, LiveRuns
-from kvgate.queue.settings import QueueSettings
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from kvgate.headroom.view import HeadroomView
 from kvgate.queue.app import JobsApp
 from kvgate.queue.batch_http import BatchApi
 from kvgate.queue.batchstore import BatchStore
-from kvgate.queue.database import RESYNC, open_database
+from kvgate.queue.database import RESYNC
 from kvgate.queue.dispatcher import Dispatcher, HeadroomSource
 from kvgate.queue.engines import HttpEngines
 from kvgate.queue.intake import Intake
@@ -39,6 +39,7 @@ from kvgate.queue.refusals import QueueRefusals
 from kvgate.queue.runner import Abort, Engines, Runner, release
 from kvgate.queue.settle import Settler
 from kvgate.queue.store import CANCEL, DONE, NEW, JobStore, QueueStats
+from kvgate.queue.stores import open_database
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ SGLang serves its page through prometheus_client's multiprocess collector, which
 `_created` samples and no process metrics. Every scheduler (one per TP rank, PP stage and DP rank)
 writes sglang:max_total_num_tokens at start; only attention-TP rank 0 of each PP stage writes the
 per-step gauges, on SGLang's cadence (`SglangCadence`), not on every scrape (the rules and their
-sources: kvgate.headroom.engines.sglang). Among them `sglang:cache_hit_rate`: cached over all prompt
+sources: kvgate.agent.sources.engines.sglang). Among them `sglang:cache_hit_rate`: cached over all prompt
 tokens of the requests that started in the latest prefill batch, 0 on a decode write.
 """
 

@@ -3,7 +3,7 @@
 A single front-end: prometheus_client's default collectors (process, platform, GC) and vLLM's
 families, counters with their `_created` samples, one series per engine core (label `engine`), and
 `vllm:cache_config_info` once per engine with num_gpu_blocks summed over them and
-kv_cache_size_tokens of one engine (the rules and their sources: kvgate.headroom.engines.vllm), and
+kv_cache_size_tokens of one engine (the rules and their sources: kvgate.agent.sources.engines.vllm), and
 the prefix cache's counters `vllm:prefix_cache_queries` / `vllm:prefix_cache_hits` (tokens, per engine;
 vllm/v1/metrics/loggers.py @ 005a810, PrometheusStatLogger).
 """

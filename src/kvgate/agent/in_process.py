@@ -22,9 +22,9 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvgate.agent.ledger import Budget, ReservationLedger
+from kvgate.agent.releases import expected_releases
 from kvgate.errors import HeadroomError
-from kvgate.headroom.ledger import Budget, ReservationLedger
-from kvgate.headroom.releases import expected_releases
 from kvgate.headroom.snapshot import (
     CapacitySource,
     NodeHeadroom,

@@ -33,15 +33,15 @@ Rules, from vLLM's source (vllm-project/vllm v0.33.0, commit 4ba787ec9, unless s
 - Output tokens are counted per engine as they are generated: the counter `vllm:generation_tokens`
   (so `_total` on the page), labels `model_name, engine`, incremented on every engine step by that
   step's `num_generation_tokens` (loggers.py @005a810, PrometheusStatLogger.__init__ and record). Over
-  the running requests it gives each one's decode rate (kvgate.headroom.decode_rate).
+  the running requests it gives each one's decode rate (kvgate.agent.decode_rate).
 """
 
 from __future__ import annotations
 
+from kvgate.agent.sources.engines import promtext
+from kvgate.agent.sources.engines.promtext import Sample
+from kvgate.agent.sources.engines.reading import EngineKind, EngineReading, PageState
 from kvgate.errors import HeadroomError
-from kvgate.headroom.engines import promtext
-from kvgate.headroom.engines.promtext import Sample
-from kvgate.headroom.engines.reading import EngineKind, EngineReading, PageState
 
 USAGE = "vllm:kv_cache_usage_perc"
 USAGE_BEFORE_0_10 = "vllm:gpu_cache_usage_perc"

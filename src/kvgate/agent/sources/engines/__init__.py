@@ -13,9 +13,9 @@ UNKNOWN, naming its first metrics); text that is not a Prometheus page at all ra
 
 from __future__ import annotations
 
+from kvgate.agent.sources.engines import kvless, promtext, sglang, vllm
+from kvgate.agent.sources.engines.reading import EngineKind, EngineReading, PageState
 from kvgate.errors import HeadroomError
-from kvgate.headroom.engines import kvless, promtext, sglang, vllm
-from kvgate.headroom.engines.reading import EngineKind, EngineReading, PageState
 
 __all__ = ["EngineKind", "EngineReading", "PageState", "read_engine_page"]
 

@@ -36,7 +36,7 @@ _NO_V2 = (pynvml.NVMLError_FunctionNotFound, pynvml.NVMLError_ArgumentVersionMis
 
 
 class NvmlModule(Protocol):
-    """The part of `pynvml` the sampler calls; `kvgate.headroom.fake_nvml.FakeNvml` provides it too."""
+    """The part of `pynvml` the sampler calls; `kvgate.agent.sources.fake_nvml.FakeNvml` provides it too."""
 
     def nvmlInit(self) -> None: ...
     def nvmlShutdown(self) -> None: ...

@@ -4,6 +4,10 @@ Every section is a frozen dataclass; the loader walks the YAML node tree against
 that an unknown key, a wrong type or an out-of-range value is reported with the file, the line and
 the dotted key (`kvgate.yaml:12: models[0].max_total_tokens: must be >= 1, got -5`).
 Model entries inherit every key they leave out from `default_model`.
+
+This package is the floor every other one stands on: it imports only kvgate's plain modules (errors,
+bounds, names, addresses, tls), never a package above it; the sections other packages read live here
+(kvgate.config.headroom, kvgate.config.queue).
 """
 
 from __future__ import annotations
@@ -19,10 +23,10 @@ from typing import Any, Literal
 import yaml
 
 from kvgate.bounds import at_least
+from kvgate.config.headroom import HeadroomSettings
+from kvgate.config.queue import QueueSettings
 from kvgate.errors import ConfigError
-from kvgate.headroom.settings import HeadroomSettings
 from kvgate.names import METADATA_NAMESPACE, PRIORITY_HEADER
-from kvgate.queue.settings import QueueSettings
 from kvgate.tls import TlsConfig
 
 MiB = 1024 * 1024
@@ -175,7 +179,7 @@ class Config:
     policies: Mapping[str, ModelPolicy] = field(default_factory=dict)
     # TLS on the ext_proc listener (Envoy -> gate) and on the channels to agents; plaintext by default.
     tls: TlsConfig = field(default_factory=TlsConfig)
-    # `kvgate queue`, the async pool's upstream: bounds, hold time, leases (kvgate.queue.settings).
+    # `kvgate queue`, the async pool's upstream: bounds, hold time, leases (kvgate.config.queue).
     queue: QueueSettings = field(default_factory=QueueSettings)
     source: str = "<defaults>"
 

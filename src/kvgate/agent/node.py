@@ -2,7 +2,7 @@
 
 Pure: the agent's adapter feeds it samples and asks it for snapshots and reservations.
 Capacity comes from the first source that knows it: the operator's --capacity-tokens, the engine's
-own KV pool (kvgate.headroom.engines), or the model shape over NVML free memory.
+own KV pool (kvgate.agent.sources.engines), or the model shape over NVML free memory.
 Usage comes from the engine's KV figures when it publishes them. An engine that publishes none
 (TGI, llama.cpp), or no engine metrics at all, makes the node reservation-only: usage is what the
 ledger holds plus an allowance for each request the engine runs or queues beyond those holding a
@@ -13,13 +13,13 @@ A node whose usage is unknown must not look empty: engine figures older than
 `engine_stale_after_s`, and figures that stay frozen while the engine says requests run (longer than
 the engine's own refresh promise), make it unhealthy.
 Reservations that carry a prefix chain share the blocks live reservations hold
-(kvgate.headroom.prefix_blocks), on engines that say they share cached prefixes (vLLM's
+(kvgate.agent.prefix_blocks), on engines that say they share cached prefixes (vLLM's
 enable_prefix_caching, SGLang's radix cache); idle prefix blocks are forgotten as the engine's KV
-fills and when its hit counters fall short (kvgate.headroom.prefix_audit). On any other engine a chain
+fills and when its hit counters fall short (kvgate.agent.prefix_audit). On any other engine a chain
 is ignored: every request is charged in full.
-Each message also says when the live reservations are expected to end (kvgate.headroom.releases), at
+Each message also says when the live reservations are expected to end (kvgate.agent.releases), at
 the per-request decode rate measured from the engine's generation counter
-(kvgate.headroom.decode_rate), and how many tokens ended reservations have freed in all: what a gate
+(kvgate.agent.decode_rate), and how many tokens ended reservations have freed in all: what a gate
 needs to tell a refused client when to come back.
 """
 
@@ -29,13 +29,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvgate.headroom.capacity import ModelShape, kv_bytes_per_token, static_capacity_tokens
-from kvgate.headroom.decode_rate import DecodeRate
-from kvgate.headroom.engines import EngineReading, PageState
-from kvgate.headroom.ledger import Budget, ReservationLedger, ReserveReason, ReserveResult
-from kvgate.headroom.prefix_audit import PrefixAudit
-from kvgate.headroom.prefix_blocks import PrefixBlocks
-from kvgate.headroom.releases import expected_releases
+from kvgate.agent.capacity import ModelShape, kv_bytes_per_token, static_capacity_tokens
+from kvgate.agent.decode_rate import DecodeRate
+from kvgate.agent.ledger import Budget, ReservationLedger, ReserveReason, ReserveResult
+from kvgate.agent.prefix_audit import PrefixAudit
+from kvgate.agent.prefix_blocks import PrefixBlocks
+from kvgate.agent.releases import expected_releases
+from kvgate.agent.sources.engines import EngineReading, PageState
 from kvgate.headroom.snapshot import CapacitySource, NodeHeadroom, NvmlReading, PrefixChain, UsageSource
 
 # A granted request reaches its engine (and the engine's request count) within this long.

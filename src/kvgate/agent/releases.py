@@ -2,7 +2,7 @@
 refused client can be told when to come back (kvgate.policy.retry_forecast).
 
 Pure. A reservation that carries its request's output budget ends about `output_tokens / rate` after
-it was granted, at the engine's measured per-request decode rate (kvgate.headroom.decode_rate), and
+it was granted, at the engine's measured per-request decode rate (kvgate.agent.decode_rate), and
 never after its lease. Prefill is not counted apart: the rate is measured over prefill and decode
 alike. A reservation past its expected end is expected now (0 s). One without an output budget has no
 expected end and is left out: it frees capacity the forecast did not count on, never the other way.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvgate.headroom.ledger import Reservation
+from kvgate.agent.ledger import Reservation
 from kvgate.headroom.snapshot import ExpectedRelease
 
 # Entries per message: a node runs a few dozen long requests at most; past this the latest ones are

@@ -14,7 +14,7 @@ pool, which costs KV as allocating it would: an idle block is charged again, in 
 
 Idle blocks are forgotten, least recently used first, when there are more than `max_blocks` blocks,
 when they no longer fit in the KV the engine reports free (an engine evicts cached blocks only to make
-room), and when the engine's own hit counters fall short of what was expected (kvgate.headroom.prefix_audit).
+room), and when the engine's own hit counters fall short of what was expected (kvgate.agent.prefix_audit).
 """
 
 from __future__ import annotations

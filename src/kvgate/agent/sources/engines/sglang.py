@@ -42,9 +42,9 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 
-from kvgate.headroom.engines import promtext
-from kvgate.headroom.engines.promtext import Sample
-from kvgate.headroom.engines.reading import EngineKind, EngineReading, PageState
+from kvgate.agent.sources.engines import promtext
+from kvgate.agent.sources.engines.promtext import Sample
+from kvgate.agent.sources.engines.reading import EngineKind, EngineReading, PageState
 
 CAPACITY = "sglang:max_total_num_tokens"
 USED = "sglang:num_used_tokens"

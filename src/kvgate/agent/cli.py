@@ -1,5 +1,5 @@
 """`kvgate agent`: run the per-node headroom agent until SIGTERM or SIGINT; `kvgate status`: what a
-running agent sees, read from its Subscribe stream (rendered by kvgate.headroom.status)."""
+running agent sees, read from its Subscribe stream (rendered by kvgate.agent.status)."""
 
 from __future__ import annotations
 
@@ -14,16 +14,16 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from kvgate.addresses import join_host_port, split_host_port
+from kvgate.agent.capacity import DTYPE_BYTES, ModelShape
+from kvgate.agent.node import NodeSettings
+from kvgate.agent.sources.scrape import metrics_url
 from kvgate.errors import ConfigError, HeadroomError
-from kvgate.headroom.capacity import DTYPE_BYTES, ModelShape
-from kvgate.headroom.node import NodeSettings
-from kvgate.headroom.scrape import metrics_url
-from kvgate.headroom.settings import join_host_port, split_host_port
 from kvgate.telemetry import start_prometheus
 from kvgate.tls import ClientTls, ServerTls
 
 if TYPE_CHECKING:
-    from kvgate.headroom.agent import Agent
+    from kvgate.agent.server import Agent
     from kvgate.headroom.snapshot import NodeHeadroom
 
 log = logging.getLogger(__name__)
@@ -206,9 +206,9 @@ def tls_from_args(args: argparse.Namespace) -> ServerTls:
 
 def build_agent(args: argparse.Namespace) -> Agent:
     # Imported here, not at the top: `kvgate --help` registers every subcommand and should stay light.
-    from kvgate.headroom.agent import Agent
-    from kvgate.headroom.nvml import NvmlModule, NvmlPoller, NvmlSampler
-    from kvgate.headroom.scrape import EngineScraper
+    from kvgate.agent.server import Agent
+    from kvgate.agent.sources.nvml import NvmlModule, NvmlPoller, NvmlSampler
+    from kvgate.agent.sources.scrape import EngineScraper
 
     settings = settings_from_args(args)
     half_period = settings.period_s / 2
@@ -217,7 +217,7 @@ def build_agent(args: argparse.Namespace) -> Agent:
     if args.nvml != "off":
         module: NvmlModule
         if args.nvml == "fake":
-            from kvgate.headroom.fake_nvml import FakeNvml, make_gpus
+            from kvgate.agent.sources.fake_nvml import FakeNvml, make_gpus
 
             module = FakeNvml(make_gpus(args.fake_gpus))
         else:
@@ -287,7 +287,7 @@ def _register_status(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
 
 
 def run_status(args: argparse.Namespace) -> int:
-    from kvgate.headroom.status import status_json, status_text
+    from kvgate.agent.status import status_json, status_text
 
     split_host_port(args.agent, "--agent")
     if args.timeout_s <= 0:

@@ -1,4 +1,4 @@
-"""Fetch the local engine's /metrics page: the I/O half of `kvgate.headroom.engines`.
+"""Fetch the local engine's /metrics page: the I/O half of `kvgate.agent.sources.engines`.
 
 A plain HTTP/1.1 GET over one kept-alive connection, on an asyncio Protocol rather than aiohttp's
 client: this runs every 100 ms, and at that cadence a scrape cost about 0.9 ms of CPU through
@@ -17,8 +17,8 @@ import re
 from typing import NamedTuple, cast
 from urllib.parse import urlsplit
 
+from kvgate.agent.sources.engines import EngineReading, read_engine_page
 from kvgate.errors import ConfigError, HeadroomError
-from kvgate.headroom.engines import EngineReading, read_engine_page
 
 _HEX = re.compile(rb"[0-9A-Fa-f]+")
 _MAX_HEAD = 64 * 1024

@@ -6,7 +6,7 @@ against the same numbers. A full node is a refusal (a return value); a negative 
 caller misuse (ValueError).
 
 A reservation may carry its prompt's prefix chain: the blocks that live reservations already hold are
-one copy in the engine's prefix cache, so they are charged once (kvgate.headroom.prefix_blocks). The
+one copy in the engine's prefix cache, so they are charged once (kvgate.agent.prefix_blocks). The
 reserved tokens are then each reservation's own part (its tokens less its chain) plus every held block
 once.
 """
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
-from kvgate.headroom.prefix_blocks import PrefixBlocks
+from kvgate.agent.prefix_blocks import PrefixBlocks
 from kvgate.headroom.snapshot import PrefixChain, headroom_tokens
 
 

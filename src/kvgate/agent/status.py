@@ -1,6 +1,6 @@
 """What an agent sees, for operators and tests: `kvgate status` renders one streamed NodeHeadroom.
 
-Pure: the command (registered by kvgate.headroom.cli) fetches the message over the agent's gRPC
+Pure: the command (registered by kvgate.agent.cli) fetches the message over the agent's gRPC
 Subscribe stream and hands it here with its age. Unknown figures print as "unknown" (null in JSON),
 never as zero.
 """

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvgate.addresses import split_host_port
 from kvgate.bounds import at_least
 from kvgate.errors import ConfigError
 
@@ -34,18 +35,3 @@ class HeadroomSettings:
             split_host_port(self.dns, "headroom.dns")
         if self.reconnect_max_s < self.reconnect_initial_s:
             raise ConfigError("headroom.reconnect_max_s must be >= headroom.reconnect_initial_s")
-
-
-def split_host_port(address: str, where: str = "address", allow_port_zero: bool = False) -> tuple[str, int]:
-    """("host", port) from "host:port" or "[v6]:port"; ConfigError naming `where` otherwise."""
-    host, sep, port_text = address.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    lowest = 0 if allow_port_zero else 1
-    if not sep or not host or not port_text.isdigit() or not lowest <= int(port_text) < 65536:
-        raise ConfigError(f"{where}: expected host:port, got {address!r}")
-    return host, int(port_text)
-
-
-def join_host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -22,13 +22,13 @@ from grpc_health.v1.health import aio as health_aio
 
 from kvgate._proto.headroom.v1 import headroom_pb2 as pb
 from kvgate._proto.headroom.v1 import headroom_pb2_grpc as pb_grpc
+from kvgate.agent.broadcast import Broadcast
+from kvgate.agent.ledger import ReserveReason
+from kvgate.agent.metrics import AgentMetrics
+from kvgate.agent.node import NodeSettings, NodeState
+from kvgate.agent.sources.engines import EngineReading
 from kvgate.errors import HeadroomError
-from kvgate.headroom.agent_metrics import AgentMetrics
-from kvgate.headroom.broadcast import Broadcast
 from kvgate.headroom.credentials import add_port
-from kvgate.headroom.engines import EngineReading
-from kvgate.headroom.ledger import ReserveReason
-from kvgate.headroom.node import NodeSettings, NodeState
 from kvgate.headroom.snapshot import NodeHeadroom, NvmlReading
 from kvgate.headroom.wire import HeadroomEncoder, chain_from_proto
 from kvgate.tls import ServerTls

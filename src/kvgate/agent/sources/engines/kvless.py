@@ -12,8 +12,8 @@ Capacity has to come from the operator (--capacity-tokens): the agent then runs 
 
 from __future__ import annotations
 
-from kvgate.headroom.engines import promtext
-from kvgate.headroom.engines.reading import EngineKind, EngineReading, PageState
+from kvgate.agent.sources.engines import promtext
+from kvgate.agent.sources.engines.reading import EngineKind, EngineReading, PageState
 
 _ENGINES = (
     (EngineKind.TGI, "tgi_batch_current_size", "tgi_queue_size"),

@@ -1,0 +1,20 @@
+"""The per-node agent: samples its engine and GPUs, streams headroom, grants reservations.
+
+Pure (no gRPC, no I/O):
+    node            NodeState: samples + ledger -> NodeHeadroom
+    ledger          reservations: atomic grant/refuse, release, lease expiry
+    prefix_blocks   the prompt blocks reservations hold, shared or idle
+    prefix_audit    whether the engine's prefix cache holds what the agent believes
+    releases        when live reservations are expected to end
+    decode_rate     the engine's per-request output rate
+    capacity        KV bytes per token from a model's shape; static capacity over free GPU memory
+    status          what an agent sees, as `kvgate status` prints it (text or JSON)
+Adapters:
+    server, broadcast, metrics  the agent's gRPC server, its fan-out and its Prometheus endpoint
+    cli                         `kvgate agent` and `kvgate status`
+    in_process                  in-process agents behind the gate's interface, for tests
+    sources                     what the agent reads: engine pages, NVML, and their fakes
+
+The gate, the policy and the queue never import this package: they see an agent through
+kvgate.headroom's contract.
+"""
