@@ -178,7 +178,7 @@ class Samples:
             self.busy.append(sum(1 for n in running if n) / NODES)
             self.full.append(sum(min(n, FIT_PER_NODE) for n in running) / (NODES * FIT_PER_NODE))
             views = [n.headroom for n in service.nodes() if n.headroom]
-            admissible = sum(v.capacity_tokens * v.safety_ratio for v in views)
+            admissible = sum(v.admissible_tokens for v in views)
             self.kv.append(sum(v.used_tokens or 0 for v in views) / admissible)
 
 

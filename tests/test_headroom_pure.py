@@ -8,8 +8,11 @@ from kvgate.agent.capacity import ModelShape, kv_bytes_per_token, static_capacit
 from kvgate.agent.ledger import Budget, ReservationLedger, ReserveReason
 from kvgate.agent.node import NodeSettings, NodeState
 from kvgate.agent.sources.engines import EngineKind, EngineReading, PageState
+from kvgate.agent.status import status_json, status_text
 from kvgate.errors import ConfigError
-from kvgate.headroom.snapshot import CapacitySource, GpuReading, NvmlReading, headroom_tokens
+from kvgate.headroom.snapshot import CapacitySource, GpuReading, NodeView, NvmlReading, headroom_tokens
+from kvgate.queue import placement
+from kvgate.queue.placement import Fit
 
 GiB = 1024**3
 
@@ -31,6 +34,21 @@ def test_headroom_takes_the_larger_of_observed_and_reserved() -> None:
     assert headroom_tokens(40_000, 0.9, observed=4_000, reserved=10_000) == 26_000
     assert headroom_tokens(40_000, 0.9, observed=None, reserved=10_000) == 26_000
     assert headroom_tokens(40_000, 0.9, observed=39_000, reserved=0) == -3_000
+
+
+def test_admissible_tokens_are_one_figure_for_the_agent_the_gate_the_queue_and_status() -> None:
+    """capacity x safety ratio, rounded down: what the ledger grants is what every reader of the
+    node's message says it admits."""
+    node = NodeState(NodeSettings("n", "e:1", safety_ratio=0.9, capacity_tokens=1001), Clock(), False, False)
+    snap = node.snapshot(0)
+    assert snap.admissible_tokens == 900 == snap.headroom_tokens
+    view = NodeView("n:9100", snap, 0.0, True, True, True)
+    assert placement.admissible_tokens(view) == 900
+    assert placement.fit([view], 900) is Fit.FITS and placement.fit([view], 901) is Fit.TOO_BIG
+    assert status_json(snap, "n:9100", 0.0)["capacity"]["admissible_tokens"] == 900
+    assert "x 0.9 safety = 900 admissible" in status_text(snap, "n:9100", 0.0)
+    assert not node.reserve("big", 901, 0).granted
+    assert node.reserve("fits", 900, 0).granted
 
 
 def test_kv_bytes_per_token_for_llama_and_mla() -> None:

@@ -7,7 +7,6 @@ never as zero.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from kvgate.headroom.snapshot import NodeHeadroom
@@ -31,7 +30,7 @@ def status_json(h: NodeHeadroom, agent: str, age_s: float) -> dict[str, Any]:
             "source": h.capacity_source.value,
             "rule": h.capacity_rule,
             "safety_ratio": h.safety_ratio,
-            "admissible_tokens": math.floor(h.capacity_tokens * h.safety_ratio),
+            "admissible_tokens": h.admissible_tokens,
         },
         "used": {
             "tokens": h.used_tokens,
@@ -55,7 +54,6 @@ def status_text(h: NodeHeadroom, agent: str, age_s: float) -> str:
     engine = "none (no --engine-metrics)"
     if h.engine_kind:
         engine = h.engine_kind + (f": {'; '.join(h.engines)}" if h.engines else "")
-    admissible = math.floor(h.capacity_tokens * h.safety_ratio)
     rule = f", {h.capacity_rule}" if h.capacity_rule else ""
     used = "unknown"
     if h.used_tokens is not None:
@@ -70,7 +68,7 @@ def status_text(h: NodeHeadroom, agent: str, age_s: float) -> str:
         f"health    {health}" + (f": {h.reason}" if h.reason else ""),
         f"engine    {engine}",
         f"capacity  {h.capacity_tokens:,} tokens from {h.capacity_source.value}{rule}; "
-        f"x {h.safety_ratio:g} safety = {admissible:,} admissible",
+        f"x {h.safety_ratio:g} safety = {h.admissible_tokens:,} admissible",
         f"used      {used}",
         f"reserved  {h.reserved_tokens:,} tokens in {h.reservations} reservation{_plural(h.reservations)}",
         f"headroom  {h.headroom_tokens:,} tokens",

@@ -136,6 +136,11 @@ class NodeHeadroom:
     releases: tuple[ExpectedRelease, ...] = ()
     freed_tokens_total: int = 0  # tokens freed by ended reservations since the agent started
 
+    @property
+    def admissible_tokens(self) -> int:
+        """The most tokens the agent grants on this node when it is idle."""
+        return admissible(self.capacity_tokens, self.safety_ratio)
+
 
 @dataclass(frozen=True, slots=True)
 class NodeView:
@@ -174,12 +179,18 @@ class ReleaseOutcome:
     reserved_tokens: int
 
 
+def admissible(capacity: int, safety_ratio: float) -> int:
+    """The tokens an agent grants against: capacity x safety ratio, rounded down. The one place this
+    is computed; read it as `NodeHeadroom.admissible_tokens`."""
+    return math.floor(capacity * safety_ratio)
+
+
 def headroom_tokens(capacity: int, safety_ratio: float, observed: int | None, reserved: int) -> int:
-    """capacity * safety ratio - max(observed, Σ live reservations).
+    """admissible tokens - max(observed, Σ live reservations).
 
     The max, not the sum: an admitted request shows up in the engine's usage as its prefill runs, so
     its reservation and its observed tokens are the same tokens counted twice. Negative when the node
     holds more than its limit.
     """
     committed = reserved if observed is None else max(observed, reserved)
-    return math.floor(capacity * safety_ratio) - committed
+    return admissible(capacity, safety_ratio) - committed

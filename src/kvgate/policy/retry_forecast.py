@@ -134,7 +134,7 @@ def forecast_fit(
         h = node.headroom
         if h is None or not node.connected or not node.healthy or not h.decode_tokens_per_s:
             continue
-        if math.floor(h.capacity_tokens * h.safety_ratio) < tokens:
+        if h.admissible_tokens < tokens:
             continue  # the node could never hold it
         ahead = [p for p in promises if p.agent == node.agent]
         # What the node must free, beyond its headroom now, for this request and those promised before.
@@ -154,7 +154,7 @@ def _closest(nodes: Sequence[NodeView], tokens: int) -> tuple[str, int] | None:
         h = node.headroom
         if h is None or not node.connected or not node.healthy:
             continue
-        if math.floor(h.capacity_tokens * h.safety_ratio) < tokens:
+        if h.admissible_tokens < tokens:
             continue
         need = max(tokens - h.headroom_tokens, 0)
         if best is None or need < best[0]:

@@ -8,7 +8,6 @@ safety ratio, what the agent grants against) would wait forever, so it fails at 
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Sequence
 
 from kvgate.headroom.snapshot import NodeView
@@ -26,7 +25,7 @@ def admissible_tokens(node: NodeView) -> int | None:
     report = node.headroom
     if report is None or report.capacity_tokens <= 0:
         return None
-    return math.floor(report.capacity_tokens * report.safety_ratio)
+    return report.admissible_tokens
 
 
 def fit(nodes: Sequence[NodeView], tokens: int) -> Fit:
