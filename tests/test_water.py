@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import math
 
+from kvgate.agent.in_process import FakeHeadroom, ManualClock
 from kvgate.config import WaterThresholds
 from kvgate.gate.waitqueue import WaitQueue
 from kvgate.headroom.snapshot import CapacitySource, NodeHeadroom, NodeView
@@ -58,6 +61,37 @@ def test_unhealthy_and_disconnected_nodes_are_never_asked() -> None:
     choice = choose_nodes([node("a", 30000, healthy=False), node("b", 30000, connected=False)], 1, "probe")
     assert choice.candidates == ()
     assert not choice.any_usable
+
+
+def test_a_node_is_usable_once_it_has_reported_while_connected_and_healthy_fresh_or_not() -> None:
+    assert node("a", 1).usable and node("a", 1, fresh=False).usable
+    assert not node("a", 1, healthy=False).usable and not node("a", 1, connected=False).usable
+    assert not NodeView("a:9100", None, math.inf, True, False, True).usable
+
+
+def test_freshness_and_health_are_read_from_the_agents_latest_message_by_one_rule() -> None:
+    """NodeView.seen: what the gate's HeadroomView and the in-process agents both answer."""
+    report = node("a", 1).headroom
+    assert report is not None
+    at_limit = NodeView.seen("a:9100", report, received_at=10.0, now=10.5, connected=True, stale_after_s=0.5)
+    assert at_limit.fresh and at_limit.age_s == 0.5 and at_limit.healthy and at_limit.usable
+    late = NodeView.seen("a:9100", report, received_at=10.0, now=10.6, connected=True, stale_after_s=0.5)
+    assert not late.fresh and late.usable
+    sick = dataclasses.replace(report, healthy=False)
+    assert not NodeView.seen("a:9100", sick, 10.0, now=10.0, connected=True, stale_after_s=0.5).healthy
+    never = NodeView.seen("a:9100", None, -math.inf, now=10.0, connected=False, stale_after_s=0.5)
+    assert (never.fresh, never.healthy, never.usable, never.age_s) == (False, False, False, math.inf)
+
+
+def test_the_fake_agents_and_the_gates_view_age_their_nodes_alike() -> None:
+    clock = ManualClock(100.0)
+    source = FakeHeadroom(clock, stale_after_s=0.5)
+    source.add_node("a", 40_000)
+    clock.advance(0.5)
+    assert [(v.fresh, v.age_s) for v in source.snapshot()] == [(True, 0.5)]
+    clock.advance(0.25)
+    (stale,) = source.snapshot()
+    assert not stale.fresh and stale.usable
 
 
 def test_pool_signals() -> None:

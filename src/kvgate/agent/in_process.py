@@ -168,15 +168,17 @@ class FakeHeadroom:
 
     def snapshot(self) -> tuple[NodeView, ...]:
         now = self._clock()
-        views = []
-        for name, node in sorted(self._nodes.items()):
-            age = now - node.received_at
-            views.append(
-                NodeView(
-                    name, self._headroom(node), age, node.connected, age <= self._stale_after_s, node.healthy
-                )
+        return tuple(
+            NodeView.seen(
+                name,
+                self._headroom(node),
+                node.received_at,
+                now=now,
+                connected=node.connected,
+                stale_after_s=self._stale_after_s,
             )
-        return tuple(views)
+            for name, node in sorted(self._nodes.items())
+        )
 
     async def wait_update(self, timeout_s: float) -> bool:
         try:

@@ -153,6 +153,29 @@ class NodeView:
     fresh: bool  # age_s <= headroom.stale_after_s
     healthy: bool  # the agent's own verdict in its latest message
 
+    @classmethod
+    def seen(
+        cls,
+        agent: str,
+        headroom: NodeHeadroom | None,
+        received_at: float,
+        *,
+        now: float,
+        connected: bool,
+        stale_after_s: float,
+    ) -> NodeView:
+        """The agent as of `now`, its latest message (None before the first) having arrived at
+        `received_at` (-inf before the first) on the same clock: what every view of agents answers."""
+        age = now - received_at
+        healthy = headroom is not None and headroom.healthy
+        return cls(agent, headroom, age, connected, age <= stale_after_s, healthy)
+
+    @property
+    def usable(self) -> bool:
+        """Whether the node's agent may be asked for a reservation: it has reported, its stream is up
+        and it says it is healthy. Fresh or stale: what a stale one gets is the stale policy's call."""
+        return self.headroom is not None and self.connected and self.healthy
+
 
 @dataclass(frozen=True, slots=True)
 class ReserveOutcome:

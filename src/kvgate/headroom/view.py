@@ -96,16 +96,13 @@ class HeadroomView:
 
     def snapshot(self) -> tuple[NodeView, ...]:
         now = self._clock()
-        views = []
-        for address, link in sorted(self._links.items()):
-            age = now - link.received_at
-            healthy = link.latest is not None and link.latest.healthy
-            views.append(
-                NodeView(
-                    address, link.latest, age, link.connected, age <= self.settings.stale_after_s, healthy
-                )
+        stale = self.settings.stale_after_s
+        return tuple(
+            NodeView.seen(
+                address, link.latest, link.received_at, now=now, connected=link.connected, stale_after_s=stale
             )
-        return tuple(views)
+            for address, link in sorted(self._links.items())
+        )
 
     async def wait_update(self, timeout_s: float) -> bool:
         """Wait until any agent sends a message; False when `timeout_s` passed first."""

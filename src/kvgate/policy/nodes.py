@@ -62,7 +62,7 @@ def choose_nodes(
     fresh: list[NodeView] = []
     stale_nodes: list[NodeView] = []
     for node in nodes:
-        if node.headroom is None or not node.connected or not node.healthy:
+        if not node.usable:
             continue
         if node.fresh:
             fresh.append(node)

@@ -132,7 +132,7 @@ def forecast_fit(
     best: Fit | None = None
     for node in nodes:
         h = node.headroom
-        if h is None or not node.connected or not node.healthy or not h.decode_tokens_per_s:
+        if not node.usable or h is None or not h.decode_tokens_per_s:
             continue
         if h.admissible_tokens < tokens:
             continue  # the node could never hold it
@@ -152,7 +152,7 @@ def _closest(nodes: Sequence[NodeView], tokens: int) -> tuple[str, int] | None:
     best: tuple[int, str, int] | None = None
     for node in nodes:
         h = node.headroom
-        if h is None or not node.connected or not node.healthy:
+        if not node.usable or h is None:
             continue
         if h.admissible_tokens < tokens:
             continue
