@@ -17,7 +17,7 @@ from test_water import node
 from kvgate.agent.in_process import FakeHeadroom, ManualClock
 from kvgate.config import AdmissionConfig, ModelConfig
 from kvgate.gate.admission import Admission, Admitted
-from kvgate.headroom.snapshot import NodeView, PrefixChain, ReleaseOutcome
+from kvgate.headroom.snapshot import NodeView, PrefixChain, ReleaseOutcome, ReserveReason
 from kvgate.policy import Reason, Refusal, Route
 from kvgate.policy.water import BreakerState, Level
 from kvgate.telemetry import GateMetrics
@@ -60,6 +60,8 @@ def test_a_long_request_is_pinned_to_the_node_that_reserved_it() -> None:
         admitted = await admit(admission, 10000, "r1")
         assert admitted.decision == Route("long", Reason.LONG, 10000, "b.engine:8000"), "most headroom first"
         assert admitted.ticket is not None and admitted.ticket.agent == "b"
+        assert admitted.ticket.outcome.reason == ReserveReason.GRANTED, "the agent's answer, as it gave it"
+        assert admitted.ticket.charged_tokens == admitted.ticket.outcome.charged_tokens == 10000
         assert source.reserved_tokens("b") == 10000
         await admission.release(admitted.ticket)
         assert source.reserved_tokens("b") == 0

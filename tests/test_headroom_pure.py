@@ -5,12 +5,19 @@ from __future__ import annotations
 import pytest
 
 from kvgate.agent.capacity import ModelShape, kv_bytes_per_token, static_capacity_tokens
-from kvgate.agent.ledger import Budget, ReservationLedger, ReserveReason
+from kvgate.agent.ledger import Budget, ReservationLedger
 from kvgate.agent.node import NodeSettings, NodeState
 from kvgate.agent.sources.engines import EngineKind, EngineReading, PageState
 from kvgate.agent.status import status_json, status_text
 from kvgate.errors import ConfigError
-from kvgate.headroom.snapshot import CapacitySource, GpuReading, NodeView, NvmlReading, headroom_tokens
+from kvgate.headroom.snapshot import (
+    CapacitySource,
+    GpuReading,
+    NodeView,
+    NvmlReading,
+    ReserveReason,
+    headroom_tokens,
+)
 from kvgate.queue import placement
 from kvgate.queue.placement import Fit
 

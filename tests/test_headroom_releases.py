@@ -14,7 +14,8 @@ from kvgate.agent.ledger import Budget, Reservation, ReservationLedger
 from kvgate.agent.node import NodeSettings, NodeState
 from kvgate.agent.releases import expected_releases
 from kvgate.agent.sources.engines import read_engine_page
-from kvgate.headroom.snapshot import ExpectedRelease
+from kvgate.headroom import wire
+from kvgate.headroom.snapshot import ExpectedRelease, ReleaseOutcome, ReserveOutcome, ReserveReason
 from kvgate.headroom.wire import HeadroomEncoder, chain_from_proto, headroom_from_proto, reserve_request
 
 BUDGET = Budget(100_000, 1.0, 0, True)
@@ -142,3 +143,22 @@ def test_rate_releases_freed_tokens_and_output_budget_cross_the_wire() -> None:
         reserve_request("r3", 9000, 0, "gate", None, output_tokens=700).SerializeToString()
     )
     assert (request.output_tokens, chain_from_proto(request)) == (700, None)
+
+
+def test_the_agents_answers_are_the_types_a_gate_reads_and_cross_the_wire_whole() -> None:
+    """The ledger answers the contract's ReserveOutcome and ReleaseOutcome, and the wire carries each
+    field for field: a gate reads exactly what the agent's ledger said."""
+    state = NodeState(NodeSettings("n", "e:1", capacity_tokens=40_000), ManualClock(0.0), False, False)
+    granted = state.reserve("r1", 12_000, 30, output_tokens=700)
+    refused = state.reserve("r2", 30_000, 30)
+    assert granted == ReserveOutcome(True, ReserveReason.GRANTED, 24_000, 12_000, 30.0, 12_000, 0, 1)
+    assert refused == ReserveOutcome(False, ReserveReason.INSUFFICIENT_HEADROOM, 24_000, 12_000, 0.0, 0, 0, 1)
+    for outcome in (granted, refused):
+        sent = pb.ReserveResponse.FromString(wire.reserve_to_proto(outcome).SerializeToString())
+        assert wire.reserve_from_proto(sent) == outcome
+    # A reservation-only node: its usage is its reservations, so the answer counts the release.
+    released, again = state.release("r1"), state.release("r1")
+    assert (released, again) == (ReleaseOutcome(True, 36_000, 0), ReleaseOutcome(False, 36_000, 0))
+    for outcome in (released, again):
+        sent_back = pb.ReleaseResponse.FromString(wire.release_to_proto(outcome).SerializeToString())
+        assert wire.release_from_proto(sent_back) == outcome

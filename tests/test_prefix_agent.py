@@ -7,12 +7,12 @@ import pytest
 
 from kvgate._proto.headroom.v1 import headroom_pb2 as pb
 from kvgate.agent.in_process import ManualClock
-from kvgate.agent.ledger import Budget, ReservationLedger, ReserveReason
+from kvgate.agent.ledger import Budget, ReservationLedger
 from kvgate.agent.node import NodeSettings, NodeState
 from kvgate.agent.prefix_audit import PrefixAudit
 from kvgate.agent.prefix_blocks import PrefixBlocks
 from kvgate.agent.sources.engines import read_engine_page
-from kvgate.headroom.snapshot import PrefixChain
+from kvgate.headroom.snapshot import PrefixChain, ReserveReason
 from kvgate.headroom.wire import HeadroomEncoder, chain_from_proto, headroom_from_proto, reserve_request
 
 BUDGET = Budget(capacity_tokens=100_000, safety_ratio=1.0, observed_tokens=0, healthy=True)

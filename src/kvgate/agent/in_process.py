@@ -202,27 +202,18 @@ class FakeHeadroom:
         if state.failing_reserves > 0:
             state.failing_reserves -= 1
             raise HeadroomError(f"agent {node} did not answer Reserve")
-        result = state.ledger.reserve(
+        outcome = state.ledger.reserve(
             request_id, tokens, self._lease_s, state.budget(), prefix=prefix, output_tokens=output_tokens
         )
         await asyncio.sleep(0)  # an answer arrives on a later turn of the loop, as over gRPC
-        return ReserveOutcome(
-            result.granted,
-            result.reason.value,
-            result.headroom_tokens,
-            result.reserved_tokens,
-            result.lease_s,
-            result.charged_tokens,
-            result.cached_tokens,
-            result.reservations,
-        )
+        return outcome
 
     async def release(self, node: str, request_id: str) -> ReleaseOutcome:
         state = self._answering(node)
         released = state.ledger.release(request_id)
         self.released.append((node, request_id))
         self._notify()
-        return ReleaseOutcome(released, state.ledger.headroom(state.budget()), state.ledger.reserved_tokens)
+        return state.ledger.release_answer(released, state.budget())
 
     def _answering(self, name: str) -> _Node:
         node = self._nodes.get(name)

@@ -3,7 +3,8 @@
 Every admission decision on a node goes through one ledger in one process, and `reserve` checks and
 charges without yielding, so two gates asking at the same instant are served one after the other
 against the same numbers. A full node is a refusal (a return value); a negative token count is
-caller misuse (ValueError).
+caller misuse (ValueError). Its answers are the contract's (kvgate.headroom.snapshot): ReserveOutcome
+and ReleaseOutcome, what the agent sends and what a gate reads.
 
 A reservation may carry its prompt's prefix chain: the blocks that live reservations already hold are
 one copy in the engine's prefix cache, so they are charged once (kvgate.agent.prefix_blocks). The
@@ -17,21 +18,15 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import StrEnum
 
 from kvgate.agent.prefix_blocks import PrefixBlocks
-from kvgate.headroom.snapshot import PrefixChain, headroom_tokens
-
-
-class ReserveReason(StrEnum):
-    GRANTED = "granted"
-    ALREADY_RESERVED = (
-        "already_reserved"  # a retried Reserve for a live reservation: granted, not charged twice
-    )
-    INSUFFICIENT_HEADROOM = "insufficient_headroom"
-    UNHEALTHY = "unhealthy"
-    NO_CAPACITY = "no_capacity"
-    REQUEST_ID_CONFLICT = "request_id_conflict"  # the same request_id with a different token count
+from kvgate.headroom.snapshot import (
+    PrefixChain,
+    ReleaseOutcome,
+    ReserveOutcome,
+    ReserveReason,
+    headroom_tokens,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,18 +50,6 @@ class Budget:
     observed_tokens: int | None
     healthy: bool
     reason: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class ReserveResult:
-    granted: bool
-    reason: ReserveReason
-    headroom_tokens: int
-    reserved_tokens: int
-    lease_s: float
-    charged_tokens: int = 0  # what this decision added to reserved_tokens
-    cached_tokens: int = 0  # of the chain, tokens the engine is expected to find in its prefix cache
-    reservations: int = 0
 
 
 class ReservationLedger:
@@ -142,7 +125,7 @@ class ReservationLedger:
         *,
         prefix: PrefixChain | None = None,
         output_tokens: int = 0,
-    ) -> ReserveResult:
+    ) -> ReserveOutcome:
         """Charge `tokens` if they fit in the headroom, else refuse. `lease_s` <= 0 takes the default.
 
         With a `prefix` chain, the chain's blocks that live reservations hold are not charged again.
@@ -184,8 +167,14 @@ class ReservationLedger:
         return self._result(True, ReserveReason.GRANTED, budget, lease, charged=own + held, cached=cached)
 
     def release(self, request_id: str) -> bool:
+        """End the reservation; False when it was already gone (released twice, or expired)."""
         self.expire()
         return self._drop(request_id)
+
+    def release_answer(self, released: bool, budget: Budget) -> ReleaseOutcome:
+        """The answer to a Release: whether it ended a reservation, and the node's figures after it
+        (`budget` taken after it too: a reservation-only node's usage is its reservations)."""
+        return ReleaseOutcome(released, self.headroom(budget), self.reserved_tokens)
 
     def _hold(self, reservation: Reservation) -> None:
         self._live[reservation.request_id] = reservation
@@ -215,7 +204,7 @@ class ReservationLedger:
         *,
         charged: int = 0,
         cached: int = 0,
-    ) -> ReserveResult:
-        return ReserveResult(
+    ) -> ReserveOutcome:
+        return ReserveOutcome(
             granted, reason, self.headroom(budget), self._reserved, lease, charged, cached, len(self._live)
         )

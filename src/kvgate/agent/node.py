@@ -31,12 +31,21 @@ from dataclasses import dataclass
 
 from kvgate.agent.capacity import ModelShape, kv_bytes_per_token, static_capacity_tokens
 from kvgate.agent.decode_rate import DecodeRate
-from kvgate.agent.ledger import Budget, ReservationLedger, ReserveReason, ReserveResult
+from kvgate.agent.ledger import Budget, ReservationLedger
 from kvgate.agent.prefix_audit import PrefixAudit
 from kvgate.agent.prefix_blocks import PrefixBlocks
 from kvgate.agent.releases import expected_releases
 from kvgate.agent.sources.engines import EngineReading, PageState
-from kvgate.headroom.snapshot import CapacitySource, NodeHeadroom, NvmlReading, PrefixChain, UsageSource
+from kvgate.headroom.snapshot import (
+    CapacitySource,
+    NodeHeadroom,
+    NvmlReading,
+    PrefixChain,
+    ReleaseOutcome,
+    ReserveOutcome,
+    ReserveReason,
+    UsageSource,
+)
 
 # A granted request reaches its engine (and the engine's request count) within this long.
 ARRIVAL_S = 1.0
@@ -138,20 +147,21 @@ class NodeState:
         *,
         prefix: PrefixChain | None = None,
         output_tokens: int = 0,
-    ) -> ReserveResult:
+    ) -> ReserveOutcome:
         shares = self._engine.reading is not None and self._engine.reading.prefix_caching is True
         chain = prefix if shares else None
         result = self.ledger.reserve(
             request_id, tokens, lease_s, self.budget(), holder, prefix=chain, output_tokens=output_tokens
         )
-        if result.reason is ReserveReason.GRANTED:
+        if result.reason == ReserveReason.GRANTED:
             now = self._clock()
             self._grants.append(now)
             self._audit.expect(now, result.cached_tokens)
         return result
 
-    def release(self, request_id: str) -> bool:
-        return self.ledger.release(request_id)
+    def release(self, request_id: str) -> ReleaseOutcome:
+        released = self.ledger.release(request_id)
+        return self.ledger.release_answer(released, self.budget())
 
     def snapshot(self, sample_time_unix_ns: int) -> NodeHeadroom:
         """The next message of the stream (its seq is one more than the last one's)."""

@@ -23,14 +23,13 @@ from grpc_health.v1.health import aio as health_aio
 from kvgate._proto.headroom.v1 import headroom_pb2 as pb
 from kvgate._proto.headroom.v1 import headroom_pb2_grpc as pb_grpc
 from kvgate.agent.broadcast import Broadcast
-from kvgate.agent.ledger import ReserveReason
 from kvgate.agent.metrics import AgentMetrics
 from kvgate.agent.node import NodeSettings, NodeState
 from kvgate.agent.sources.engines import EngineReading
 from kvgate.errors import HeadroomError
 from kvgate.headroom.credentials import add_port
-from kvgate.headroom.snapshot import NodeHeadroom, NvmlReading
-from kvgate.headroom.wire import HeadroomEncoder, chain_from_proto
+from kvgate.headroom.snapshot import NodeHeadroom, NvmlReading, ReserveReason
+from kvgate.headroom.wire import HeadroomEncoder, chain_from_proto, release_to_proto, reserve_to_proto
 from kvgate.tls import ServerTls
 
 log = logging.getLogger(__name__)
@@ -210,7 +209,7 @@ class _AgentServicer(pb_grpc.AgentServicer):
         self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReserveResponse:
         try:
-            result = self._agent.state.reserve(
+            outcome = self._agent.state.reserve(
                 request.request_id,
                 request.tokens,
                 request.lease_s,
@@ -221,41 +220,27 @@ class _AgentServicer(pb_grpc.AgentServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise AssertionError("abort returns by raising") from exc
-        self._agent.metrics.reserve(result.granted, result.reason.value)
-        if result.reason is ReserveReason.GRANTED and request.prefix_blocks:
-            self._agent.metrics.prefix_granted(result.cached_tokens, request.tokens - result.charged_tokens)
+        self._agent.metrics.reserve(outcome.granted, outcome.reason)
+        if outcome.reason == ReserveReason.GRANTED and request.prefix_blocks:
+            self._agent.metrics.prefix_granted(outcome.cached_tokens, request.tokens - outcome.charged_tokens)
         log.debug(
             "reserve %s %d tokens (%d charged, %d cached) by %r: %s",
             request.request_id,
             request.tokens,
-            result.charged_tokens,
-            result.cached_tokens,
+            outcome.charged_tokens,
+            outcome.cached_tokens,
             request.holder,
-            result.reason,
+            outcome.reason,
         )
-        return pb.ReserveResponse(
-            granted=result.granted,
-            reason=result.reason.value,
-            headroom_tokens=result.headroom_tokens,
-            reserved_tokens=result.reserved_tokens,
-            lease_s=result.lease_s,
-            charged_tokens=result.charged_tokens,
-            cached_tokens=result.cached_tokens,
-            reservations=result.reservations,
-        )
+        return reserve_to_proto(outcome)
 
     async def Release(
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseResponse:
-        released = self._agent.state.release(request.request_id)
-        if released:
+        outcome = self._agent.state.release(request.request_id)
+        if outcome.released:
             self._agent.metrics.released()
-        state = self._agent.state
-        return pb.ReleaseResponse(
-            released=released,
-            headroom_tokens=state.ledger.headroom(state.budget()),
-            reserved_tokens=state.ledger.reserved_tokens,
-        )
+        return release_to_proto(outcome)
 
 
 def _add_agent_service(servicer: _AgentServicer, server: grpc.aio.Server) -> None:

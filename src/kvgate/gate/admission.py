@@ -68,13 +68,22 @@ class HeadroomSource(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Ticket:
-    """A granted reservation, released when the request ends."""
+    """A granted reservation, released when the request ends: the agent's answer, as it gave it."""
 
     agent: str
     request_id: str
     tokens: int
-    charged_tokens: int = 0  # what the agent added to its reserved tokens (less with shared prefixes)
-    cached_tokens: int = 0  # prompt tokens the engine is expected to find in its prefix cache
+    outcome: ReserveOutcome
+
+    @property
+    def charged_tokens(self) -> int:
+        """What the agent added to its reserved tokens (less than `tokens` with shared prefixes)."""
+        return self.outcome.charged_tokens
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the engine is expected to find in its prefix cache."""
+        return self.outcome.cached_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,7 +256,7 @@ class Admission:
         except asyncio.CancelledError:
             # The stream went away mid-Reserve (client abort, Envoy timeout): the agent may have granted
             # already, so give it back now rather than hold the capacity until the lease runs out.
-            self._release_later(Ticket(agent, request_id, tokens))
+            self._release_later(agent, request_id)
             raise
         except HeadroomError as error:
             log.warning("reserve on %s failed: %s", agent, error)
@@ -256,20 +265,23 @@ class Admission:
         self._metrics.reservation("granted" if outcome.granted else "refused")
         if not outcome.granted:
             return None
-        return Ticket(agent, request_id, tokens, outcome.charged_tokens, outcome.cached_tokens)
+        return Ticket(agent, request_id, tokens, outcome)
 
-    def _release_later(self, ticket: Ticket) -> None:
-        task = asyncio.create_task(self.release(ticket))
+    def _release_later(self, agent: str, request_id: str) -> None:
+        task = asyncio.create_task(self._release(agent, request_id))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
     async def release(self, ticket: Ticket) -> None:
-        assert self._long is not None, "a ticket exists only where a long pool reserved it"
+        await self._release(ticket.agent, ticket.request_id)
+
+    async def _release(self, agent: str, request_id: str) -> None:
+        assert self._long is not None, "a reservation exists only where a long pool granted it"
         try:
-            await self._long.release(ticket.agent, ticket.request_id)
+            await self._long.release(agent, request_id)
         except HeadroomError as error:
             # The lease expires on the agent: the capacity comes back late, not never.
-            log.warning("release of %s on %s failed: %s", ticket.request_id, ticket.agent, error)
+            log.warning("release of %s on %s failed: %s", request_id, agent, error)
         self._queue.pulse()
 
     async def _pump_updates(self, source: HeadroomSource) -> None:

@@ -14,7 +14,7 @@ from kvgate._proto.headroom.v1 import headroom_pb2_grpc as pb_grpc
 from kvgate.errors import HeadroomError
 from kvgate.headroom.credentials import ChannelSecurity, open_channel
 from kvgate.headroom.snapshot import NO_PREFIXES, NodeHeadroom, PrefixChain, ReleaseOutcome, ReserveOutcome
-from kvgate.headroom.wire import headroom_from_proto, reserve_request
+from kvgate.headroom.wire import headroom_from_proto, release_from_proto, reserve_from_proto, reserve_request
 
 
 class HeadroomStream:
@@ -87,16 +87,7 @@ class AgentClient:
             response: pb.ReserveResponse = await self._stub.Reserve(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise _error(self.address, "Reserve", exc) from exc
-        return ReserveOutcome(
-            response.granted,
-            response.reason,
-            response.headroom_tokens,
-            response.reserved_tokens,
-            response.lease_s,
-            response.charged_tokens,
-            response.cached_tokens,
-            response.reservations,
-        )
+        return reserve_from_proto(response)
 
     async def release(self, request_id: str, timeout_s: float) -> ReleaseOutcome:
         try:
@@ -105,7 +96,7 @@ class AgentClient:
             )
         except grpc.aio.AioRpcError as exc:
             raise _error(self.address, "Release", exc) from exc
-        return ReleaseOutcome(response.released, response.headroom_tokens, response.reserved_tokens)
+        return release_from_proto(response)
 
     async def close(self) -> None:
         await self._channel.close()

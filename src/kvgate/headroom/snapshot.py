@@ -1,9 +1,10 @@
 """What a node's agent knows at one instant, as plain data, and the one headroom formula.
 
-`NodeHeadroom` is the pure twin of the protobuf message the agent streams; `NodeView`,
-`ReserveOutcome` and `ReleaseOutcome` are what the gate's headroom view hands its policy. All of
-them live here, free of gRPC, so the policy can import them and stay pure. Values the agent does not
-know are None, never zero.
+`NodeHeadroom` is the pure twin of the protobuf message the agent streams; `NodeView` is what the
+gate's headroom view hands its policy; `ReserveOutcome` and `ReleaseOutcome` are the agent's answers,
+the same type where the ledger gives them and where a gate reads them. All of them live here, free
+of gRPC, so the policy can import them and stay pure. Values the agent does not know are None, never
+zero.
 """
 
 from __future__ import annotations
@@ -177,12 +178,24 @@ class NodeView:
         return self.headroom is not None and self.connected and self.healthy
 
 
+class ReserveReason(StrEnum):
+    GRANTED = "granted"
+    # A retried Reserve for a live reservation: granted, not charged twice.
+    ALREADY_RESERVED = "already_reserved"
+    INSUFFICIENT_HEADROOM = "insufficient_headroom"
+    UNHEALTHY = "unhealthy"
+    NO_CAPACITY = "no_capacity"
+    REQUEST_ID_CONFLICT = "request_id_conflict"  # the same request_id with a different token count
+
+
 @dataclass(frozen=True, slots=True)
 class ReserveOutcome:
-    """The agent's answer. A refusal (`granted` False, with `reason`) is an answer, not an error."""
+    """The agent's answer to a Reserve, as its ledger gives it (kvgate.agent.ledger) and as a gate
+    reads it off the wire (kvgate.headroom.wire). A refusal (`granted` False, with `reason`) is an
+    answer, not an error."""
 
     granted: bool
-    reason: str  # kvgate.agent.ledger.ReserveReason values
+    reason: str  # a ReserveReason; from the wire, whatever the agent said (a newer one may say more)
     headroom_tokens: int  # after this decision
     reserved_tokens: int
     lease_s: float
@@ -197,6 +210,8 @@ class ReserveOutcome:
 
 @dataclass(frozen=True, slots=True)
 class ReleaseOutcome:
+    """The agent's answer to a Release, on both ends of the wire as ReserveOutcome is."""
+
     released: bool  # False when the reservation was already gone (released twice, or expired)
     headroom_tokens: int
     reserved_tokens: int

@@ -1,4 +1,5 @@
-"""Conversions between the plain headroom dataclasses and the generated protobuf messages.
+"""Conversions between the plain headroom dataclasses and the generated protobuf messages: each
+contract type (kvgate.headroom.snapshot) to its message and back, the agent's answers included.
 
 The only module besides the gRPC adapters (`agent`, `client`) that imports generated code. Unknown
 values travel as unset optional fields, never as zero.
@@ -15,6 +16,8 @@ from kvgate.headroom.snapshot import (
     NodeHeadroom,
     PrefixChain,
     PrefixSummary,
+    ReleaseOutcome,
+    ReserveOutcome,
     UsageSource,
 )
 
@@ -115,6 +118,42 @@ def chain_from_proto(m: pb.ReserveRequest) -> PrefixChain | None:
     if not m.prefix_blocks:
         return None
     return PrefixChain(tuple(m.prefix_blocks), m.prefix_block_tokens)
+
+
+def reserve_to_proto(o: ReserveOutcome) -> pb.ReserveResponse:
+    return pb.ReserveResponse(
+        granted=o.granted,
+        reason=o.reason,
+        headroom_tokens=o.headroom_tokens,
+        reserved_tokens=o.reserved_tokens,
+        lease_s=o.lease_s,
+        charged_tokens=o.charged_tokens,
+        cached_tokens=o.cached_tokens,
+        reservations=o.reservations,
+    )
+
+
+def reserve_from_proto(m: pb.ReserveResponse) -> ReserveOutcome:
+    return ReserveOutcome(
+        granted=m.granted,
+        reason=m.reason,
+        headroom_tokens=m.headroom_tokens,
+        reserved_tokens=m.reserved_tokens,
+        lease_s=m.lease_s,
+        charged_tokens=m.charged_tokens,
+        cached_tokens=m.cached_tokens,
+        reservations=m.reservations,
+    )
+
+
+def release_to_proto(o: ReleaseOutcome) -> pb.ReleaseResponse:
+    return pb.ReleaseResponse(
+        released=o.released, headroom_tokens=o.headroom_tokens, reserved_tokens=o.reserved_tokens
+    )
+
+
+def release_from_proto(m: pb.ReleaseResponse) -> ReleaseOutcome:
+    return ReleaseOutcome(m.released, m.headroom_tokens, m.reserved_tokens)
 
 
 def headroom_from_proto(m: pb.NodeHeadroom, previous: PrefixSummary = NO_PREFIXES) -> NodeHeadroom:
