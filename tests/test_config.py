@@ -55,6 +55,13 @@ def test_retry_after_is_forecast_by_default_and_fixed_on_request() -> None:
     assert (fixed.retry_after, fixed.retry_after_s, fixed.retry_jitter) == ("fixed", 3, 0.0)
 
 
+def test_layers_that_only_meet_per_request_load() -> None:
+    """A policy may raise the interactive limit alone: it meets a total only on a request, where the
+    total wins (kvgate.policy.route.effective_model)."""
+    config = parse_config("policies: {wide: {interactive_max_tokens: 20000}}\n")
+    assert config.policies["wide"].interactive_max_tokens == 20000
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
@@ -72,7 +79,21 @@ def test_retry_after_is_forecast_by_default_and_fixed_on_request() -> None:
         ("models:\n  - match: a\n    pools: {fast: x}\n", "<string>:3: models[0].pools.fast: unknown key"),
         (
             "default_model:\n  interactive_max_tokens: 20000\n",
-            "must not exceed default_model.max_total_tokens",
+            "<string>:2: default_model: interactive_max_tokens (20000) must not exceed "
+            "max_total_tokens (16384)",
+        ),
+        (
+            "models:\n  - match: a\n    max_total_tokens: 2000\n",
+            "<string>:2: models[0]: interactive_max_tokens (4096) must not exceed max_total_tokens (2000)",
+        ),
+        (
+            "policies:\n  chat:\n    interactive_max_tokens: 9000\n    max_total_tokens: 3000\n",
+            "<string>:3: policies.chat: interactive_max_tokens (9000) must not exceed "
+            "max_total_tokens (3000)",
+        ),
+        (
+            "default_model:\n  max_total_tokens: 2000000000\n",
+            "<string>:2: default_model.max_total_tokens: must be <= 1000000000, got 2000000000",
         ),
         ("server: [1]\n", "<string>:1: server: expected a mapping"),
         ("- a\n", "the file must be a mapping"),

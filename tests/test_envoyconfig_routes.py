@@ -4,6 +4,9 @@ the errors that name the entry, and the queue's own API reaching the queue with 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,9 +14,10 @@ from typing import Any
 import pytest
 import yaml
 
-from kvgate.config import ModelPolicy
+from kvgate.config import ModelConfig, ModelPolicy
+from kvgate.config.routekeys import ASYNC_MODES, MAX_TOKENS, ROUTE_POLICY_KEYS, Kind
 from kvgate.envoyconfig.cli import register
-from kvgate.envoyconfig.routepolicy import PolicyHost, PolicyPath, RoutePolicy, layout
+from kvgate.envoyconfig.routepolicy import METADATA_FIELDS, PolicyHost, PolicyPath, RoutePolicy, layout
 from kvgate.errors import ConfigError
 from kvgate.harness.client import chat, post
 from kvgate.harness.stack import envoy_process
@@ -164,6 +168,74 @@ def test_route_policies_file_errors_name_the_line_and_key(tmp_path: Path) -> Non
     routes.write_text("route_policies:\n- {name: strict, path_prefix: /v1, async: later}\n")
     with pytest.raises(ConfigError, match=r"route_policies\[0\]\.async: must be one of prefer, allow, never"):
         run_cli([*POOLS, "--route-policies", str(routes)])
+
+
+def test_a_route_policy_that_contradicts_itself_is_refused_where_it_is_written(tmp_path: Path) -> None:
+    """interactive <= total, by the one rule (kvgate.config.limits_contradiction): `kvgate envoy-config`
+    refuses a route policy whose own limits contradict each other, naming its line."""
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(
+        "route_policies:\n"
+        "- {name: odd, path_prefix: /v1, interactive_max_tokens: 9000, max_total_tokens: 3000}\n"
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"routes\.yaml:2: route_policies\[0\]: "
+        r"interactive_max_tokens \(9000\) must not exceed max_total_tokens \(3000\)",
+    ):
+        run_cli([*POOLS, "--route-policies", str(routes)])
+    assert RoutePolicy(name="one", path_prefix="/v1", interactive_max_tokens=9000).values() == {
+        "x-kvgate-interactive-max-tokens": "9000"
+    }, "one limit alone meets the total only per request, where the total wins"
+    routes.write_text("route_policies:\n- {name: big, path_prefix: /v1, max_total_tokens: 2000000000}\n")
+    with pytest.raises(ConfigError, match=r"max_total_tokens: must be <= 1000000000"):
+        run_cli([*POOLS, "--route-policies", str(routes)])
+
+
+# --- the route-policy table feeds every place that names the keys -------------------------------------------
+
+CHART = Path(__file__).resolve().parent.parent / "charts" / "kvgate"
+
+
+def test_envoy_config_writes_the_tables_keys_in_its_order_with_its_bounds() -> None:
+    assert [key for key, _ in METADATA_FIELDS] == [key.metadata for key in ROUTE_POLICY_KEYS]
+    fields = {field.name: field for field in dataclasses.fields(RoutePolicy)}
+    for key, attribute in METADATA_FIELDS:
+        assert attribute in fields, key
+    for row in ROUTE_POLICY_KEYS:
+        if row.kind is Kind.TOKENS:
+            bounds = {"min": row.minimum, "max": MAX_TOKENS}
+            assert fields[row.name].metadata == bounds, row.name
+            for owner in (ModelPolicy, ModelConfig):
+                found = {field.name: field for field in dataclasses.fields(owner)}
+                assert found[str(row.policy_field)].metadata == bounds, (owner, row.name)
+        if row.policy_field is not None:
+            assert row.policy_field in {field.name for field in dataclasses.fields(ModelPolicy)}
+
+
+def test_the_charts_template_and_schema_agree_with_the_table() -> None:
+    """The chart cannot import Python: its key list and its schema are read here and held to the table."""
+    template = (CHART / "templates" / "_routepolicies.tpl").read_text()
+    keys = re.search(r'define "kvgate\.routePolicies\.keys" -}}\n(.*?)\n{{- end', template, re.S)
+    assert keys is not None
+    assert [pair.split(":") for pair in keys.group(1).split(",")] == [
+        [row.chart, row.metadata] for row in ROUTE_POLICY_KEYS
+    ], "_routepolicies.tpl's kvgate.routePolicies.keys: chartKey:metadataKey, in the table's order"
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    entry = schema["properties"]["envoy"]["properties"]["routePolicies"]["items"]
+    for row in ROUTE_POLICY_KEYS:
+        expected: dict[str, Any] = {
+            Kind.TOKENS: {"type": "integer", "minimum": row.minimum, "maximum": row.maximum},
+            Kind.POLICY: {"type": "string", "minLength": 1},
+            Kind.ASYNC: {"enum": list(ASYNC_MODES)},
+        }[row.kind]
+        assert entry["properties"][row.chart] == expected, row.chart
+    (sets_something,) = entry["allOf"]
+    assert [required for option in sets_something["anyOf"] for required in option["required"]] == [
+        row.chart for row in ROUTE_POLICY_KEYS
+    ], "an entry must set at least one of the table's keys"
+    others = set(entry["properties"]) - {row.chart for row in ROUTE_POLICY_KEYS}
+    assert others == {"name", "hosts", "pathPrefix"}
 
 
 def test_cli_renders_route_policies_and_checks_model_policies_against_the_config(tmp_path: Path) -> None:

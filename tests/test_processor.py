@@ -5,9 +5,13 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import re
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+import pytest
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
@@ -24,13 +28,16 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvgate.config import Config, parse_config
-from kvgate.gate.pipeline import Pipeline, estimator_factory
+from kvgate.errors import InvalidRequestError
+from kvgate.gate.pipeline import Outcome, Pipeline, estimator_factory
 from kvgate.gate.processor import (
     ATTRIBUTES_NAMESPACE,
     ExternalProcessor,
     header_attribute,
     request_attributes,
 )
+from kvgate.localports import free_port
+from kvgate.policy import Reason, Route
 from kvgate.telemetry import DecisionSpans, GateMetrics
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -284,6 +291,7 @@ def test_any_message_sequence_gets_a_defined_answer(sequence: list[ProcessingReq
         assert kind is not None
         if kind == "immediate_response":
             assert 400 <= answer.immediate_response.status.code < 600
+            assert set_headers(answer)["x-kvgate-reason"] != "internal_error", "a gate bug, not an answer"
             json.loads(answer.immediate_response.body)
 
 
@@ -381,3 +389,144 @@ def test_a_routes_default_output_budget_is_charged_when_the_client_names_none() 
     _, unnamed = drive(make_processor(), [headers(), body(chat("hi"))], budget)
     assert set_headers(unnamed)["x-kvgate-pool"] == "long"
     assert int(set_headers(unnamed)["x-kvgate-tokens"]) > 8000
+
+
+# --- the stream's error boundary: nothing the gate raises reaches Envoy -------------------------------------
+
+
+class CountingMetrics(GateMetrics):
+    """GateMetrics that also keep the internal errors where a test can read them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.internal_errors: list[str] = []
+
+    def internal_error(self, message: str) -> None:
+        super().internal_error(message)
+        self.internal_errors.append(message)
+
+
+def counting_processor(config: Config | None = None) -> tuple[ExternalProcessor, CountingMetrics]:
+    config = config or Config()
+    metrics = CountingMetrics()
+    pipeline = Pipeline(config, estimator_factory(), telemetry=metrics)
+    return ExternalProcessor(pipeline, config.admission.priority_header, metrics), metrics
+
+
+def planted(*_args: Any, **_kwargs: Any) -> Any:
+    raise RuntimeError("planted")
+
+
+def assert_internal_error(answer: ProcessingResponse) -> dict[str, Any]:
+    immediate = answer.immediate_response
+    assert immediate.status.code == 503
+    sent = set_headers(answer)
+    assert sent["x-kvgate-reason"] == "internal_error"
+    assert (sent["retry-after"], sent["retry-after-ms"]) == ("1", "1000"), "SDKs retry it, a second later"
+    error: dict[str, Any] = json.loads(immediate.body)
+    return error
+
+
+def test_an_exception_planted_in_the_pipeline_is_the_internal_error_row_and_ends_the_stream(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(Pipeline, "on_body", planted)
+    processor, metrics = counting_processor()
+    trailers = ProcessingRequest(request_trailers=HttpTrailers())
+    answers = drive(processor, [headers(**{"x-request-id": "req-7"}), body(chat("hi")), trailers])
+    assert [a.WhichOneof("response") for a in answers] == ["request_headers", "immediate_response"], (
+        "answered once, and the stream ends there: the trailers are never read"
+    )
+    error = assert_internal_error(answers[1])
+    assert error["error"]["code"] == "internal_error" and error["error"]["type"] == "server_error"
+    assert metrics.internal_errors == ["request_body"]
+    failures = [r for r in caplog.records if "internal_error" in r.getMessage()]
+    assert len(failures) == 1 and "req-7" in failures[0].getMessage()
+    assert failures[0].exc_info is not None and "planted" in str(failures[0].exc_info[1])
+
+
+def test_one_trip_internal_errors_take_the_apis_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Pipeline, "on_headers", planted)
+    processor, metrics = counting_processor()
+    anthropic = json.dumps({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]})
+    (answer,) = drive(processor, [one_trip_body(anthropic.encode(), "/v1/messages")])
+    error = assert_internal_error(answer)
+    assert error == {
+        "type": "error",
+        "error": {"type": "api_error", "message": "The gateway failed on this request; retry shortly."},
+    }
+    assert metrics.internal_errors == ["request_body"]
+
+
+def test_a_failure_reading_the_route_policy_is_answered_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Pipeline, "route_policy", planted)
+    processor, metrics = counting_processor()
+    (answer,) = drive(processor, [headers()], [("x-kvgate-max-total-tokens", "2000")])
+    assert_internal_error(answer)
+    assert metrics.internal_errors == ["request_headers"]
+
+
+def test_a_request_error_raised_anywhere_is_the_clients_refusal_not_an_internal_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def unreadable(*_args: Any, **_kwargs: Any) -> Any:
+        raise InvalidRequestError("The request cannot be read.")
+
+    monkeypatch.setattr(Pipeline, "on_body", unreadable)
+    processor, metrics = counting_processor()
+    _, answer = drive(processor, [headers(), body(chat("hi"))])
+    assert answer.immediate_response.status.code == 400
+    assert json.loads(answer.immediate_response.body)["error"]["code"] == "invalid_request"
+    assert metrics.internal_errors == []
+
+
+def test_a_reservation_held_when_the_gate_fails_is_released(monkeypatch: pytest.MonkeyPatch) -> None:
+    ticket = object()
+    released: list[object] = []
+
+    async def reserved(self: Pipeline, head: Any, data: bytes) -> Outcome:
+        return Outcome(Route("long", Reason.LONG, 9000, "node-a.engine:8000"), ticket=ticket)  # type: ignore[arg-type]
+
+    async def release(self: Pipeline, held: object) -> None:
+        released.append(held)
+
+    monkeypatch.setattr(Pipeline, "on_body", reserved)
+    monkeypatch.setattr(Pipeline, "release", release)
+    processor, metrics = counting_processor()
+    monkeypatch.setattr(metrics, "decision", planted)  # fails after the reservation was granted
+
+    async def run() -> list[ProcessingResponse]:
+        async def requests() -> AsyncIterator[ProcessingRequest]:
+            for message in (headers(), body(chat("hi"))):
+                yield message
+
+        answers = [a async for a in processor.Process(requests(), StreamContext(()))]  # type: ignore[arg-type]
+        await processor.drain_releases()
+        return answers
+
+    _, answer = asyncio.run(asyncio.wait_for(run(), 10))
+    assert_internal_error(answer)
+    assert released == [ticket]
+
+
+def test_internal_errors_are_exported_under_their_prometheus_names() -> None:
+    """The exporter's rendering of the OpenTelemetry names: kvgate_gate_internal_errors_total (and the
+    queue's kvgate_queue_internal_errors_total), scraped from a real metrics endpoint."""
+    port = free_port()
+    script = (
+        "import sys, urllib.request\n"
+        "from kvgate.telemetry import GateMetrics, start_prometheus\n"
+        "from kvgate.queue.metrics import QueueMetrics\n"
+        f"start_prometheus('127.0.0.1:{port}')\n"
+        "GateMetrics().internal_error('request_body')\n"
+        "QueueMetrics(lambda: None, lambda: 0).internal_error('/v1/batches')\n"
+        f"print(urllib.request.urlopen('http://127.0.0.1:{port}/metrics', timeout=10).read().decode())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    for sample in (
+        r'kvgate_gate_internal_errors_total\{[^}]*message="request_body"[^}]*\} 1\.0',
+        r'kvgate_queue_internal_errors_total\{[^}]*route="/v1/batches"[^}]*\} 1\.0',
+    ):
+        assert re.search(f"^{sample}$", done.stdout, re.M), sample

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvgate.errors import BodyTooLargeError, InvalidRequestError, UnsupportedEncodingError
+from kvgate.errors import BodyTooLargeError, InvalidRequestError, RequestError, UnsupportedEncodingError
 from kvgate.policy.decision import Reason, Refusal
-from kvgate.policy.refusals import RULES, Refusals, RetryRule, refusal_for, table_markdown
+from kvgate.policy.refusals import INTERNAL_ERROR, RULES, Refusals, RetryRule, refusal_for, table_markdown
 from kvgate.request.shape import Api
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
@@ -92,3 +92,30 @@ def test_request_errors_become_refusals_by_their_class() -> None:
     assert refusal_for(InvalidRequestError("bad")) == Refusal(Reason.INVALID, "bad")
     assert refusal_for(BodyTooLargeError("big")).reason is Reason.BODY_TOO_LARGE
     assert refusal_for(UnsupportedEncodingError("br")).reason is Reason.UNSUPPORTED_ENCODING
+    assert refusal_for(RequestError("odd")) == Refusal(Reason.INVALID, "odd"), "any other kind: 400"
+
+    class Deeper(BodyTooLargeError):
+        pass
+
+    assert refusal_for(Deeper("bigger")).reason is Reason.BODY_TOO_LARGE, "by its class or a base"
+
+
+def test_what_was_not_expected_is_a_retryable_503_in_each_apis_shape() -> None:
+    """Never a 500 and never a broken stream: the SDKs retry a 503 by themselves, a second later."""
+    refusals = Refusals()
+    openai = refusals.answer(INTERNAL_ERROR, Api.CHAT)
+    assert openai.status == 503
+    headers = dict(openai.headers)
+    assert (headers["retry-after"], headers["retry-after-ms"], headers["x-kvgate-reason"]) == (
+        "1",
+        "1000",
+        "internal_error",
+    )
+    assert json.loads(openai.body)["error"] == {
+        "message": "The gateway failed on this request; retry shortly.",
+        "type": "server_error",
+        "param": None,
+        "code": "internal_error",
+    }
+    anthropic = json.loads(refusals.answer(INTERNAL_ERROR, Api.ANTHROPIC_MESSAGES).body)
+    assert anthropic["error"]["type"] == "api_error"

@@ -31,6 +31,8 @@ ESTIMATED_TOKENS = "kvgate_gate_estimated_tokens"
 ENVOY_MESSAGES = "kvgate.gate.envoy.messages"
 RESERVATIONS = "kvgate.gate.reservations"
 ROUTE_POLICY_IGNORED = "kvgate.gate.route_policy.ignored"
+# Streams the gate answered with the refusal table's internal_error row (an exception it did not expect).
+INTERNAL_ERRORS = "kvgate.gate.internal_errors"
 ADMISSION_WAITING = "kvgate.gate.admission.waiting"
 EXACT_COUNTS_PENDING = "kvgate.gate.exact_counts.pending"
 POOL_WATER_LEVEL = "kvgate.pool.water_level"
@@ -67,6 +69,7 @@ QUEUE_TOKENS_WAITING = "kvgate.queue.tokens_waiting"
 QUEUE_RUNNING = "kvgate.queue.running"
 QUEUE_ADMISSIONS = "kvgate.queue.admissions"
 QUEUE_ATTEMPTS = "kvgate.queue.attempts"
+QUEUE_INTERNAL_ERRORS = "kvgate.queue.internal_errors"
 QUEUE_DISPATCH_WAIT = "kvgate_queue_dispatch_wait_seconds"
 # OpenTelemetry hardware semantic conventions for GPUs.
 GPU_MEMORY_LIMIT = "hw.gpu.memory.limit"
@@ -261,6 +264,14 @@ class GateMetrics:
             "Envoy route policy values ignored because they did not parse, by metadata key",
             ("key",),
         )
+        self._internal_errors = Tally(
+            m,
+            INTERNAL_ERRORS,
+            "{error}",
+            "Requests answered 503 internal_error because the gate failed on them, by the Envoy message "
+            "it failed on",
+            ("message",),
+        )
         self._placements = Tally(
             m,
             PLACEMENTS,
@@ -335,6 +346,9 @@ class GateMetrics:
 
     def route_policy_ignored(self, key: str) -> None:
         self._route_policy_ignored.add(key)
+
+    def internal_error(self, message: str) -> None:
+        self._internal_errors.add(message)
 
     def placed(self, placement: str, cached_tokens: int, saved_tokens: int, prefix_tokens: int) -> None:
         self._placements.add(placement)

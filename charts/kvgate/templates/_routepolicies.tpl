@@ -14,6 +14,8 @@ As JSON (`include "kvgate.routePolicies" . | fromJson`):
 its virtual host's); `merged` is the virtual host's entries with the route's laid over them, for the
 meshes where the chart can only reach routes.
 */}}
+{{/* chartKey:metadataKey, in metadata order: the route-policy table of kvgate.config.routekeys (a test
+keeps this line, and the schema's envoy.routePolicies properties, equal to it). */}}
 {{- define "kvgate.routePolicies.keys" -}}
 interactiveMaxTokens:x-kvgate-interactive-max-tokens,maxTotalTokens:x-kvgate-max-total-tokens,defaultOutputTokens:x-kvgate-default-output-tokens,modelPolicy:x-kvgate-model-policy,async:x-kvgate-async
 {{- end -}}

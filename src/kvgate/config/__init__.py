@@ -25,6 +25,8 @@ import yaml
 from kvgate.bounds import at_least
 from kvgate.config.headroom import HeadroomSettings
 from kvgate.config.queue import QueueSettings
+from kvgate.config.routekeys import AsyncMode as AsyncMode
+from kvgate.config.routekeys import bounds
 from kvgate.errors import ConfigError
 from kvgate.names import METADATA_NAMESPACE, PRIORITY_HEADER
 from kvgate.tls import TlsConfig
@@ -53,18 +55,15 @@ class PoolNames:
     async_: str = "async"
 
 
-AsyncMode = Literal["prefer", "allow", "never"]
-
-
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     match: str = "*"
     tokenizer: str | None = None
     # A request fits the interactive pool when prompt + output budget fits its max-model-len.
-    interactive_max_tokens: int = field(default=4096, metadata=at_least(1))
-    max_total_tokens: int = field(default=16384, metadata=at_least(1))
+    interactive_max_tokens: int = field(default=4096, metadata=bounds("interactive_max_tokens"))
+    max_total_tokens: int = field(default=16384, metadata=bounds("max_total_tokens"))
     # Budget charged when the client names none: charging the whole context would starve concurrency.
-    default_output_tokens: int = field(default=1024, metadata=at_least(0))
+    default_output_tokens: int = field(default=1024, metadata=bounds("default_output_tokens"))
     image_tokens: int = field(default=1024, metadata=at_least(0))
     message_overhead_tokens: int = field(default=4, metadata=at_least(0))
     pools: PoolNames = PoolNames()
@@ -72,16 +71,50 @@ class ModelConfig:
     # room (instead of 429), `never` refuses them; unset follows admission.async_fallback.
     async_mode: AsyncMode | None = None
 
+    def contradiction(self) -> str | None:
+        """This entry's interactive limit above its total limit (see `limits_contradiction`)."""
+        return limits_contradiction(self.interactive_max_tokens, self.max_total_tokens)
+
+    def capped(self) -> ModelConfig:
+        """The entry as the gate applies it once layers are combined: the total limit wins, and an
+        interactive limit above it is lowered to it (no request can be longer than the total)."""
+        if self.interactive_max_tokens <= self.max_total_tokens:
+            return self
+        return dataclasses.replace(self, interactive_max_tokens=self.max_total_tokens)
+
 
 @dataclass(frozen=True, slots=True)
 class ModelPolicy:
     """A named set of overrides (`policies:`) that an Envoy route or virtual host picks with
-    `x-kvgate-model-policy`; a key left out keeps the request's model entry's value."""
+    `x-kvgate-model-policy`; a key left out keeps the request's model entry's value. Its keys and
+    bounds are the route-policy table's (kvgate.config.routekeys)."""
 
-    interactive_max_tokens: int | None = field(default=None, metadata=at_least(1))
-    max_total_tokens: int | None = field(default=None, metadata=at_least(1))
-    default_output_tokens: int | None = field(default=None, metadata=at_least(0))
+    interactive_max_tokens: int | None = field(default=None, metadata=bounds("interactive_max_tokens"))
+    max_total_tokens: int | None = field(default=None, metadata=bounds("max_total_tokens"))
+    default_output_tokens: int | None = field(default=None, metadata=bounds("default_output_tokens"))
     async_mode: AsyncMode | None = None
+
+    def contradiction(self) -> str | None:
+        """This layer's own interactive limit above its own total limit (see `limits_contradiction`)."""
+        return limits_contradiction(self.interactive_max_tokens, self.max_total_tokens)
+
+
+def limits_contradiction(interactive: int | None, total: int | None) -> str | None:
+    """The rule "interactive limit <= total limit", written once; None where it holds (or where one
+    of the two is not set).
+
+    One behaviour, by where the limits meet. Limits written together that contradict each other are
+    refused where they are written: a kvgate.yaml model entry or `policies:` entry fails to load
+    (naming its line; a model entry counts with what it inherits from default_model), and
+    `kvgate envoy-config` (and the chart) refuse such a route policy. Limits from different layers
+    (model entry, named policy, Envoy route) only meet per request, where nothing can be refused any
+    more: there the total wins (`ModelConfig.capped`) and the gate reports the cap once per model
+    and route (kvgate.policy.route.limits_capped). The total wins because it bounds what is admitted
+    at all: no admitted request is longer than it, so an interactive limit above it never applies.
+    """
+    if interactive is None or total is None or interactive <= total:
+        return None
+    return f"interactive_max_tokens ({interactive}) must not exceed max_total_tokens ({total})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,9 +256,15 @@ class _Loader:
             for name in fields:
                 values.setdefault(name, getattr(base, name))
         try:
-            return cls(**values)
+            built = cls(**values)
         except ConfigError as exc:
             raise self.fail(node, where, str(exc)) from exc
+        # A section whose values contradict each other says so (ModelConfig, ModelPolicy).
+        contradiction = getattr(built, "contradiction", None)
+        problem = contradiction() if contradiction is not None else None
+        if problem is not None:
+            raise self.fail(node, where, problem)
+        return built
 
     def convert(self, hint: Any, node: yaml.Node, where: str, metadata: Any) -> Any:
         origin = typing.get_origin(hint)
@@ -280,6 +319,9 @@ class _Loader:
             minimum = metadata.get("min", self.default_min)
             if minimum is not None and value < minimum:
                 raise self.fail(node, where, f"must be >= {minimum:g}, got {value!r}")
+            maximum = metadata.get("max")
+            if maximum is not None and value > maximum:
+                raise self.fail(node, where, f"must be <= {maximum:.15g}, got {value!r}")
             return hint(value)
         if hint is str:
             if not isinstance(value, str) or not value:
@@ -350,22 +392,6 @@ def parse_config(text: str, source: str = "<string>") -> Config:
 
 
 def _check(config: Config, loader: _Loader) -> None:
-    for name, model in [("default_model", config.default_model)] + [
-        (f"models[{i}]", m) for i, m in enumerate(config.models)
-    ]:
-        if model.interactive_max_tokens > model.max_total_tokens:
-            raise ConfigError(
-                f"{config.source}: {name}.interactive_max_tokens ({model.interactive_max_tokens}) "
-                f"must not exceed {name}.max_total_tokens ({model.max_total_tokens})"
-            )
-    for name, policy in config.policies.items():
-        interactive = policy.interactive_max_tokens
-        total = policy.max_total_tokens
-        if interactive is not None and total is not None and interactive > total:
-            raise ConfigError(
-                f"{config.source}: policies.{name}.interactive_max_tokens ({interactive}) must not exceed "
-                f"policies.{name}.max_total_tokens ({total})"
-            )
     admission = config.admission
     if admission.default_priority not in admission.priorities:
         raise ConfigError(

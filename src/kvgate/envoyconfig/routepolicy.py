@@ -20,21 +20,15 @@ The layout, the same in `kvgate envoy-config` and in the Helm chart (a test keep
 
 from __future__ import annotations
 
+import keyword
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvgate.bounds import at_least
-from kvgate.config import AsyncMode, ModelPolicy, parse_yaml_as
+from kvgate.config import AsyncMode, ModelPolicy, limits_contradiction, parse_yaml_as
+from kvgate.config.routekeys import ROUTE_POLICY_KEYS, bounds
 from kvgate.errors import ConfigError
-from kvgate.names import (
-    ROUTE_ASYNC,
-    ROUTE_DEFAULT_OUTPUT_TOKENS,
-    ROUTE_INTERACTIVE_MAX_TOKENS,
-    ROUTE_MAX_TOTAL_TOKENS,
-    ROUTE_MODEL_POLICY,
-)
 
 # Names end up in Kubernetes object names (the chart's Istio and Envoy Gateway modes): DNS labels.
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$")
@@ -42,13 +36,10 @@ _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$")
 # whole host: leave the prefix out instead).
 _PATH_PREFIX = re.compile(r"^/[^?#]*[^/?#]$")
 
-# (x-kvgate-* key, field), in the order the metadata is written.
-METADATA_FIELDS = (
-    (ROUTE_INTERACTIVE_MAX_TOKENS, "interactive_max_tokens"),
-    (ROUTE_MAX_TOTAL_TOKENS, "max_total_tokens"),
-    (ROUTE_DEFAULT_OUTPUT_TOKENS, "default_output_tokens"),
-    (ROUTE_MODEL_POLICY, "model_policy"),
-    (ROUTE_ASYNC, "async_"),
+# (x-kvgate-* key, RoutePolicy attribute), in the order the metadata is written: the route-policy
+# table's (kvgate.config.routekeys); a key that is a Python keyword (async) has a trailing underscore.
+METADATA_FIELDS = tuple(
+    (key.metadata, key.name + "_" if keyword.iskeyword(key.name) else key.name) for key in ROUTE_POLICY_KEYS
 )
 
 Metadata = tuple[tuple[str, str], ...]
@@ -61,9 +52,9 @@ class RoutePolicy:
     name: str = ""
     hosts: tuple[str, ...] = ()
     path_prefix: str | None = None
-    interactive_max_tokens: int | None = field(default=None, metadata=at_least(1))
-    max_total_tokens: int | None = field(default=None, metadata=at_least(1))
-    default_output_tokens: int | None = field(default=None, metadata=at_least(0))
+    interactive_max_tokens: int | None = field(default=None, metadata=bounds("interactive_max_tokens"))
+    max_total_tokens: int | None = field(default=None, metadata=bounds("max_total_tokens"))
+    default_output_tokens: int | None = field(default=None, metadata=bounds("default_output_tokens"))
     # The name of an entry of kvgate.yaml's `policies:`.
     model_policy: str | None = None
     async_: AsyncMode | None = None
@@ -82,13 +73,12 @@ class RoutePolicy:
             )
         if not self.values():
             raise ConfigError(
-                "sets nothing: give at least one of " + ", ".join(_yaml(f) for _, f in METADATA_FIELDS)
+                "sets nothing: give at least one of " + ", ".join(key.name for key in ROUTE_POLICY_KEYS)
             )
-        interactive, total = self.interactive_max_tokens, self.max_total_tokens
-        if interactive is not None and total is not None and interactive > total:
-            raise ConfigError(
-                f"interactive_max_tokens ({interactive}) must not exceed max_total_tokens ({total})"
-            )
+        # Refused where it is written (kvgate.config.limits_contradiction says why).
+        contradiction = limits_contradiction(self.interactive_max_tokens, self.max_total_tokens)
+        if contradiction is not None:
+            raise ConfigError(contradiction)
 
     def values(self) -> dict[str, str]:
         """The gRPC metadata this entry sets, by x-kvgate-* key."""
@@ -98,10 +88,6 @@ class RoutePolicy:
             if value is not None:
                 found[key] = str(value)
         return found
-
-
-def _yaml(name: str) -> str:
-    return name.removesuffix("_")
 
 
 @dataclass(frozen=True, slots=True)

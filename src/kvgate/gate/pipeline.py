@@ -33,7 +33,7 @@ from kvgate.policy.route import (
     RoutePolicy,
     deferred,
     effective_model,
-    limits_problem,
+    limits_capped,
     read_prefer,
     read_route_policy,
 )
@@ -212,10 +212,13 @@ class Pipeline:
         key = (model, route)
         effective = self._effective.get(key)
         if effective is None:
-            problem = limits_problem(model, route, self._config.policies)
-            if problem is not None:
-                log.warning("Envoy route policy for model %s: %s", model.match, problem)
+            capped = limits_capped(model, route, self._config.policies)
+            if capped is not None and capped.contradiction:
+                # A route policy `kvgate envoy-config` refuses: a warning and a count.
+                log.warning("Envoy route policy for model %s: %s", model.match, capped.message)
                 self._metrics.route_policy_ignored("limits")
+            elif capped is not None:
+                log.info("Envoy route policy for model %s: %s", model.match, capped.message)
             if len(self._effective) >= _ROUTE_CACHE_LIMIT:
                 self._effective.clear()
             effective = self._effective[key] = effective_model(model, route, self._config.policies)

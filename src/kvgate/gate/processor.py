@@ -11,7 +11,11 @@ Two Envoy set-ups are understood, told apart by the first message of a stream:
   into the upstream headers. One gRPC message each way instead of two: 12-22% less CPU per
   request in the gate (`python -m bench gate`).
 Everything between the messages and the answer is the Pipeline's business; this module only
-translates.
+translates, and is the stream's one error boundary: an exception never reaches Envoy (which, failing
+open, would send the request on un-admitted). A RequestError is the client's and gets its refusal
+(400 invalid_request and kin); anything else is answered with the refusal table's internal_error row
+(503, Retry-After), logged once with the request id and counted (kvgate_gate_internal_errors_total),
+and the stream ends there, its reservation, if any, released.
 """
 
 from __future__ import annotations
@@ -36,12 +40,15 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 )
 from opentelemetry.util.types import AttributeValue
 
+from kvgate.errors import RequestError
 from kvgate.gate import responses
 from kvgate.gate.admission import Ticket
 from kvgate.gate.pipeline import Outcome, Pipeline, RequestHead, headers_read, request_head
 from kvgate.names import HEADER_PREFIX, META_PREFIX_HIT_TOKENS, META_RESERVED_TOKENS, METADATA_NAMESPACE
 from kvgate.policy import Decision, Reason, Refusal
+from kvgate.policy.refusals import INTERNAL_ERROR, refusal_for
 from kvgate.policy.route import NO_ROUTE_POLICY, RoutePolicy
+from kvgate.request import Api
 from kvgate.telemetry import DecisionSpans, GateMetrics
 
 log = logging.getLogger(__name__)
@@ -150,21 +157,21 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
         self, requests: AsyncIterator[ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ProcessingResponse]:
         stream = _Stream()
-        # The route's policy (Envoy's per-route ext_proc metadata), read once per stream.
         metadata = context.invocation_metadata() if context is not None else None
-        stream.route = self._pipeline.route_policy(metadata) if metadata else NO_ROUTE_POLICY
         try:
             async for message in requests:
                 kind = message.WhichOneof("request")
-                self._metrics.message(kind)
-                if message.HasField("protocol_config"):
-                    stream.buffered = message.protocol_config.request_body_mode == ProcessingMode.BUFFERED
-                if kind == "request_headers":
-                    yield self._on_headers(message.request_headers, stream)
-                elif kind == "request_body":
-                    yield await self._on_body(message, stream)
-                elif kind in _PASS_THROUGH:
-                    yield _PASS_THROUGH[kind]
+                try:
+                    if metadata:
+                        # The route's policy (Envoy's per-route ext_proc metadata), read once per
+                        # stream, at its first message: inside the error boundary.
+                        stream.route, metadata = self._pipeline.route_policy(metadata), None
+                    response = await self._answer(message, kind, stream)
+                except Exception as error:  # the stream's one error boundary (module docstring)
+                    yield self._failed(error, message, kind, stream)
+                    return
+                if response is not None:
+                    yield response
         finally:
             # Envoy ends the stream when the HTTP request ends (completed, reset or aborted by the
             # client): that is when the reserved KV capacity is free again. A task, because this may
@@ -173,6 +180,37 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
                 task = asyncio.create_task(self._pipeline.release(stream.ticket))
                 self._releases.add(task)
                 task.add_done_callback(self._releases.discard)
+
+    async def _answer(
+        self, message: ProcessingRequest, kind: str | None, stream: _Stream
+    ) -> ProcessingResponse | None:
+        self._metrics.message(kind or "none")
+        if message.HasField("protocol_config"):
+            stream.buffered = message.protocol_config.request_body_mode == ProcessingMode.BUFFERED
+        if kind == "request_headers":
+            return self._on_headers(message.request_headers, stream)
+        if kind == "request_body":
+            return await self._on_body(message, stream)
+        return _PASS_THROUGH.get(kind or "")
+
+    def _failed(
+        self, error: Exception, message: ProcessingRequest, kind: str | None, stream: _Stream
+    ) -> ProcessingResponse:
+        """The answer to a message the gate raised on: the client's refusal for a RequestError,
+        the internal_error row for anything else."""
+        api = stream.head.api if stream.head is not None else None
+        if isinstance(error, RequestError):
+            refusal = refusal_for(error)
+            self._record(refusal, "none", 0.0)
+            return self._refuse(refusal, api)
+        log.error(
+            "request %s: the gate failed on its %s message and answered 503 internal_error",
+            ascii(_request_id(message, stream)),
+            kind,
+            exc_info=error,
+        )
+        self._metrics.internal_error(kind or "none")
+        return self._refuse(INTERNAL_ERROR, api)
 
     async def drain_releases(self) -> None:
         """Wait for releases still in flight, so a stopping gate gives back what it reserved."""
@@ -186,12 +224,12 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
             return responses.CONTINUE_HEADERS
         self._record(decision, "none", 0.0)
         if isinstance(decision, Refusal):
-            return self._refuse(decision, head)
+            return self._refuse(decision, head.api)
         return responses.route_after_headers(decision, stream.forged, head.has_body, self._namespace)
 
-    def _refuse(self, refusal: Refusal, head: RequestHead) -> ProcessingResponse:
+    def _refuse(self, refusal: Refusal, api: Api | None) -> ProcessingResponse:
         """The refusal in the shape of the API the client called (kvgate.policy.refusals)."""
-        return responses.refuse(self._pipeline.refusals.answer(refusal, head.api), refusal.reason)
+        return responses.refuse(self._pipeline.refusals.answer(refusal, api), refusal.reason)
 
     def _record(self, decision: Decision, method: str, seconds: float) -> None:
         if isinstance(decision, Refusal):
@@ -260,8 +298,22 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
         self, decision: Decision, head: RequestHead, stream: _Stream, extra: dict[str, str | float]
     ) -> ProcessingResponse:
         if isinstance(decision, Refusal):
-            return self._refuse(decision, head)
+            return self._refuse(decision, head.api)
         return responses.route_after_body(decision, stream.forged, extra, self._namespace)
+
+
+def _request_id(message: ProcessingRequest, stream: _Stream) -> str:
+    """The request's id for the log, even when the gate failed before reading its head."""
+    if stream.head is not None:
+        return stream.head.request_id
+    for header in message.request_headers.headers.headers:
+        if header.key == "x-request-id":
+            return _value(header)
+    if ATTRIBUTES_NAMESPACE in message.attributes:
+        found = message.attributes[ATTRIBUTES_NAMESPACE].fields.get(_OWN_ATTRIBUTES["x-request-id"])
+        if found is not None:
+            return str(found.string_value)
+    return "(unknown)"
 
 
 def _span_attributes(

@@ -31,6 +31,8 @@ class Reason(enum.StrEnum):
     QUEUE_FULL = "queue_full"
     NO_CAPACITY = "no_capacity"
     NO_HEALTHY_NODE = "no_healthy_node"
+    # The gate or the queue failed on the request in a way it did not expect (a bug, not the client).
+    INTERNAL_ERROR = "internal_error"
     # Refusals only the async queue (`kvgate queue`) makes.
     HOLD_TIMEOUT = "hold_timeout"
     EXCEEDS_NODE_CAPACITY = "exceeds_node_capacity"

@@ -1,6 +1,9 @@
 """The one table of refusals: for each Reason, the HTTP status, error code, error types, and when
 the client may retry. Every refusal the gate answers (and the queue's) goes through `Refusals.answer`.
 
+Client input that cannot be read is `invalid_request` (400); whatever else the gate or the queue did
+not expect is `internal_error` (503, Retry-After 1 s), never a 500 or a broken stream.
+
 The body takes the shape of the API the client called, so that each official SDK raises its own
 typed exception with kvgate's message: OpenAI's error object (`{"error": {"message", "type",
 "param", "code"}}`) for OpenAI paths, Anthropic's (`{"type": "error", "error": {"type", "message"}}`,
@@ -69,6 +72,9 @@ RULES: Mapping[Reason, RefusalRule] = MappingProxyType({
     Reason.QUEUE_FULL:           RefusalRule(429, "no_capacity",                  _RATE, _RATE, _C),
     Reason.NO_CAPACITY:          RefusalRule(429, "no_capacity",                  _RATE, _RATE, _C),
     Reason.NO_HEALTHY_NODE:      RefusalRule(503, "no_healthy_node",       "server_error", _OVERLOADED, _C),
+    # What the gate or the queue did not expect (an exception: logged with the request id, counted);
+    # never a stream error Envoy would fail open on, never a 500. Another try usually succeeds.
+    Reason.INTERNAL_ERROR:       RefusalRule(503, "internal_error",        "server_error", "api_error", _S),
     # The queue's own. Held past queue.max_hold_s: the job is cancelled; the pools are full.
     Reason.HOLD_TIMEOUT:         RefusalRule(429, "queue_timeout",                _RATE, _RATE, _C),
     # Bigger than any node admits even idle (its status follows refusals.too_long_status too).
@@ -94,8 +100,14 @@ _ERROR_REASONS: Mapping[type[RequestError], Reason] = MappingProxyType(
 
 
 def refusal_for(error: RequestError) -> Refusal:
-    """The refusal of a request the gate could not interpret, by the error's class."""
-    return Refusal(_ERROR_REASONS[type(error)], error.message)
+    """The refusal of a request the gate could not interpret, by the error's class (400
+    invalid_request for any other RequestError)."""
+    reason = next((_ERROR_REASONS[kind] for kind in type(error).__mro__ if kind in _ERROR_REASONS), None)
+    return Refusal(reason or Reason.INVALID, error.message)
+
+
+# The answer to what the gate or the queue did not expect (an exception that is not the client's).
+INTERNAL_ERROR = Refusal(Reason.INTERNAL_ERROR, "The gateway failed on this request; retry shortly.")
 
 
 @dataclass(frozen=True, slots=True)

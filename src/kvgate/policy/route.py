@@ -11,10 +11,13 @@ The gate reads them here:
     x-kvgate-model-policy             the name of an entry of kvgate.yaml's `policies:`
     x-kvgate-async                    prefer | allow | never: the async pool for long requests
 
-Precedence, written once (`effective_model`): Envoy route > Envoy virtual host > model entry >
-default. The numbers and `x-kvgate-async` the route sets win over its named policy's, which win
-over the model entry's. A value that does not parse is reported and ignored: the request keeps
-its model's policy for that key.
+The keys, their kinds and bounds are the one table of kvgate.config.routekeys; numbers are read by
+kvgate.digits (ASCII digits only, bounded). Precedence, written once (`effective_model`): Envoy
+route > Envoy virtual host > model entry > default. The numbers and `x-kvgate-async` the route sets
+win over its named policy's, which win over the model entry's. A value that does not parse is
+reported and ignored: the request keeps its model's policy for that key. Where the layers meet with
+an interactive limit above the total limit, the total wins (`ModelConfig.capped`; why, in
+kvgate.config.limits_contradiction), and `limits_capped` says so for the gate to report once.
 
 The client's own hints (RFC 7240 `Prefer`) can only lower what the route allows: `wait=N` bounds
 how long the gate holds the request waiting for capacity, `respond-async` asks for the async pool
@@ -26,25 +29,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import get_args
 
-from kvgate.config import AsyncMode, ModelConfig, ModelPolicy
-from kvgate.names import (
-    ROUTE_ASYNC,
-    ROUTE_DEFAULT_OUTPUT_TOKENS,
-    ROUTE_INTERACTIVE_MAX_TOKENS,
-    ROUTE_MAX_TOTAL_TOKENS,
-    ROUTE_MODEL_POLICY,
-)
+from kvgate.config import ModelConfig, ModelPolicy
+from kvgate.config.routekeys import ASYNC_MODES, BY_METADATA, Kind
+from kvgate.digits import NotWhole, read_whole, whole_number
 from kvgate.policy.decision import Reason, Route
 
-_ASYNC_MODES: tuple[str, ...] = get_args(AsyncMode)
-_NUMBERS = {
-    ROUTE_INTERACTIVE_MAX_TOKENS: ("interactive_max_tokens", 1),
-    ROUTE_MAX_TOTAL_TOKENS: ("max_total_tokens", 1),
-    ROUTE_DEFAULT_OUTPUT_TOKENS: ("default_output_tokens", 0),
-}
-ROUTE_KEYS = frozenset((*_NUMBERS, ROUTE_MODEL_POLICY, ROUTE_ASYNC))
+# The metadata keys the gate reads from the ext_proc stream.
+ROUTE_KEYS = frozenset(BY_METADATA)
+# RFC 9111 delta-seconds: a cache treats anything larger as 2^31. So does `Prefer: wait`.
+MAX_WAIT_S = 2**31
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,26 +65,27 @@ def read_route_policy(
     values: dict[str, object] = {}
     model_policy = None
     problems = []
-    for key, raw in metadata:
-        if key not in ROUTE_KEYS:
+    for name, raw in metadata:
+        key = BY_METADATA.get(name)
+        if key is None:
             continue
-        value = raw.strip()
-        if key in _NUMBERS:
-            name, minimum = _NUMBERS[key]
-            if not value.isdigit() or int(value) < minimum:
-                problems.append(f"{key}: {raw!r} is not a whole number >= {minimum}")
-                continue
-            values[name] = int(value)
-        elif key == ROUTE_ASYNC:
-            if value not in _ASYNC_MODES:
-                problems.append(f"{key}: {raw!r} is not one of {', '.join(_ASYNC_MODES)}")
-                continue
-            values["async_mode"] = value
-        elif value not in policies:
-            known = ", ".join(sorted(policies)) or "none"
-            problems.append(f"{key}: no policy {raw!r} in kvgate.yaml's policies (known: {known})")
+        value = raw.strip(" \t")
+        if key.policy_field is None:  # x-kvgate-model-policy: names a whole layer
+            if value in policies:
+                model_policy = value
+            else:
+                known = ", ".join(sorted(policies)) or "none"
+                problems.append(f"{name}: no policy {raw!r} in kvgate.yaml's policies (known: {known})")
+        elif key.kind is Kind.TOKENS:
+            number = read_whole(raw, minimum=key.minimum, maximum=key.maximum)
+            if isinstance(number, NotWhole):
+                problems.append(number.describe(name))
+            else:
+                values[key.policy_field] = number
+        elif value in ASYNC_MODES:
+            values[key.policy_field] = value
         else:
-            model_policy = value
+            problems.append(f"{name}: {raw!r} is not one of {', '.join(ASYNC_MODES)}")
     return RoutePolicyRead(RoutePolicy(ModelPolicy(**values), model_policy), tuple(problems))  # type: ignore[arg-type]
 
 
@@ -109,27 +104,36 @@ def _layered(model: ModelConfig, route: RoutePolicy, policies: Mapping[str, Mode
 def effective_model(
     model: ModelConfig, route: RoutePolicy, policies: Mapping[str, ModelPolicy]
 ) -> ModelConfig:
-    """The model entry with the route's named policy, then the route's own values, laid over it.
-
-    A route that lowers the total limit below the interactive one lowers the interactive one with it
-    (no request can be longer than the total anyway)."""
-    result = _layered(model, route, policies)
-    if result.interactive_max_tokens > result.max_total_tokens:
-        return dataclasses.replace(result, interactive_max_tokens=result.max_total_tokens)
-    return result
+    """The model entry with the route's named policy, then the route's own values, laid over it;
+    an interactive limit above the total is capped to it (`ModelConfig.capped`)."""
+    return _layered(model, route, policies).capped()
 
 
-def limits_problem(model: ModelConfig, route: RoutePolicy, policies: Mapping[str, ModelPolicy]) -> str | None:
-    """A route whose own interactive limit is above its total limit, for the log (the total wins)."""
-    result = _layered(model, route, policies)
+@dataclass(frozen=True, slots=True)
+class LimitsCapped:
+    """Where a route's layers met with an interactive limit above the total limit (the total won)."""
+
+    message: str
+    # The route's own layers (its values, its named policy) set the interactive limit above it: a
+    # contradiction `kvgate envoy-config` refuses. False: a lower total met the model's own limit.
+    contradiction: bool
+
+
+def limits_capped(
+    model: ModelConfig, route: RoutePolicy, policies: Mapping[str, ModelPolicy]
+) -> LimitsCapped | None:
+    """What `effective_model` capped, for the gate to report once per model and route; None when
+    nothing was."""
+    layered = _layered(model, route, policies)
+    if layered.contradiction() is None:
+        return None
     named = policies[route.model_policy] if route.model_policy is not None else ModelPolicy()
     asked = route.overrides.interactive_max_tokens or named.interactive_max_tokens
-    if asked is not None and result.interactive_max_tokens > result.max_total_tokens:
-        return (
-            f"its interactive limit {result.interactive_max_tokens} exceeds its total limit "
-            f"{result.max_total_tokens}; {result.max_total_tokens} applies to both"
-        )
-    return None
+    interactive, total = layered.interactive_max_tokens, layered.max_total_tokens
+    return LimitsCapped(
+        f"its interactive limit {interactive} exceeds its total limit {total}; {total} applies to both",
+        contradiction=asked is not None,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +149,8 @@ NO_HINTS = ClientHints()
 
 def read_prefer(header: str | None) -> ClientHints:
     """`Prefer: respond-async, wait=10` → ClientHints(10.0, True); anything else is ignored (RFC
-    7240: a server ignores preferences it does not understand)."""
+    7240: a server ignores preferences it does not understand), a wait that is not a whole number
+    of seconds included: the request keeps the route's wait."""
     if not header:
         return NO_HINTS
     wait_s = None
@@ -156,9 +161,9 @@ def read_prefer(header: str | None) -> ClientHints:
         if name == "respond-async":
             respond_async = True
         elif name == "wait":
-            number = value.strip().strip('"')
-            if number.isdigit():
-                wait_s = float(number)
+            seconds = whole_number(value.strip(" \t").strip('"'), maximum=MAX_WAIT_S)
+            if seconds is not None:
+                wait_s = float(seconds)
     return ClientHints(wait_s, respond_async)
 
 

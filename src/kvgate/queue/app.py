@@ -10,33 +10,40 @@ Every request is committed to the store before anything is answered. A held requ
 with the engine's own status, headers and body (streamed as the engine streams, when the job runs on
 this replica) up to `queue.max_hold_s` after it arrived; then 429 and the job is cancelled, unless the
 client has gone: its job stays, and the client finds the answer by its x-request-id.
+
+No 500 for anything a client sent: `error_boundary`, the whole app's middleware, answers what a
+handler raised from the one refusal table (kvgate.policy.refusals).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Executor
 from typing import Any, Protocol
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
 from kvgate.config import Config
-from kvgate.errors import StoreError
+from kvgate.errors import RequestError, StoreError
 from kvgate.headroom.snapshot import NodeView
 from kvgate.names import JOB_ID_HEADER, TOKENS_HEADER
 from kvgate.policy import Reason, Refusal
-from kvgate.policy.refusals import HttpAnswer, error_body
+from kvgate.policy.refusals import INTERNAL_ERROR, HttpAnswer, error_body, refusal_for
 from kvgate.policy.route import read_prefer
 from kvgate.queue import placement
-from kvgate.queue.intake import Assessed, Intake
+from kvgate.queue.intake import Assessed, Intake, text_header
 from kvgate.queue.jobs import Job, JobError, JobRequest, JobState, NewJob, describe, new_id
 from kvgate.queue.live import LiveRun, LiveRuns, Signals
 from kvgate.queue.metrics import QueueMetrics
 from kvgate.queue.refusals import QueueRefusals
 from kvgate.queue.store import Limits, QueueFull
 from kvgate.request import Api, api_for_path
+
+log = logging.getLogger(__name__)
 
 JOBS_PATH = "/v1/kvgate/jobs"
 # A held request looks at the store this often even without an event (a missed notification).
@@ -66,6 +73,41 @@ def respond(answer: HttpAnswer, job_id: str | None = None) -> web.Response:
     if job_id is not None:
         headers[JOB_ID_HEADER] = job_id
     return web.Response(status=answer.status, body=answer.body, headers=headers)
+
+
+def error_boundary(refusals: QueueRefusals, metrics: QueueMetrics) -> Middleware:
+    """The queue's one error boundary, the whole app's middleware: aiohttp's own answers (404 of an
+    unknown path, 405, 413) pass; the store out of reach is 503 `store_unavailable`; a RequestError is
+    the client's (400 `invalid_request` and kin); anything else is 503 `internal_error`, logged once
+    with the request id and counted by route (kvgate_queue_internal_errors_total), never a 500."""
+
+    @web.middleware
+    async def answer_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPException:
+            raise
+        except web.RequestPayloadError:
+            # aiohttp could not inflate the body its Content-Encoding names (see `_still_encoded`).
+            message = "The request body cannot be read: it is not what its Content-Encoding says."
+            return respond(refusals.invalid(message))
+        except StoreError:
+            return respond(refusals.store_unavailable())
+        except RequestError as error:
+            return respond(refusals.gate(refusal_for(error), api_for_path(request.path)))
+        except Exception:
+            route = request.match_info.route.resource
+            where = route.canonical if route is not None else "(none)"
+            log.exception(
+                "queue: %s %s (x-request-id %s) failed; answered 503 internal_error",
+                request.method,
+                where,
+                ascii(request.headers.get("x-request-id", "")),
+            )
+            metrics.internal_error(where)
+            return respond(refusals.gate(INTERNAL_ERROR, api_for_path(request.path)))
+
+    return answer_errors
 
 
 class JobsApp:
@@ -118,7 +160,7 @@ class JobsApp:
             request.path,
             body,
             request.headers.get(TOKENS_HEADER),
-            request.headers.get("content-encoding"),
+            _still_encoded(request),
         )
         if isinstance(assessed, Refusal):
             return self._refused(contract, self._refusals.gate(assessed, api))
@@ -144,10 +186,11 @@ class JobsApp:
         return respond(answer)
 
     def _new_job(self, request: web.Request, assessed: Assessed) -> NewJob:
+        """The job to store; InvalidRequestError (400) for a header it keeps that is not text."""
         headers = {
-            name: request.headers[name]
+            name: value
             for name in self._forward
-            if name in request.headers and name not in _NOT_FORWARDED
+            if name not in _NOT_FORWARDED and (value := text_header(request.headers, name)) is not None
         }
         headers.setdefault("content-type", "application/json")
         return NewJob(
@@ -158,7 +201,7 @@ class JobsApp:
             tenant=self._intake.tenant(request.headers),
             model=assessed.model,
             stream=assessed.stream,
-            request_id=request.headers.get("x-request-id") or None,
+            request_id=text_header(request.headers, "x-request-id") or None,
         )
 
     async def _accepted(self, job: Job) -> web.Response:
@@ -293,6 +336,20 @@ class JobsApp:
             return respond(self._refusals.hold_timeout(self._settings.max_hold_s, api), job.id)
         reason = _REASONS.get(error.code, Reason.JOB_CANCELLED)
         return respond(self._refusals.queue(reason, error.message, api), job.id)
+
+
+# What aiohttp's server inflates itself before a handler reads the body (aiohttp 3.x http_parser:
+# an ASCII Content-Encoding that, lower-cased, is one of these; `auto_decompress` is on by default).
+_INFLATED_BY_AIOHTTP = frozenset({"gzip", "deflate", "br", "zstd"})
+
+
+def _still_encoded(request: web.Request) -> str | None:
+    """The Content-Encoding the body read still has: none when aiohttp has already inflated it (the
+    intake would otherwise inflate it twice and refuse a valid gzip request)."""
+    encoding = request.headers.get("content-encoding")
+    if encoding is not None and encoding.isascii() and encoding.lower() in _INFLATED_BY_AIOHTTP:
+        return None
+    return encoding
 
 
 _REASONS: Mapping[str, Reason] = {

@@ -23,11 +23,12 @@ from typing import Any
 from aiohttp import BodyPartReader, web
 
 from kvgate.config import Config
-from kvgate.errors import StoreError
+from kvgate.digits import NotWhole, read_whole
+from kvgate.errors import InvalidRequestError
 from kvgate.headroom.snapshot import NodeView
 from kvgate.policy import Refusal
 from kvgate.queue import placement
-from kvgate.queue.app import respond
+from kvgate.queue.app import error_boundary, respond
 from kvgate.queue.batches import (
     COMPLETION_WINDOWS,
     ENDPOINTS,
@@ -82,6 +83,9 @@ class BatchApi:
         self._metrics = metrics
         self._executor = executor
         self._limits = Limits(config.queue.max_jobs, config.queue.max_tokens_waiting)
+        # The whole app's error boundary (kvgate.queue.app.error_boundary), under the name the
+        # service registers it by.
+        self.store_errors = error_boundary(refusals, metrics)
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/files", self.upload)
@@ -93,16 +97,6 @@ class BatchApi:
         app.router.add_get("/v1/batches", self.list_batches)
         app.router.add_get("/v1/batches/{id}", self.show)
         app.router.add_post("/v1/batches/{id}/cancel", self.cancel)
-
-    @web.middleware
-    async def store_errors(
-        self, request: web.Request, handler: Callable[[web.Request], Any]
-    ) -> web.StreamResponse:
-        try:
-            response: web.StreamResponse = await handler(request)
-        except StoreError:
-            return respond(self._refusals.store_unavailable())
-        return response
 
     async def upload(self, request: web.Request) -> web.Response:
         if not request.content_type.startswith("multipart/"):
@@ -285,6 +279,9 @@ def _check_create(params: Any) -> str | None:
 
 
 def _paging(request: web.Request) -> tuple[str | None, int]:
-    limit_text = request.query.get("limit", "20")
-    limit = int(limit_text) if limit_text.isdigit() else 20
-    return request.query.get("after"), max(1, min(limit, _MAX_PAGE))
+    """`after` and `limit` of a list request (OpenAI's: limit 1 to _MAX_PAGE, 20 when absent);
+    InvalidRequestError (400) for a limit that is not a whole number in range."""
+    limit = read_whole(request.query.get("limit", "20"), minimum=1, maximum=_MAX_PAGE)
+    if isinstance(limit, NotWhole):
+        raise InvalidRequestError(limit.describe("limit") + ".")
+    return request.query.get("after"), limit

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvgate.config import Config, ModelConfig
-from kvgate.errors import RequestError
+from kvgate.config.routekeys import MAX_TOKENS
+from kvgate.digits import whole_number
+from kvgate.errors import InvalidRequestError, RequestError
 from kvgate.estimate import Estimator, PromptCosts, local_estimator
 from kvgate.policy import Reason, Refusal, decide, thresholds
 from kvgate.policy.models import ModelMatcher
@@ -50,7 +52,9 @@ class Intake:
         return self._ranks.get(value, self._default_rank)
 
     def tenant(self, headers: Mapping[str, str]) -> str:
-        return headers.get(self._config.queue.tenant_header, "").strip() or self._config.queue.default_tenant
+        """The tenant header's value, or the default tenant; InvalidRequestError when it is not text."""
+        tenant = text_header(headers, self._config.queue.tenant_header) or ""
+        return tenant.strip() or self._config.queue.default_tenant
 
     def assess(
         self, path: str, body: bytes, gate_tokens: str | None, content_encoding: str | None = None
@@ -67,7 +71,8 @@ class Intake:
             shape = parse_body(api, data, self._limits)
         except RequestError as error:
             return refusal_for(error)
-        tokens = _positive_int(gate_tokens)
+        # The gate's own header; anything that does not read as a count is estimated here instead.
+        tokens = whole_number(gate_tokens, minimum=1, maximum=MAX_TOKENS)
         if tokens is None:
             model = self._models.lookup(shape.model)
             estimate = self._estimator(model).estimate_sync(shape, thresholds(model))
@@ -86,8 +91,13 @@ class Intake:
         return self._estimators[key]
 
 
-def _positive_int(text: str | None) -> int | None:
-    if text is None or not text.strip().isdigit():
-        return None
-    value = int(text)
-    return value if value > 0 else None
+def text_header(headers: Mapping[str, str], name: str) -> str | None:
+    """A header the queue stores or forwards: None when absent; InvalidRequestError (400) when its
+    bytes are not UTF-8 text (aiohttp hands them over as surrogate escapes, which no store holds)."""
+    value = headers.get(name)
+    if value is not None and not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequestError(f"The {name} header is not UTF-8 text.") from None
+    return value

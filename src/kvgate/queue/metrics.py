@@ -1,4 +1,5 @@
-"""The queue's metrics: jobs by state, oldest job age, tokens waiting per tenant, dispatch wait.
+"""The queue's metrics: jobs by state, oldest job age, tokens waiting per tenant, dispatch wait,
+requests the queue failed on.
 
 Store-wide figures (every replica's jobs) come from one `QueueStats` read every few seconds by the
 service, never from a query at scrape time; the rest count what this replica did. Tenants come from
@@ -15,6 +16,7 @@ from kvgate.telemetry import (
     QUEUE_ADMISSIONS,
     QUEUE_ATTEMPTS,
     QUEUE_DISPATCH_WAIT,
+    QUEUE_INTERNAL_ERRORS,
     QUEUE_JOBS,
     QUEUE_OLDEST_JOB_AGE,
     QUEUE_RUNNING,
@@ -61,6 +63,13 @@ class QueueMetrics:
         self._attempts = Tally(
             m, QUEUE_ATTEMPTS, "{attempt}", "Engine calls of this replica by how they ended", ("result",)
         )
+        self._internal_errors = Tally(
+            m,
+            QUEUE_INTERNAL_ERRORS,
+            "{request}",
+            "Requests answered 503 internal_error because the queue failed on them, by route",
+            ("route",),
+        )
         self._wait = histogram(
             QUEUE_DISPATCH_WAIT,
             "Time from a job's arrival to its dispatch to a node",
@@ -76,6 +85,10 @@ class QueueMetrics:
 
     def ended(self, result: str) -> None:
         self._attempts.add(result)
+
+    def internal_error(self, route: str) -> None:
+        """`route`: the path pattern the request matched (a bounded set), never the path itself."""
+        self._internal_errors.add(route)
 
 
 def tenant_series(tokens: dict[str, int]) -> list[tuple[float, dict[str, str]]]:

@@ -18,6 +18,7 @@ from typing import NamedTuple, cast
 from urllib.parse import urlsplit
 
 from kvgate.agent.sources.engines import EngineReading, read_engine_page
+from kvgate.digits import INT64_MAX, whole_number
 from kvgate.errors import ConfigError, HeadroomError
 
 _HEX = re.compile(rb"[0-9A-Fa-f]+")
@@ -182,7 +183,7 @@ def parse_response(data: bytes | bytearray, eof: bool) -> Response | None:
     status_line, *lines = bytes(data[:head_end]).decode("latin-1").split("\r\n")
     version, _, rest = status_line.partition(" ")
     code = rest.partition(" ")[0]
-    if version not in ("HTTP/1.1", "HTTP/1.0") or len(code) != 3 or not code.isdigit():
+    if version not in ("HTTP/1.1", "HTTP/1.0") or len(code) != 3 or whole_number(code, maximum=999) is None:
         raise _BadResponse(f"not an HTTP/1.x response: {status_line[:80]!r}")
     headers = {}
     for line in lines:
@@ -200,10 +201,10 @@ def parse_response(data: bytes | bytearray, eof: bool) -> Response | None:
     elif "chunked" in headers.get("transfer-encoding", "").lower():
         body = _dechunk(data, start)
     elif "content-length" in headers:
-        length = headers["content-length"]
-        if not length.isdigit():
-            raise _BadResponse(f"bad Content-Length {length[:40]!r}")
-        end = start + int(length)
+        length = whole_number(headers["content-length"], maximum=INT64_MAX)
+        if length is None:
+            raise _BadResponse(f"bad Content-Length {headers['content-length'][:40]!r}")
+        end = start + length
         body = bytes(data[start:end]) if len(data) >= end else None
     else:
         body, reusable = (bytes(data[start:]) if eof else None), False

@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterable
 from kvgate.agent.sources.engines import promtext
 from kvgate.agent.sources.engines.promtext import Sample
 from kvgate.agent.sources.engines.reading import EngineKind, EngineReading, PageState
+from kvgate.digits import INT64_MAX, whole_number
 
 CAPACITY = "sglang:max_total_num_tokens"
 USED = "sglang:num_used_tokens"
@@ -133,9 +134,9 @@ def _describe(pool: str, found: list[Sample]) -> str:
         if (promtext.label(sample, "dp_rank") or "") != pool:
             continue
         for ranks, key in ((tp, "tp_rank"), (pp, "pp_rank")):
-            value = promtext.label(sample, key)
-            if value is not None and value.isdigit():
-                ranks.add(int(value))
+            rank = whole_number(promtext.label(sample, key), maximum=INT64_MAX)
+            if rank is not None:
+                ranks.add(rank)
     parts = [f"{key} {_span(ranks)}" for key, ranks in (("tp", tp), ("pp", pp)) if ranks]
     return (f"dp {pool}: " if pool else "") + ", ".join(parts or ["one scheduler"])
 
@@ -148,4 +149,5 @@ def _span(ranks: set[int]) -> str:
 
 
 def _rank(pool: str) -> tuple[int, str]:
-    return (int(pool), "") if pool.isdigit() else (-1, pool)
+    rank = whole_number(pool, maximum=INT64_MAX)
+    return (rank, "") if rank is not None else (-1, pool)

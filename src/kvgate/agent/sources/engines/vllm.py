@@ -41,6 +41,7 @@ from __future__ import annotations
 from kvgate.agent.sources.engines import promtext
 from kvgate.agent.sources.engines.promtext import Sample
 from kvgate.agent.sources.engines.reading import EngineKind, EngineReading, PageState
+from kvgate.digits import INT64_MAX, whole_number
 from kvgate.errors import HeadroomError
 
 USAGE = "vllm:kv_cache_usage_perc"
@@ -118,18 +119,21 @@ def _engine_capacity(info: list[Sample]) -> tuple[int | None, str]:
         return None, f"no {CACHE_INFO} on the page yet"
     first = info[0]
     size_tokens = promtext.label(first, "kv_cache_size_tokens")
-    if size_tokens is not None and size_tokens.isdigit():
-        return int(size_tokens), f"kv_cache_size_tokens {size_tokens}"
+    size = whole_number(size_tokens, maximum=INT64_MAX)
+    if size is not None:
+        return size, f"kv_cache_size_tokens {size_tokens}"
     blocks, block_size = promtext.label(first, "num_gpu_blocks"), promtext.label(first, "block_size")
     if blocks == "None":
         return None, f"{CACHE_INFO} num_gpu_blocks is None: memory not profiled yet"
-    if blocks is None or block_size is None or not blocks.isdigit() or not block_size.isdigit():
+    block_count = whole_number(blocks, maximum=INT64_MAX)
+    tokens_per_block = whole_number(block_size, maximum=INT64_MAX)
+    if block_count is None or tokens_per_block is None:
         raise HeadroomError(
             f"engine metrics: {CACHE_INFO} needs integer num_gpu_blocks and block_size labels, "
             f"got {first.labels[:200]!r}"
         )
     engines = len({_engine(s) for s in info})
-    tokens = int(blocks) * int(block_size) // engines
+    tokens = block_count * tokens_per_block // engines
     summed = f" / {engines} engines" if engines > 1 else ""
     return tokens, f"num_gpu_blocks {blocks} x block_size {block_size}{summed}"
 
@@ -146,7 +150,8 @@ def _engine(sample: Sample) -> str:
 
 
 def _rank(engine: str) -> tuple[int, str]:
-    return (int(engine), "") if engine.isdigit() else (-1, engine)
+    rank = whole_number(engine, maximum=INT64_MAX)
+    return (rank, "") if rank is not None else (-1, engine)
 
 
 def _counter(text: str, name: str, before_0_10: str) -> int | None:
