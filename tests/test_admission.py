@@ -1,8 +1,8 @@
 """Admission driven in-process against FakeHeadroom: every branch, in seconds, with no processes.
 
 FakeHeadroom's nodes grant through the agent's own ReservationLedger, and its clock is a ManualClock,
-so staleness and the breaker's timing are set by the test; only admission's bounded wait for
-capacity runs on the event loop's real clock (a few tens of milliseconds here).
+admission's too: staleness, the breaker's timing and the bounded wait for capacity all move when the
+test advances the clock, never with the wall's.
 """
 
 from __future__ import annotations
@@ -41,8 +41,18 @@ def setup(
     source = FakeHeadroom(clock, stale_after_s=stale_after_s)
     for name, capacity in nodes:
         source.add_node(name, capacity)
-    settings = AdmissionConfig(**{"max_wait_s": 0.05, **config})  # type: ignore[arg-type]
+    settings = AdmissionConfig(**{"max_wait_s": 0.0, **config})  # type: ignore[arg-type]
     return source, clock, Admission(settings, source, clock=clock)
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Let the event loop run until `condition` holds (requests in flight got where the test needs
+    them); time does not move meanwhile."""
+    for _ in range(1000):
+        await asyncio.sleep(0)
+        if condition():
+            return
+    raise AssertionError("the condition never held")
 
 
 async def admit(admission: Admission, tokens: int, request_id: str, priority: str | None = None) -> Admitted:
@@ -71,8 +81,11 @@ def test_a_long_request_is_pinned_to_the_node_that_reserved_it() -> None:
 
 def test_a_burst_inside_one_sampling_period_cannot_over_admit() -> None:
     async def scenario() -> None:
-        _, _, admission = setup(("a", 40000), max_wait_s=0.2)
-        results = await asyncio.gather(*(admit(admission, 12000, f"r{i}") for i in range(5)))
+        _, clock, admission = setup(("a", 40000), max_wait_s=0.25)
+        tasks = [asyncio.create_task(admit(admission, 12000, f"r{i}")) for i in range(5)]
+        await until(lambda: sum(t.done() for t in tasks) == 3 and clock.sleeping == 2)
+        clock.advance(0.25)  # the two left waiting run out of time
+        results = await asyncio.gather(*tasks)
         admitted = [r for r in results if r.ticket is not None]
         assert len(admitted) == 3, "the agent's ledger charges each grant before the next"
         assert [refused(r) for r in results if r.ticket is None] == [Reason.NO_CAPACITY] * 2
@@ -82,12 +95,12 @@ def test_a_burst_inside_one_sampling_period_cannot_over_admit() -> None:
 
 def test_waits_in_the_queue_then_takes_capacity_that_frees() -> None:
     async def scenario() -> None:
-        source, _, admission = setup(("a", 20000), max_wait_s=5.0)
+        source, clock, admission = setup(("a", 20000), max_wait_s=5.0)
         await admission.start()
         first = await admit(admission, 15000, "first")
         assert first.ticket is not None
         waiting = asyncio.create_task(admit(admission, 15000, "second"))
-        await asyncio.sleep(0.05)
+        await until(lambda: clock.sleeping == 1)
         assert not waiting.done()
         assert admission.gauges().waiting == 1
         await admission.release(first.ticket)
@@ -100,11 +113,11 @@ def test_waits_in_the_queue_then_takes_capacity_that_frees() -> None:
 
 def test_an_agent_update_wakes_the_waiting_head() -> None:
     async def scenario() -> None:
-        source, _, admission = setup(("a", 20000), max_wait_s=5.0)
+        source, clock, admission = setup(("a", 20000), max_wait_s=5.0)
         source.update("a", used_tokens=15000)
         await admission.start()
         waiting = asyncio.create_task(admit(admission, 10000, "r1"))
-        await asyncio.sleep(0.05)
+        await until(lambda: clock.sleeping == 1)
         assert not waiting.done()
         source.update("a", used_tokens=2000)  # the engine finished other work
         assert (await waiting).ticket is not None
@@ -115,9 +128,15 @@ def test_an_agent_update_wakes_the_waiting_head() -> None:
 
 def test_a_wait_that_times_out_is_refused_with_429_and_no_reservation() -> None:
     async def scenario() -> None:
-        source, _, admission = setup(("a", 20000), max_wait_s=0.05)
+        source, clock, admission = setup(("a", 20000), max_wait_s=2.0)
         source.update("a", used_tokens=15000)
-        admitted = await admit(admission, 10000, "r1")
+        waiting = asyncio.create_task(admit(admission, 10000, "r1"))
+        await until(lambda: clock.sleeping == 1)
+        clock.advance(1.0)
+        await until(lambda: clock.sleeping == 1)
+        assert not waiting.done(), "half its wait: still waiting"
+        clock.advance(1.0)
+        admitted = await waiting
         assert refused(admitted) is Reason.NO_CAPACITY
         assert admitted.ticket is None and source.reserved_tokens("a") == 0
         assert admission.gauges().waiting == 0, "the request left the queue"
@@ -127,10 +146,10 @@ def test_a_wait_that_times_out_is_refused_with_429_and_no_reservation() -> None:
 
 def test_a_full_queue_refuses_at_once() -> None:
     async def scenario() -> None:
-        source, _, admission = setup(("a", 20000), max_wait_s=5.0, queue_size=2)
+        source, clock, admission = setup(("a", 20000), max_wait_s=5.0, queue_size=2)
         source.update("a", used_tokens=15000)
         waiters = [asyncio.create_task(admit(admission, 10000, f"w{i}")) for i in range(2)]
-        await asyncio.sleep(0.02)
+        await until(lambda: clock.sleeping == 2)
         # A full queue makes the pool red too: only the top priority gets as far as the queue.
         assert refused(await admit(admission, 10000, "third", "normal")) is Reason.SHED
         assert refused(await admit(admission, 10000, "fourth", "high")) is Reason.QUEUE_FULL
@@ -335,18 +354,24 @@ def test_a_stream_cancelled_mid_reserve_gives_the_reservation_back() -> None:
 
 
 def test_the_clients_prefer_wait_shortens_the_wait_but_never_lengthens_it() -> None:
-    async def waited(wait_s: float | None, max_wait_s: float) -> float:
-        source, _, admission = setup(("a", 20000), max_wait_s=max_wait_s)
+    async def waited(wait_s: float, max_wait_s: float) -> float:
+        """How far the clock moved before the request was refused."""
+        source, clock, admission = setup(("a", 20000), max_wait_s=max_wait_s)
         source.update("a", used_tokens=15000)
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        admitted = await admission.admit(long_route(10000), MODEL, None, "r1", wait_s)
-        assert refused(admitted) is Reason.NO_CAPACITY
-        return loop.time() - started
+        started = clock()
+        waiting = asyncio.create_task(admission.admit(long_route(10000), MODEL, None, "r1", wait_s))
+        while True:
+            await until(lambda: waiting.done() or clock.sleeping == 1)
+            if waiting.done():
+                break
+            clock.advance(0.25)
+        assert refused(await waiting) is Reason.NO_CAPACITY
+        return clock() - started
 
     async def scenario() -> None:
-        assert await waited(0.0, 5.0) < 0.5
-        assert await waited(60.0, 0.1) < 1.0
+        assert await waited(0.0, 5.0) == 0.0
+        assert await waited(0.5, 5.0) == 0.5
+        assert await waited(60.0, 1.0) == 1.0
 
     run(scenario)
 
@@ -436,10 +461,7 @@ def test_each_answer_is_checked_against_when_its_capacity_freed() -> None:
             assert retry_after(await admit_with_budget(admission, 30000, 100, "refused")) == 2.0
             clock.advance(2.5)
             await admission.release(held.ticket)  # it ended half a second late
-            for _ in range(100):
-                if metrics.checked:
-                    break
-                await asyncio.sleep(0.01)
+            await until(lambda: bool(metrics.checked))
             return metrics.checked
         finally:
             await admission.stop()

@@ -89,7 +89,7 @@ def setup(*nodes: tuple[str, int]) -> tuple[FakeHeadroom, Admission]:
     source = FakeHeadroom(clock)
     for name, capacity in nodes:
         source.add_node(name, capacity)
-    return source, Admission(AdmissionConfig(max_wait_s=0.05), source, clock=clock)
+    return source, Admission(AdmissionConfig(max_wait_s=0.0), source, clock=clock)
 
 
 async def admit(

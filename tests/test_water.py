@@ -170,7 +170,8 @@ def test_the_interactive_pool_sheds_only_its_lowest_priority_and_only_when_red()
 
 def test_wait_queue_orders_by_priority_then_arrival() -> None:
     async def scenario() -> None:
-        queue = WaitQueue(size=3)
+        clock = ManualClock()
+        queue = WaitQueue(size=3, clock=clock)
         low = queue.join(2)
         normal = queue.join(1)
         high = queue.join(0)
@@ -179,10 +180,27 @@ def test_wait_queue_orders_by_priority_then_arrival() -> None:
         assert queue.is_head(high)
         queue.leave(high)
         assert queue.is_head(normal)
-        woke = asyncio.create_task(queue.wait_change(5))
+        woke = asyncio.create_task(queue.wait_change(clock() + 5))
         await asyncio.sleep(0)
         queue.leave(normal)
         await asyncio.wait_for(woke, 1)
         assert queue.is_head(low)
+
+    asyncio.run(scenario())
+
+
+def test_a_wait_in_the_queue_ends_when_its_clock_reaches_the_deadline() -> None:
+    async def scenario() -> None:
+        clock = ManualClock()
+        queue = WaitQueue(size=1, clock=clock)
+        waiting = asyncio.create_task(queue.wait_change(clock() + 5))
+        while clock.sleeping == 0:
+            await asyncio.sleep(0)
+        clock.advance(4)
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        clock.advance(1)
+        await asyncio.wait_for(waiting, 1)
+        assert clock.sleeping == 0
 
     asyncio.run(scenario())

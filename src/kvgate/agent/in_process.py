@@ -36,10 +36,11 @@ from kvgate.headroom.snapshot import (
 
 
 class ManualClock:
-    """A monotonic clock that moves only when told to."""
+    """A monotonic clock that moves only when told to, and sleeps that end as it moves."""
 
     def __init__(self, start: float = 1000.0) -> None:
         self.now = start
+        self._sleepers: list[tuple[float, asyncio.Future[None]]] = []
 
     def __call__(self) -> float:
         return self.now
@@ -47,6 +48,27 @@ class ManualClock:
     def advance(self, seconds: float) -> None:
         assert seconds >= 0, "a monotonic clock does not go back"
         self.now += seconds
+        for until, woken in self._sleepers:
+            if until <= self.now and not woken.done():
+                woken.set_result(None)
+
+    @property
+    def sleeping(self) -> int:
+        """Sleeps not yet over: how a test knows its waiters are waiting before it moves the clock."""
+        return sum(1 for _, woken in self._sleepers if not woken.done())
+
+    async def sleep(self, seconds: float) -> None:
+        """Return once the clock has been advanced `seconds` from now (on the next turn of the loop when
+        that is not in the future)."""
+        if seconds <= 0:
+            await asyncio.sleep(0)
+            return
+        sleeper = (self.now + seconds, asyncio.get_running_loop().create_future())
+        self._sleepers.append(sleeper)
+        try:
+            await sleeper[1]
+        finally:
+            self._sleepers.remove(sleeper)
 
 
 @dataclass(slots=True)

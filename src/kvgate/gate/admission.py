@@ -21,14 +21,13 @@ import asyncio
 import dataclasses
 import logging
 import random
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from kvgate.config import AdmissionConfig, ModelConfig
 from kvgate.errors import HeadroomError
-from kvgate.gate.waitqueue import WaitQueue
+from kvgate.gate.waitqueue import MONOTONIC, Clock, WaitQueue
 from kvgate.headroom.snapshot import NodeView, PrefixChain, ReleaseOutcome, ReserveOutcome
 from kvgate.policy import Decision, Reason, Refusal, Route
 from kvgate.policy.nodes import Affinity, choose_nodes
@@ -110,7 +109,7 @@ class Admission:
         long: HeadroomSource | None,
         interactive: HeadroomSource | None = None,
         telemetry: GateMetrics | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = MONOTONIC,
         *,
         rng: Callable[[], float] = random.random,
     ) -> None:
@@ -118,7 +117,7 @@ class Admission:
         self._long = long
         self._interactive = interactive
         self._clock = clock
-        self._queue = WaitQueue(config.queue_size)
+        self._queue = WaitQueue(config.queue_size, clock)
         self._long_pressure = PoolPressure(PoolKind.LONG, config)
         self._interactive_pressure = PoolPressure(PoolKind.INTERACTIVE, config)
         self._ranks = {name: rank for rank, name in enumerate(config.priorities)}
@@ -210,16 +209,15 @@ class Admission:
     async def _place(self, source: HeadroomSource, route: Route, model: ModelConfig, ask: _Ask) -> Admitted:
         """Wait in priority order, at most max_wait_s, until a node's agent grants the reservation.
 
-        The wait is measured on the event loop's clock (it is a real wait); the head of the queue
-        always tries at least once, so max_wait_s 0 means "no waiting", not "never".
+        The wait is measured on admission's clock; the head of the queue always tries at least once,
+        so max_wait_s 0 means "no waiting", not "never".
         """
         place = self._queue.join(ask.rank)
         if place is None:
             why = "the admission queue is full"
             full = overflow(route, model, Reason.QUEUE_FULL, why, self._config.async_fallback)
             return Admitted(self._come_back(full, source, ask.output_tokens))
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + ask.max_wait_s
+        deadline = self._clock() + ask.max_wait_s
         affinity = ask.affinity
         try:
             while True:
@@ -238,12 +236,11 @@ class Admission:
                                 )
                             pinned = Route(route.pool, Reason.LONG, route.tokens, node.headroom.endpoint)
                             return Admitted(pinned, ticket)
-                remaining = deadline - loop.time()
-                if remaining <= 0:
+                if self._clock() >= deadline:
                     why = "no node has room"
                     refused = overflow(route, model, Reason.NO_CAPACITY, why, self._config.async_fallback)
                     return Admitted(self._come_back(refused, source, ask.output_tokens))
-                await self._queue.wait_change(remaining)
+                await self._queue.wait_change(deadline)
         finally:
             self._queue.leave(place)
 
