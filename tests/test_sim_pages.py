@@ -22,7 +22,7 @@ from kvgate.sim.layout import Layout
 from kvgate.sim.metrics import SglangPage, VllmPage
 from kvgate.sim.server import SimServer
 from kvgate.sim.sglang_page import SglangCadence
-from kvgate.sim.tokens import count_text_tokens, make_prompt, tokenizer_counter
+from kvgate.sim.tokens import count_text_tokens, load_tokenizer, make_prompt
 
 FAST = {"decode_tokens_per_s": 1000.0, "prefill_tokens_per_s": 1_000_000.0}
 
@@ -154,7 +154,7 @@ def test_layout_rejects_zero_ranks(layout: dict[str, int]) -> None:
 def test_the_tokenizer_counts_what_bytes_over_four_does_not(sp_model_path: Path) -> None:
     text = text_with_tokens(sp_model_path, 7_700)
     body = {"messages": [{"role": "user", "content": text}], "max_tokens": 10}
-    counted = parse_request("chat", body, tokenizer_counter(sp_model_path))
+    counted = parse_request("chat", body, load_tokenizer(sp_model_path).count)
     guessed = parse_request("chat", body)
     assert counted.prompt_tokens == 7_700
     assert guessed.prompt_tokens == count_text_tokens(text) != 7_700
@@ -162,4 +162,4 @@ def test_the_tokenizer_counts_what_bytes_over_four_does_not(sp_model_path: Path)
 
 def test_a_missing_tokenizer_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not found"):
-        tokenizer_counter(tmp_path / "absent.model")
+        load_tokenizer(tmp_path / "absent.model")

@@ -1,4 +1,5 @@
-"""The simulator over HTTP: OpenAI responses, SSE streaming, vLLM /metrics, preemption and crash."""
+"""The simulator over HTTP: OpenAI responses, SSE streaming, vLLM /metrics, preemption and crash, what it
+answers about itself and its tokens as vLLM or SGLang, and its KV events over ZMQ."""
 
 from __future__ import annotations
 
@@ -17,21 +18,30 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
+import msgpack
 import pytest
+import zmq
+import zmq.asyncio
 from aiohttp import web
 
 from kvgate.localports import free_port
 from kvgate.sim.engine import EngineConfig
+from kvgate.sim.layout import Layout
 from kvgate.sim.server import NODE_HEADER, SimServer
-from kvgate.sim.tokens import make_prompt
+from kvgate.sim.tokens import ByteQuads, make_prompt
 
 FAST = {"decode_tokens_per_s": 1000.0, "prefill_tokens_per_s": 1_000_000.0}
 
 
 @asynccontextmanager
-async def serving(**settings: Any) -> AsyncIterator[str]:
+async def serving(
+    *, layout: Layout | None = None, kv_events_endpoint: str | None = None, **settings: Any
+) -> AsyncIterator[str]:
     config = EngineConfig(**{**FAST, **settings})
-    runner = web.AppRunner(SimServer(config, model_name="m", node_name="n1").app(), access_log=None)
+    server = SimServer(
+        config, model_name="m", node_name="n1", layout=layout, kv_events_endpoint=kv_events_endpoint
+    )
+    runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()
     try:
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -239,3 +249,184 @@ def test_cli_serves_until_sigterm() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def get_json(s: aiohttp.ClientSession, url: str) -> Any:
+    async with s.get(url) as r:
+        assert r.status == 200, f"{url}: {r.status}"
+        return await r.json()
+
+
+async def post_json(s: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, Any]:
+    async with s.post(url, json=body) as r:
+        return r.status, await r.json()
+
+
+def test_as_vllm_it_answers_vllm_s_identity_endpoints() -> None:
+    async def case() -> None:
+        async with serving(kv_capacity_tokens=4096, max_model_len=2048) as url, aiohttp.ClientSession() as s:
+            assert await get_json(s, f"{url}/version") == {"version": "0.33.0"}
+            card = (await get_json(s, f"{url}/v1/models"))["data"][0]
+            info = await get_json(s, f"{url}/server_info?config_format=json")
+            identity = await get_json(s, f"{url}/get_server_info")
+            sources = await get_json(s, f"{url}/kv_event_sources")
+            async with s.get(f"{url}/get_load") as r:
+                assert r.status == 404, "vLLM has no /get_load"
+        assert (card["owned_by"], card["root"], card["max_model_len"]) == ("vllm", "m", 2048)
+        assert info["vllm_config"]["cache_config"]["block_size"] == 16
+        assert info["vllm_config"]["model_config"]["max_model_len"] == 2048
+        assert identity == {
+            "model_id": "m",
+            "model_path": "m",
+            "instance_id": "n1",
+            "kv_block_size": 16,
+            "data_parallel_size": 1,
+        }
+        assert sources == {}, "no KV events unless an endpoint is given"
+
+    run(case)
+
+
+def test_tokenize_and_render_count_what_the_chat_is_charged() -> None:
+    async def case() -> None:
+        messages = [
+            {"role": "system", "content": make_prompt(37, random.Random(1))},
+            {"role": "user", "content": "what is it?"},
+        ]
+        async with serving(kv_capacity_tokens=4096, max_model_len=2048) as url, aiohttp.ClientSession() as s:
+            status, tokens = await post_json(s, f"{url}/tokenize", {"model": "m", "messages": messages})
+            assert status == 200
+            chat_body = {"model": "m", "messages": messages, "max_tokens": 4}
+            status, rendered = await post_json(s, f"{url}/v1/chat/completions/render", chat_body)
+            assert status == 200
+            status, answer = await post_json(s, f"{url}/v1/chat/completions", chat_body)
+            assert status == 200
+            status, listed = await post_json(
+                s, f"{url}/v1/completions/render", {"model": "m", "prompt": "abcdefgh", "max_tokens": 2}
+            )
+            assert status == 200
+            status, refused = await post_json(
+                s, f"{url}/v1/chat/completions/render", {**chat_body, "max_tokens": 2040}
+            )
+            assert status == 400
+        assert tokens["count"] == len(tokens["tokens"]) == answer["usage"]["prompt_tokens"] == 37 + 3
+        assert tokens["max_model_len"] == 2048
+        assert rendered["token_ids"] == tokens["tokens"]
+        assert rendered["sampling_params"]["max_tokens"] == 4
+        assert [item["token_ids"] for item in listed] == [ByteQuads().ids("abcdefgh")]
+        assert "maximum context length is 2048 tokens" in refused["error"]["message"]
+
+    run(case)
+
+
+def test_ignore_eos_gives_exactly_max_tokens_and_without_a_budget_runs_to_the_model_len() -> None:
+    async def case() -> None:
+        async with serving(kv_capacity_tokens=4096, max_model_len=256) as url, aiohttp.ClientSession() as s:
+            status, budget = await post_json(s, f"{url}/v1/chat/completions", chat(50, 9, ignore_eos=True))
+            assert status == 200
+            request = chat(200, 1, ignore_eos=True)
+            del request["max_tokens"]
+            status, unbounded = await post_json(s, f"{url}/v1/chat/completions", request)
+            assert status == 200
+            status, refused = await post_json(s, f"{url}/v1/chat/completions", chat(50, 9, ignore_eos="yes"))
+            assert status == 400
+        assert budget["usage"]["completion_tokens"] == 9
+        assert budget["choices"][0]["finish_reason"] == "length"
+        assert unbounded["usage"] == {"prompt_tokens": 200, "completion_tokens": 56, "total_tokens": 256}
+        assert unbounded["choices"][0]["finish_reason"] == "length"
+        assert "ignore_eos" in refused["error"]["message"]
+
+    run(case)
+
+
+def test_as_sglang_it_answers_sglang_s_identity_and_load_endpoints() -> None:
+    async def case() -> None:
+        layout = Layout(engine="sglang", data_parallel=2)
+        async with (
+            serving(layout=layout, kv_capacity_tokens=4096, max_model_len=2048) as url,
+            aiohttp.ClientSession() as s,
+        ):
+            card = (await get_json(s, f"{url}/v1/models"))["data"][0]
+            info = await get_json(s, f"{url}/get_server_info")
+            assert await get_json(s, f"{url}/server_info") == info
+            model = await get_json(s, f"{url}/get_model_info")
+            idle = await get_json(s, f"{url}/get_load")
+            for path in ("/version", "/kv_event_sources"):
+                async with s.get(f"{url}{path}") as r:
+                    assert r.status == 404, f"SGLang has no {path}"
+            async with s.post(f"{url}/v1/chat/completions", json=chat(100, 400, stream=True)) as r:
+                await r.content.readline()  # the first token: the request is running
+                busy = await get_json(s, f"{url}/get_load")
+        assert card["owned_by"] == "sglang"
+        assert (info["model_path"], info["dp_size"], info["page_size"]) == ("m", 2, 16)
+        assert info["max_total_num_tokens"] == 4096
+        assert info["version"] == "0.5.23"
+        assert len(info["internal_states"]) == 2
+        assert model == {"model_path": "m", "tokenizer_path": "m", "is_generation": True}
+        assert idle == [
+            {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0},
+            {"dp_rank": 1, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0},
+        ]
+        assert sum(rank["num_reqs"] for rank in busy) == 1
+        assert sum(rank["num_tokens"] for rank in busy) >= 100
+
+    run(case)
+
+
+async def next_batch(sub: zmq.asyncio.Socket) -> tuple[list[bytes], Any]:
+    assert await sub.poll(5000), "no KV-event batch within 5 s"
+    frames = await sub.recv_multipart()
+    return frames, msgpack.unpackb(frames[2])
+
+
+def test_kv_events_reach_a_subscriber_with_the_ids_tokenize_gives() -> None:
+    async def case() -> None:
+        settings = {"kv_capacity_tokens": 4096, "max_model_len": 2048}
+        context = zmq.asyncio.Context()
+        sub = context.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        try:
+            async with (
+                serving(kv_events_endpoint="tcp://127.0.0.1:0", **settings) as url,
+                aiohttp.ClientSession() as s,
+            ):
+                sources = await get_json(s, f"{url}/kv_event_sources")
+                assert list(sources) == ["0"] and sources["0"]["endpoint"].startswith("tcp://127.0.0.1:")
+                sub.connect(sources["0"]["endpoint"])
+                sub.setsockopt(zmq.SUBSCRIBE, b"")
+                # A subscription takes effect a moment after connecting: batches before it are lost, as
+                # with vLLM. Send distinct prompts until one arrives.
+                for attempt in range(50):
+                    await post_json(s, f"{url}/v1/chat/completions", chat(40, 1, seed=attempt))
+                    if await sub.poll(100):
+                        break
+                while await sub.poll(100):
+                    await sub.recv_multipart()
+                body = chat(40, 1, seed=999)
+                status, tokens = await post_json(s, f"{url}/tokenize", {"messages": body["messages"]})
+                assert status == 200
+                await post_json(s, f"{url}/v1/chat/completions", body)
+                frames, batch = await next_batch(sub)
+        finally:
+            sub.close()
+            context.term()
+        topic, sequence, _ = frames
+        assert topic == b""
+        assert int.from_bytes(sequence, "big") >= 1
+        ts, events, rank = batch
+        assert rank == 0 and ts > 1.7e9
+        assert events == [
+            {
+                "type": "BlockStored",
+                "block_hashes": events[0]["block_hashes"],
+                "parent_block_hash": None,
+                "token_ids": tokens["tokens"][:32],
+                "block_size": 16,
+                "lora_id": None,
+                "medium": "GPU",
+                "lora_name": None,
+            }
+        ]
+        assert len(events[0]["block_hashes"]) == 2
+
+    run(case)

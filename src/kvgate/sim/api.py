@@ -4,8 +4,9 @@ Requests are read into a `CompletionRequest`; a request vLLM would refuse raises
 with the status and message vLLM uses, and `error_body` renders it as vLLM's error JSON.
 Prompt tokens are counted per text part and summed, by the counter the server is given: a real
 tokenizer (`kvgate sim --tokenizer`) or `kvgate.sim.tokens`' ceil(UTF-8 bytes / 4); image parts are
-not charged; a completions prompt given as token ids counts one token per id. The parts are kept, in
-order with their message's role, for the prefix cache's block hashes (kvgate.sim.blocks).
+not charged; a completions prompt given as token ids counts one token per id (and keeps them). The
+parts are kept, in order with their message's role, for the prefix cache's block hashes
+(kvgate.sim.blocks). `ignore_eos` is vLLM's sampling field of the same name (a boolean, default false).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     parts: tuple[Part, ...] = ()
+    ignore_eos: bool = False
+    prompt_ids: tuple[int, ...] | None = None  # a completions prompt given as token ids
 
 
 class EngineError(KvgateError):
@@ -62,12 +65,14 @@ def parse_request(api: Api, body: object, count: TokenCount = count_text_tokens)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string")
+    prompt_ids = None
     if api == "chat":
-        parts = _chat_parts(body.get("messages"), count)
+        parts = chat_parts(body.get("messages"), count)
         max_tokens = _positive_int(body, "max_completion_tokens")
         if max_tokens is None:
             max_tokens = _positive_int(body, "max_tokens")
     else:
+        prompt_ids = _prompt_ids(body.get("prompt"))
         parts = (_completion_part(body.get("prompt"), count),)
         max_tokens = _positive_int(body, "max_tokens")
         if max_tokens is None:
@@ -77,8 +82,13 @@ def parse_request(api: Api, body: object, count: TokenCount = count_text_tokens)
         raise bad_request("'stream' must be true or false")
     options = body.get("stream_options") or {}
     include_usage = isinstance(options, dict) and options.get("include_usage") is True
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise bad_request("'ignore_eos' must be true or false")
     prompt_tokens = max(sum(tokens for _, _, tokens in parts), 1)
-    return CompletionRequest(api, model, prompt_tokens, max_tokens, stream, include_usage, parts)
+    return CompletionRequest(
+        api, model, prompt_tokens, max_tokens, stream, include_usage, parts, ignore_eos, prompt_ids
+    )
 
 
 def check_context(request: CompletionRequest, max_model_len: int) -> None:
@@ -110,7 +120,7 @@ def _positive_int(body: dict[str, Any], key: str) -> int | None:
     return value
 
 
-def _chat_parts(messages: object, count: TokenCount) -> tuple[Part, ...]:
+def chat_parts(messages: object, count: TokenCount) -> tuple[Part, ...]:
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list")
     parts: list[Part] = []
@@ -139,13 +149,20 @@ def _completion_part(prompt: object, count: TokenCount) -> Part:
         prompt = prompt[0]
     if isinstance(prompt, str):
         return ("prompt", prompt, max(count(prompt), 1))
+    ids = _prompt_ids(prompt)
+    if ids is not None:
+        return ("prompt", ",".join(map(str, ids)), len(ids))
+    raise bad_request("'prompt' must be a string, a list of one string, or a list of token ids")
+
+
+def _prompt_ids(prompt: object) -> tuple[int, ...] | None:
     if (
         isinstance(prompt, list)
         and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
     ):
-        return ("prompt", ",".join(map(str, prompt)), len(prompt))
-    raise bad_request("'prompt' must be a string, a list of one string, or a list of token ids")
+        return tuple(prompt)
+    return None
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

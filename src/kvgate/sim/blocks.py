@@ -13,6 +13,9 @@ As vLLM V1 keeps them (vllm/v1/core/block_pool.py and kv_cache_manager.py @ 003d
   (block_pool.py `free_blocks`).
 Used blocks are those some request references: cached free blocks count as free, as in
 `vllm:kv_cache_usage_perc`.
+With `record_evictions`, the hashes that leave the cache are kept, in order, until `take_evicted`:
+what vLLM's block pool reports as BlockRemoved (a hash leaves when its block is reallocated; freeing
+a block alone removes nothing).
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ from collections.abc import Sequence
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, caching: bool) -> None:
+    def __init__(self, num_blocks: int, caching: bool, record_evictions: bool = False) -> None:
         self.num_blocks = num_blocks
         self.caching = caching
+        self.record_evictions = record_evictions
+        self._evicted: list[int] = []
         self._refs: list[int] = []
         self._hash: list[int | None] = []
         self._cached: dict[int, int] = {}  # block hash -> block id
@@ -71,15 +76,25 @@ class BlockPool:
                 self._hash[block] = None
                 if self._cached.get(evicted) == block:
                     del self._cached[evicted]
+                if self.record_evictions:
+                    self._evicted.append(evicted)
             self._refs[block] = 1
             blocks.append(block)
         return blocks
 
-    def cache(self, block: int, block_hash: int) -> None:
-        """Register a full block's hash; a prefix already cached in another block keeps that one."""
+    def cache(self, block: int, block_hash: int) -> bool:
+        """Register a full block's hash; a prefix already cached in another block keeps that one.
+        True when the hash was registered here."""
         if self.caching and self._hash[block] is None and block_hash not in self._cached:
             self._hash[block] = block_hash
             self._cached[block_hash] = block
+            return True
+        return False
+
+    def take_evicted(self) -> list[int]:
+        """The hashes evicted since the last call, oldest first (recorded only with `record_evictions`)."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
 
     def free(self, blocks: Sequence[int]) -> None:
         for block in reversed(blocks):
@@ -95,6 +110,7 @@ class BlockPool:
         self._hash = [None] * self.num_blocks
         self._cached = {}
         self._free = OrderedDict.fromkeys(range(self.num_blocks))
+        self._evicted = []
 
 
 def prompt_block_hashes(parts: Sequence[tuple[str, str, int]], block_size: int) -> tuple[int, ...]:

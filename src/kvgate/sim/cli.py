@@ -11,10 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvgate.errors import ConfigError
-from kvgate.sim.api import TokenCount
 from kvgate.sim.engine import EngineConfig
 from kvgate.sim.layout import Layout
-from kvgate.sim.tokens import count_text_tokens, tokenizer_counter
+from kvgate.sim.tokens import ByteQuads, SimTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +31,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "render theirs, with their labels for data-parallel engines and TP/PP ranks. Prompt tokens are "
             "counted with --tokenizer, else as ceil(UTF-8 bytes / 4) of the text parts. Automatic prefix "
             "caching as vLLM's: full prompt blocks cached under chained hashes, shared by every request "
-            "with that prefix, free ones evicted least recently used first; cached tokens skip prefill."
+            "with that prefix, free ones evicted least recently used first; cached tokens skip prefill. "
+            "It answers what the engine it plays answers about itself and its tokens, so routers treat "
+            "it as that engine: as vLLM /version, /tokenize, /v1/chat/completions/render, "
+            "/v1/completions/render, /server_info, /get_server_info and /kv_event_sources; as SGLang "
+            "/tokenize, /server_info, /get_server_info, /model_info and /get_load. Token ids come from "
+            "the same rule as the counts, so /tokenize agrees with what a request is charged."
         ),
     )
     parser.add_argument("--listen", required=True, metavar="HOST:PORT", help="address to serve on")
@@ -116,6 +120,20 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=True,
         help="cache prompt blocks and reuse them across requests, as vLLM does by default (default on)",
     )
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="requests without max_tokens run to max-model-len, as with vLLM's ignore_eos "
+        "(a request can ask for it with the field of that name); with max_tokens the node always "
+        "generates exactly max_tokens",
+    )
+    parser.add_argument(
+        "--kv-events-endpoint",
+        metavar="tcp://HOST:PORT",
+        help="publish the prefix cache's changes as vLLM's KV events on a ZMQ PUB socket bound here "
+        "(each data-parallel rank on PORT + rank; port 0 picks free ports); /kv_event_sources "
+        "reports where (default: off)",
+    )
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="seed for output lengths and text")
     parser.add_argument("--block-size", type=int, default=16, metavar="N", help="KV block size in tokens")
     parser.add_argument(
@@ -158,10 +176,15 @@ def run(args: argparse.Namespace) -> int:
         restart_s=args.restart_s,
         seed=args.seed,
         enable_prefix_caching=args.enable_prefix_caching,
+        ignore_eos=args.ignore_eos,
     )
     layout = Layout(args.engine, args.data_parallel, args.tensor_parallel, args.pipeline_parallel)
-    count: TokenCount = count_text_tokens if args.tokenizer is None else tokenizer_counter(args.tokenizer)
-    server = _Served(config, layout, count, args.model_name, args.node_name or args.listen)
+    tokenizer = ByteQuads() if args.tokenizer is None else load_tokenizer(args.tokenizer)
+    if args.kv_events_endpoint is not None and not args.kv_events_endpoint.startswith("tcp://"):
+        raise ConfigError(f"--kv-events-endpoint must be tcp://HOST:PORT, got {args.kv_events_endpoint!r}")
+    server = _Served(
+        config, layout, tokenizer, args.model_name, args.node_name or args.listen, args.kv_events_endpoint
+    )
     asyncio.run(_serve(server, (host, port)))
     return 0
 
@@ -170,9 +193,10 @@ def run(args: argparse.Namespace) -> int:
 class _Served:
     config: EngineConfig
     layout: Layout
-    count: TokenCount
+    tokenizer: SimTokenizer
     model_name: str
     node_name: str
+    kv_events_endpoint: str | None
 
 
 async def _serve(served: _Served, address: tuple[str, int]) -> None:
@@ -186,7 +210,8 @@ async def _serve(served: _Served, address: tuple[str, int]) -> None:
         model_name=served.model_name,
         node_name=served.node_name,
         layout=served.layout,
-        count_tokens=served.count,
+        tokenizer=served.tokenizer,
+        kv_events_endpoint=served.kv_events_endpoint,
     )
     host, port = address
     runner = web.AppRunner(server.app(), access_log=None)

@@ -16,6 +16,14 @@ How a step is built, as in vLLM V1:
   prefix of its prompt (kvgate.sim.blocks: shared blocks, LRU eviction of free cached ones) and
   computes only the rest; vLLM recomputes at least the prompt's last token, so a hit never covers it
   (vllm/v1/core/kv_cache_manager.py, get_computed_blocks @ 003df29).
+- A request names its output budget (max_tokens) and gets exactly that many tokens, as a model that
+  never ends early; without one it stops at a seeded end-of-sequence within `default_output_tokens`,
+  unless end-of-sequence is ignored (vLLM's `ignore_eos`, per request or `EngineConfig.ignore_eos`):
+  then it runs to max-model-len, vLLM's default budget.
+- With `kv_events`, every change to the prefix cache is recorded as vLLM's scheduler reports it
+  (kvgate.sim.kv_events): BlockStored when a request's full prompt blocks are registered (with their
+  token ids), BlockRemoved when a cached block is reallocated, AllBlocksCleared when a crash empties
+  the cache; `take_kv_events` hands over those of the latest steps.
 - When blocks run out, `preempt` mode frees the newest running sequence and queues it for
   recomputation (latency collapses, nothing fails); a waiting sequence just waits. `crash` mode
   models an engine without that guard, a CUDA OOM: every sequence fails and the node is down for
@@ -35,6 +43,7 @@ from typing import Literal
 
 from kvgate.errors import ConfigError
 from kvgate.sim.blocks import BlockPool
+from kvgate.sim.kv_events import AllBlocksCleared, BlockRemoved, KvEvent, stored_events
 
 Exhaustion = Literal["crash", "preempt"]
 
@@ -55,6 +64,10 @@ class EngineConfig:
     # Output length when a request names no max_tokens (a real engine stops at end-of-sequence).
     default_output_tokens: tuple[int, int] = (32, 256)
     enable_prefix_caching: bool = True
+    # Requests without max_tokens run to max-model-len instead of a sampled end (vLLM's ignore_eos).
+    ignore_eos: bool = False
+    # Record the prefix cache's changes as vLLM's KV events (needs prompt token ids from the caller).
+    kv_events: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.kv_capacity_tokens < self.block_size:
@@ -89,6 +102,7 @@ class _Sequence:
     computed_tokens: int = 0
     blocks: list[int] = field(default_factory=list)
     hashes: tuple[int, ...] = ()  # of the prompt's full blocks (kvgate.sim.blocks.prompt_block_hashes)
+    token_ids: tuple[int, ...] = ()  # of the prompt, for the KV events of its blocks
     registered: int = 0  # leading blocks already in the prefix cache
     preempted: bool = False
 
@@ -139,6 +153,7 @@ class EngineStats:
     # Prefix cache, as vLLM counts it: prompt tokens of new requests looked up, and those found.
     prefix_queries_total: int = 0
     prefix_hits_total: int = 0
+    waiting_tokens: int = 0  # known tokens of the waiting requests (SGLang counts them in its load)
 
     @property
     def kv_usage(self) -> float:
@@ -156,7 +171,8 @@ class Engine:
         self._running: list[_Sequence] = []
         self._waiting: deque[_Sequence] = deque()
         self._by_id: dict[str, _Sequence] = {}
-        self._pool = BlockPool(config.num_gpu_blocks, config.enable_prefix_caching)
+        self._pool = BlockPool(config.num_gpu_blocks, config.enable_prefix_caching, config.kv_events)
+        self._kv_events: list[KvEvent] = []
         self._down_until = float("-inf")
         self._preemptions = 0
         self._crashes = 0
@@ -178,21 +194,35 @@ class Engine:
         return bool(self._running or self._waiting)
 
     def add(
-        self, request_id: str, prompt_tokens: int, max_tokens: int | None, block_hashes: tuple[int, ...] = ()
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        block_hashes: tuple[int, ...] = (),
+        *,
+        token_ids: tuple[int, ...] = (),
+        ignore_eos: bool = False,
     ) -> int:
         """Queue a request the caller has validated; returns the number of tokens it will generate.
-        `block_hashes` key its prompt's full blocks in the prefix cache."""
+        `block_hashes` key its prompt's full blocks in the prefix cache; with KV events on, `token_ids`
+        must cover those blocks."""
         assert not self.is_down(), "a down node accepts no requests"
         assert request_id not in self._by_id, f"duplicate request id {request_id}"
+        if self.config.kv_events and len(token_ids) < len(block_hashes) * self.config.block_size:
+            raise ValueError(f"KV events need the token ids of {request_id}'s {len(block_hashes)} blocks")
         room = self.config.max_model_len - prompt_tokens
-        if max_tokens is None:
+        ends = max_tokens is None and not (ignore_eos or self.config.ignore_eos)
+        if max_tokens is not None:
+            target = max_tokens
+        elif ends:
             low, high = self.config.default_output_tokens
             target = min(self._rng.randint(low, high), room)
         else:
-            target = max_tokens
+            target = room
         assert 1 <= target <= room and prompt_tokens >= 1, "request exceeds max-model-len"
-        sequence = _Sequence(request_id, prompt_tokens, target, "stop" if max_tokens is None else "length")
+        sequence = _Sequence(request_id, prompt_tokens, target, "stop" if ends else "length")
         sequence.hashes = block_hashes
+        sequence.token_ids = token_ids
         self._waiting.append(sequence)
         self._by_id[request_id] = sequence
         self._prompt_total += prompt_tokens
@@ -282,6 +312,11 @@ class Engine:
             events.append(TokenEvent(request_id, sequence.output_tokens, finished, reason))
         return events
 
+    def take_kv_events(self) -> list[KvEvent]:
+        """The prefix cache's changes since the last call, in the order they happened."""
+        events, self._kv_events = self._kv_events, []
+        return events
+
     def stats(self) -> EngineStats:
         total = self.config.num_gpu_blocks
         return EngineStats(
@@ -299,6 +334,7 @@ class Engine:
             down=self.is_down(),
             prefix_queries_total=self._prefix_queries,
             prefix_hits_total=self._prefix_hits,
+            waiting_tokens=sum(s.known_tokens for s in self._waiting),
         )
 
     def _start(self, sequence: _Sequence, hits: list[int], count: int) -> bool:
@@ -330,11 +366,18 @@ class Engine:
             if blocks is None:
                 return False
             sequence.blocks += blocks
+            if self.config.kv_events and (evicted := self._pool.take_evicted()):
+                self._kv_events.append(BlockRemoved(tuple(evicted)))
         # vLLM caches a block as soon as a step is scheduled to fill it (kv_cache_manager.allocate_slots).
         full = min(len(sequence.hashes), (sequence.computed_tokens + count) // size)
-        for index in range(sequence.registered, full):
-            self._pool.cache(sequence.blocks[index], sequence.hashes[index])
+        stored = [
+            index
+            for index in range(sequence.registered, full)
+            if self._pool.cache(sequence.blocks[index], sequence.hashes[index])
+        ]
         sequence.registered = max(sequence.registered, full)
+        if self.config.kv_events and stored:
+            self._kv_events += stored_events(sequence.hashes, sequence.token_ids, stored, size)
         return True
 
     def _free(self, sequence: _Sequence) -> None:
@@ -362,6 +405,8 @@ class Engine:
         self._waiting.clear()
         self._by_id.clear()
         self._pool.reset()
+        if self.config.kv_events and self.config.enable_prefix_caching:
+            self._kv_events.append(AllBlocksCleared())
         self._crashes += 1
         self._down_until = self._clock() + self.config.restart_s
         return Step(batch=(), duration_s=0.0, crashed=failed)

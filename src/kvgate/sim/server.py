@@ -8,6 +8,13 @@ DPLBAsyncMPClient.get_core_engine_for_request @ v0.33.0: in-flight count first; 
 `total_requests` balancing is the same idea). While an engine is down after a simulated OOM, the
 node behaves like a dead process: every connection is cut without an answer, /metrics and
 in-flight streams included.
+
+Besides the OpenAI endpoints, a node answers what the engine it plays answers about itself and about
+tokens, so routers treat it as that engine (kvgate.sim.identity, kvgate.sim.render): as vLLM, /version,
+/tokenize, the two render endpoints, /server_info, /get_server_info and /kv_event_sources; as SGLang,
+/tokenize, /server_info, /get_server_info, /model_info, /get_model_info and /get_load. With a KV-event
+endpoint each engine publishes its prefix cache's changes on a ZMQ PUB socket, one batch per step
+that changed it, as vLLM does (kvgate.sim.kv_events).
 """
 
 from __future__ import annotations
@@ -22,14 +29,17 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import zmq
 from aiohttp import web
 
-from kvgate.sim import api
+from kvgate.errors import ConfigError
+from kvgate.sim import api, kv_events, render
 from kvgate.sim.blocks import prompt_block_hashes
-from kvgate.sim.engine import Engine, EngineConfig, TokenEvent
+from kvgate.sim.engine import Engine, EngineConfig, EngineStats, TokenEvent
+from kvgate.sim.identity import Identity
 from kvgate.sim.layout import Finished, Layout
 from kvgate.sim.metrics import metrics_page
-from kvgate.sim.tokens import count_text_tokens, output_word, vocabulary_size
+from kvgate.sim.tokens import ByteQuads, SimTokenizer, output_word, vocabulary_size
 
 NODE_HEADER = "x-kvgate-sim-node"
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -56,9 +66,13 @@ class SimServer:
         clock: Callable[[], float] = time.monotonic,
         *,
         layout: Layout | None = None,
-        count_tokens: api.TokenCount = count_text_tokens,
+        tokenizer: SimTokenizer | None = None,
+        kv_events_endpoint: str | None = None,
     ) -> None:
+        """`kv_events_endpoint` (tcp://HOST:PORT, port 0 for a free one) turns the KV-event feed on."""
         self.layout = layout or Layout()
+        if kv_events_endpoint is not None:
+            config = dataclasses.replace(config, kv_events=True)
         # Each DP rank is an engine of the configured size; their outputs differ by seed.
         self.engines = [
             Engine(dataclasses.replace(config, seed=config.seed + rank), clock)
@@ -66,7 +80,14 @@ class SimServer:
         ]
         self.config = config
         self.page = metrics_page(config, self.layout, model_name, clock)
-        self._count_tokens = count_tokens
+        self._tokenizer = tokenizer or ByteQuads()
+        self._publisher = (
+            None
+            if kv_events_endpoint is None
+            else _KvPublisher(kv_events_endpoint, len(self.engines), topic="")
+        )
+        endpoints = () if self._publisher is None else tuple(self._publisher.endpoints)
+        self.identity = Identity(config, self.layout, model_name, node_name, endpoints)
         self._clock = clock
         self.model_name = model_name
         self.node_name = node_name
@@ -88,6 +109,24 @@ class SimServer:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/tokenize", self._tokenize)
+        info = self.identity
+        if self.layout.engine == "vllm":
+            app.router.add_get("/version", self._json(lambda: {"version": info.version}))
+            app.router.add_post("/v1/chat/completions/render", self._render_chat)
+            app.router.add_post("/v1/completions/render", self._render_completions)
+            app.router.add_get("/server_info", self._json(info.vllm_server_info))
+            app.router.add_get("/get_server_info", self._json(info.kv_identity))
+            app.router.add_get(
+                "/kv_event_sources",
+                self._json(lambda: kv_events.sources(info.kv_event_endpoints, topic="")),
+            )
+        else:
+            for path in ("/server_info", "/get_server_info"):
+                app.router.add_get(path, self._json(lambda: info.sglang_server_info(self._stats())))
+            for path in ("/model_info", "/get_model_info"):
+                app.router.add_get(path, self._json(info.sglang_model_info))
+            app.router.add_get("/get_load", self._json(lambda: info.sglang_load(self._stats())))
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -102,6 +141,8 @@ class SimServer:
         for driver in self._drivers:
             driver.cancel()
         await asyncio.gather(*self._drivers, return_exceptions=True)
+        if self._publisher is not None:
+            self._publisher.close()
 
     async def _drive(self, rank: int) -> None:
         engine = self.engines[rank]
@@ -118,6 +159,7 @@ class SimServer:
             for request_id in step.crashed:
                 self._streams[request_id].put_nowait(None)
             if step.crashed:
+                self._publish(rank)
                 continue
             if not step.batch:
                 wake.clear()
@@ -130,7 +172,13 @@ class SimServer:
             for event in engine.complete(step):
                 self._account(event)
                 self._streams[event.request_id].put_nowait(event)
+            self._publish(rank)
             self.page.stepped(rank, step, engine.stats())
+
+    def _publish(self, rank: int) -> None:
+        """The step's prefix-cache changes, published after its output as vLLM's scheduler does."""
+        if self._publisher is not None:
+            self._publisher.publish(rank, self.engines[rank].take_kv_events())
 
     def _account(self, event: TokenEvent) -> None:
         admitted = self._admitted[event.request_id]
@@ -174,13 +222,9 @@ class SimServer:
         except ValueError:
             return _error(api.bad_request("the request body is not valid JSON"))
         try:
-            parsed = api.parse_request(kind, body, self._count_tokens)
-            api.check_context(parsed, self.config.max_model_len)
+            parsed = self._parse(kind, body)
         except api.EngineError as exc:
             return _error(exc)
-        if parsed.model is not None and parsed.model != self.model_name:
-            message = f"The model `{parsed.model}` does not exist."
-            return _error(api.EngineError(404, "NotFoundError", message))
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         request_id = f"{prefix}-{self.node_name}-{next(self._ids)}"
         queue: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
@@ -193,7 +237,15 @@ class SimServer:
             if self.config.enable_prefix_caching
             else ()
         )
-        self.engines[rank].add(request_id, parsed.prompt_tokens, parsed.max_tokens, hashes)
+        ids = render.prompt_ids(parsed, self._tokenizer) if self._publisher is not None else []
+        self.engines[rank].add(
+            request_id,
+            parsed.prompt_tokens,
+            parsed.max_tokens,
+            hashes,
+            token_ids=tuple(ids),
+            ignore_eos=parsed.ignore_eos,
+        )
         self._wakes[rank].set()
         words = _Words(self.config.seed, request_id)
         reply = api.Reply(parsed, request_id, int(time.time()), self.model_name)
@@ -241,23 +293,100 @@ class SimServer:
         body = reply.full(words.take(last.output_tokens), last.finish_reason, last.output_tokens)
         return web.json_response(body, headers={NODE_HEADER: self.node_name})
 
+    def _parse(self, kind: api.Api, body: object) -> api.CompletionRequest:
+        """A request as its call would read it: EngineError for what vLLM refuses."""
+        parsed = api.parse_request(kind, body, self._tokenizer.count)
+        api.check_context(parsed, self.config.max_model_len)
+        if parsed.model is not None and parsed.model != self.model_name:
+            raise api.EngineError(404, "NotFoundError", f"The model `{parsed.model}` does not exist.")
+        return parsed
+
+    async def _tokenize(self, request: web.Request) -> web.StreamResponse:
+        try:
+            answer = render.tokenize(await _json_body(request), self._tokenizer, self.config.max_model_len)
+        except api.EngineError as exc:
+            return _error(exc)
+        return web.json_response(answer)
+
+    async def _render_chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._render(request, "chat")
+
+    async def _render_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._render(request, "completion")
+
+    async def _render(self, request: web.Request, kind: api.Api) -> web.StreamResponse:
+        try:
+            body = await _json_body(request)
+            parsed = self._parse(kind, body)
+        except api.EngineError as exc:
+            return _error(exc)
+        assert isinstance(body, dict), "a parsed request is a JSON object"
+        budget = parsed.max_tokens or self.config.max_model_len - parsed.prompt_tokens
+        ids = render.prompt_ids(parsed, self._tokenizer)
+        answer = render.generate_request(
+            parsed,
+            body,
+            ids=ids,
+            request_id=f"render-{self.node_name}-{next(self._ids)}",
+            model=self.model_name,
+            budget=budget,
+        )
+        return web.json_response(answer if kind == "chat" else [answer])
+
+    def _stats(self) -> list[EngineStats]:
+        return [engine.stats() for engine in self.engines]
+
+    @staticmethod
+    def _json(answer: Callable[[], object]) -> _Handler:
+        async def handle(_request: web.Request) -> web.StreamResponse:
+            return web.json_response(answer())
+
+        return handle
+
     async def _models(self, _request: web.Request) -> web.StreamResponse:
-        card = {
-            "id": self.model_name,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "kvgate-sim",
-            "root": self.model_name,
-            "max_model_len": self.config.max_model_len,
-        }
-        return web.json_response({"object": "list", "data": [card]})
+        return web.json_response(self.identity.models(int(time.time())))
 
     async def _health(self, _request: web.Request) -> web.StreamResponse:
         return web.Response(status=200)
 
     async def _metrics(self, _request: web.Request) -> web.StreamResponse:
-        text = self.page.render([engine.stats() for engine in self.engines])
+        text = self.page.render(self._stats())
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+
+class _KvPublisher:
+    """One ZMQ PUB socket per engine (DP rank), bound at start-up; a batch per call, never blocking (a
+    subscriber too far behind loses batches, as with vLLM's publisher, and sees the gap in sequence)."""
+
+    def __init__(self, endpoint: str, ranks: int, topic: str) -> None:
+        self._context = zmq.Context()
+        self._topic = topic
+        self._sockets: list[zmq.Socket[bytes]] = []
+        self.endpoints: list[str] = []
+        for rank in range(ranks):
+            socket = self._context.socket(zmq.PUB)
+            socket.setsockopt(zmq.SNDHWM, kv_events.DEFAULT_HWM)
+            socket.setsockopt(zmq.LINGER, 0)
+            try:
+                socket.bind(kv_events.rank_endpoint(endpoint, rank))
+            except zmq.ZMQError as exc:
+                self.close()
+                raise ConfigError(f"cannot publish KV events on {endpoint} (rank {rank}): {exc}") from exc
+            self._sockets.append(socket)
+            self.endpoints.append(socket.getsockopt_string(zmq.LAST_ENDPOINT))
+        self._sequence = [0] * ranks
+
+    def publish(self, rank: int, events: list[kv_events.KvEvent]) -> None:
+        if not events:
+            return
+        payload = kv_events.encode_batch(events, time.time(), rank)
+        self._sockets[rank].send_multipart(kv_events.message(self._topic, self._sequence[rank], payload))
+        self._sequence[rank] += 1
+
+    def close(self) -> None:
+        for socket in self._sockets:
+            socket.close()
+        self._context.term()
 
 
 class _Words:
@@ -282,6 +411,13 @@ async def _next_events(queue: asyncio.Queue[TokenEvent | None]) -> list[TokenEve
 
 async def _send(response: web.StreamResponse, chunk: dict[str, Any]) -> None:
     await response.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
+
+
+async def _json_body(request: web.Request) -> object:
+    try:
+        return json.loads(await request.read())
+    except ValueError as exc:
+        raise api.bad_request("the request body is not valid JSON") from exc
 
 
 def _error(error: api.EngineError) -> web.Response:

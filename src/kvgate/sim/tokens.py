@@ -7,13 +7,30 @@ parts. That rule is deterministic and needs no tokenizer file. Prompts built by 
 common three-letter English words each preceded by a space (" the", " and", ...): every such word is
 exactly four bytes and one token for Llama- and Mistral-family tokenizers, so the simulator's count,
 the gate's estimate and a real tokenizer agree on them.
+
+Token ids (for /tokenize, the render endpoints and the KV-event feed) come from the same rule, so an
+id list is always exactly as long as the count the simulator charges: without a tokenizer file each
+token is its four bytes of the text read as a little-endian unsigned 32-bit integer (the last one
+zero-padded); with one, the file's own ids (sentencepiece and tokenizer.json ids as vLLM's tokenizer
+returns them without special tokens; tekken ids are tiktoken ranks, without mistral-common's offset
+by the number of special tokens).
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+import struct
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
+
+from kvgate.estimate.exact import (
+    HuggingFaceCounter,
+    SentencePieceCounter,
+    TekkenCounter,
+    TokenizerFile,
+    encodable,
+)
 
 BYTES_PER_TOKEN = 4
 
@@ -33,12 +50,66 @@ def count_text_tokens(text: str) -> int:
     return -(-len(text.encode("utf-8")) // BYTES_PER_TOKEN)
 
 
-def tokenizer_counter(path: Path) -> Callable[[str], int]:
-    """Tokens of a text as the tokenizer file at `path` (sentencepiece or tokenizer.json) counts them,
-    without special tokens; ConfigError when the file is missing or not a tokenizer."""
-    from kvgate.estimate.exact import TokenizerFile, load_counter
+class SimTokenizer(Protocol):
+    """How the simulator reads text: the tokens it charges, their ids, and each id's entry in the
+    vocabulary (vLLM's `token_strs`: the tokenizer's convert_ids_to_tokens)."""
 
-    return load_counter(TokenizerFile.open(path)).count
+    def count(self, text: str) -> int: ...
+
+    def ids(self, text: str) -> list[int]: ...
+
+    def pieces(self, ids: Sequence[int]) -> list[str]: ...
+
+
+class ByteQuads:
+    """The tokenizer-less rule: one token per four UTF-8 bytes."""
+
+    def count(self, text: str) -> int:
+        return count_text_tokens(text)
+
+    def ids(self, text: str) -> list[int]:
+        data = text.encode("utf-8", "surrogatepass")
+        data += bytes(-len(data) % BYTES_PER_TOKEN)
+        return list(struct.unpack(f"<{len(data) // BYTES_PER_TOKEN}I", data))
+
+    def pieces(self, ids: Sequence[int]) -> list[str]:
+        return [struct.pack("<I", i).rstrip(b"\0").decode("utf-8", "replace") for i in ids]
+
+
+# The exact counters of kvgate.estimate, which also give the ids they count (same engine, same input).
+class _SentencePieceTokenizer(SentencePieceCounter):
+    def ids(self, text: str) -> list[int]:
+        return list(self._processor.encode(encodable(text)))
+
+    def pieces(self, ids: Sequence[int]) -> list[str]:
+        return [str(self._processor.id_to_piece(i)) for i in ids]
+
+
+class _HuggingFaceTokenizer(HuggingFaceCounter):
+    def ids(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(encodable(text), add_special_tokens=False).ids)
+
+    def pieces(self, ids: Sequence[int]) -> list[str]:
+        return [str(self._tokenizer.id_to_token(i)) for i in ids]
+
+
+class _TekkenTokenizer(TekkenCounter):
+    def ids(self, text: str) -> list[int]:
+        return list(self._encoding.encode_ordinary(encodable(text)))
+
+    def pieces(self, ids: Sequence[int]) -> list[str]:
+        return [self._encoding.decode_single_token_bytes(i).decode("utf-8", "replace") for i in ids]
+
+
+def load_tokenizer(path: Path) -> SimTokenizer:
+    """The tokenizer file at `path` (sentencepiece, tokenizer.json or tekken), counting without special
+    tokens as kvgate's exact estimator does; ConfigError when it is missing or not a tokenizer."""
+    kind = TokenizerFile.open(path).kind
+    if kind == "tekken":
+        return _TekkenTokenizer(path)
+    if kind == "huggingface":
+        return _HuggingFaceTokenizer(path)
+    return _SentencePieceTokenizer(path)
 
 
 def make_prompt(tokens: int, rng: random.Random) -> str:
