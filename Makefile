@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast bench soak lint format proto clean image
+.PHONY: setup demo test test-fast bench soak lint format proto clean image peers
 
 setup: $(STAMP)
 
@@ -43,6 +43,11 @@ IMAGE ?= kvgate:dev
 BASE_IMAGE ?= python:3.11-slim-bookworm
 image: setup
 	$(BIN)/python scripts/build_image.py --image $(IMAGE) --base-image $(BASE_IMAGE)
+
+# The peer routers kvgate is compared with (PyPI smg and vllm-router, pinned), in their own venv
+# cached outside the clone; .venv-peers links to it (scripts/peers.sh).
+peers:
+	@scripts/peers.sh
 
 proto: setup
 	$(BIN)/python -m kvgate.headroom.protogen
