@@ -4,15 +4,21 @@ the shape of its refusals, the bounded tenant label of its metrics."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
+import kvgate.queue
 from kvgate.config import parse_config
 from kvgate.config.queue import QueueSettings
 from kvgate.errors import ConfigError
 from kvgate.headroom.snapshot import CapacitySource, NodeHeadroom, NodeView
 from kvgate.policy.decision import Reason
 from kvgate.queue.app import prefers_async
+from kvgate.queue.batches import ENDED, OPEN, BatchStatus
+from kvgate.queue.database import literal, literals
+from kvgate.queue.jobs import ACTIVE, TERMINAL, JobState
 from kvgate.queue.metrics import TENANT_LABELS, tenant_series
 from kvgate.queue.placement import Fit, fit
 from kvgate.queue.refusals import QueueRefusals
@@ -89,3 +95,14 @@ def test_the_tenant_label_is_bounded() -> None:
     assert len(series) == TENANT_LABELS + 1
     assert series[0] == (float(1000 + TENANT_LABELS + 4), {"tenant": f"t{TENANT_LABELS + 4}"})
     assert series[-1] == (float(sum(1000 + i for i in range(5))), {"tenant": "_other"})
+
+
+def test_the_queues_sql_names_job_states_and_batch_statuses_only_through_their_enums() -> None:
+    words = sorted({str(value) for value in (*JobState, *BatchStatus)})
+    by_hand = re.compile("'(" + "|".join(words) + ")'")
+    for path in sorted(Path(kvgate.queue.__file__).parent.glob("*.py")):
+        assert not by_hand.findall(path.read_text()), f"{path.name} spells a state by hand"
+    assert literal(JobState.QUEUED) == "'queued'"
+    assert literals(ACTIVE) == "('queued', 'running')"
+    assert set(JobState) == ACTIVE | TERMINAL and not ACTIVE & TERMINAL
+    assert not OPEN & ENDED

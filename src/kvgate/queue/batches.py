@@ -33,6 +33,7 @@ class BatchStatus(enum.StrEnum):
 
 
 OPEN = frozenset({BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING})
+ENDED = frozenset({BatchStatus.COMPLETED, BatchStatus.FAILED, BatchStatus.EXPIRED, BatchStatus.CANCELLED})
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvgate.queue.batches import OPEN, Batch, BatchStatus, Counts, StoredFile, encode_metadata
-from kvgate.queue.database import Database, Row, Tx
-from kvgate.queue.jobs import Job, JobState, NewJob
+from kvgate.queue.database import Database, Row, Tx, literal, literals
+from kvgate.queue.jobs import ACTIVE, Job, JobState, NewJob
 from kvgate.queue.store import JOB_COLUMNS, JobStore, Limits, QueueFull, job_from_row
 
 _FILE_COLUMNS = "id, purpose, filename, bytes, created_at"
@@ -24,7 +24,8 @@ _BATCH_COLUMNS = (
     "completed, failed, metadata, errors, output_file_id, error_file_id, in_progress_at, finalizing_at, "
     "completed_at, failed_at, expired_at, cancelling_at, cancelled_at"
 )
-_OPEN_SQL = "(" + ", ".join(f"'{status.value}'" for status in sorted(OPEN)) + ")"
+_OPEN_SQL = literals(OPEN)
+_ACTIVE_JOBS = literals(ACTIVE)
 
 
 class BatchStore:
@@ -109,15 +110,16 @@ class BatchStore:
         """Stop an open batch: its queued lines are cancelled, running ones finish; settled later."""
         async with self._database.transaction() as tx:
             rows = await tx.execute(
-                f"UPDATE kvgate_batches SET status = 'cancelling', cancelling_at = ? "
+                f"UPDATE kvgate_batches SET status = {literal(BatchStatus.CANCELLING)}, cancelling_at = ? "
                 f"WHERE id = ? AND status IN {_OPEN_SQL} AND cancelling_at IS NULL RETURNING id",
                 (time.time(), batch_id),
             )
             if rows:
                 await tx.execute(
-                    f"UPDATE kvgate_jobs SET state = 'cancelled', finished_at = {self._database.now_sql}, "
-                    "error_code = 'batch_cancelled', error_message = 'The batch was cancelled before this "
-                    "request ran.' WHERE batch_id = ? AND state = 'queued'",
+                    f"UPDATE kvgate_jobs SET state = {literal(JobState.CANCELLED)}, "
+                    f"finished_at = {self._database.now_sql}, error_code = 'batch_cancelled', "
+                    "error_message = 'The batch was cancelled before this request ran.' "
+                    f"WHERE batch_id = ? AND state = {literal(JobState.QUEUED)}",
                     (batch_id,),
                 )
         return await self.batch(batch_id)
@@ -127,7 +129,7 @@ class BatchStore:
         async with self._database.transaction() as tx:
             rows = await tx.execute(
                 f"SELECT id FROM kvgate_batches b WHERE status IN {_OPEN_SQL} AND NOT EXISTS "
-                "(SELECT 1 FROM kvgate_jobs j WHERE j.batch_id = b.id AND j.state IN ('queued', 'running'))"
+                f"(SELECT 1 FROM kvgate_jobs j WHERE j.batch_id = b.id AND j.state IN {_ACTIVE_JOBS})"
             )
         return [row[0] for row in rows]
 
@@ -184,7 +186,7 @@ class BatchStore:
         )
         by_state = {JobState(state): int(n) for state, n in rows}
         completed = by_state.get(JobState.SUCCEEDED, 0)
-        ended = sum(n for state, n in by_state.items() if state not in (JobState.QUEUED, JobState.RUNNING))
+        ended = sum(n for state, n in by_state.items() if state not in ACTIVE)
         return Counts(batch.counts.total, completed, ended - completed)
 
 

@@ -8,8 +8,9 @@ its insert one step across replicas. Database errors become StoreError at the ad
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
+from enum import StrEnum
 from typing import Any, Protocol
 
 Row = tuple[Any, ...]
@@ -48,3 +49,16 @@ class Database(Protocol):
         """Connect, create the tables if missing, start listening."""
 
     async def close(self) -> None: ...
+
+
+def literal(value: StrEnum) -> str:
+    """An enum's value as a SQL string literal: how the stores' SQL names a job state or a batch
+    status (never by hand). Only enum values pass here, never client input."""
+    text = str(value.value)
+    assert text.isidentifier(), f"{text!r} is not a plain word"
+    return f"'{text}'"
+
+
+def literals(values: Iterable[StrEnum]) -> str:
+    """Enum values as a parenthesised SQL list for `IN`, in a stable order."""
+    return "(" + ", ".join(sorted(map(literal, values))) + ")"

@@ -30,6 +30,7 @@ class JobState(enum.StrEnum):
 
 
 TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.EXPIRED})
+ACTIVE = frozenset(JobState) - TERMINAL  # queued or running: still the queue's to run
 
 
 def new_id(prefix: str) -> str:

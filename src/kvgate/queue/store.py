@@ -17,8 +17,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate.queue.database import Database, Row, Tx
+from kvgate.queue import batches
+from kvgate.queue.database import Database, Row, Tx, literal, literals
 from kvgate.queue.jobs import (
+    ACTIVE,
     TERMINAL,
     Job,
     JobError,
@@ -44,8 +46,12 @@ _INSERT = (
     "headers, body, created_at, expires_at, batch_id, custom_id, line, finished_at, error_code, "
     "error_message) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, {now}, ?, ?, ?, ?, {finished}, ?, ?)"
 )
-_OPEN = "('queued', 'running')"
-_ENDED = "(" + ", ".join(f"'{state.value}'" for state in sorted(TERMINAL)) + ")"
+# The states as the SQL below names them (kvgate.queue.database.literal): never spelled by hand.
+_QUEUED = literal(JobState.QUEUED)
+_RUNNING = literal(JobState.RUNNING)
+_ACTIVE = literals(ACTIVE)
+_ENDED = literals(TERMINAL)
+_BATCH_ENDED = literals(batches.ENDED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +120,8 @@ class JobStore:
         if self.database.lock_bounds:
             await tx.execute(self.database.lock_bounds)
         ((count, waiting),) = await tx.execute(
-            "SELECT count(*), CAST(coalesce(sum(CASE WHEN state = 'queued' THEN tokens ELSE 0 END), 0) "
-            f"AS BIGINT) FROM kvgate_jobs WHERE state IN {_OPEN}"
+            f"SELECT count(*), CAST(coalesce(sum(CASE WHEN state = {_QUEUED} THEN tokens ELSE 0 END), 0) "
+            f"AS BIGINT) FROM kvgate_jobs WHERE state IN {_ACTIVE}"
         )
         if count + jobs > limits.max_jobs:
             return QueueFull(f"{count} jobs are queued or running (queue.max_jobs is {limits.max_jobs})")
@@ -147,7 +153,7 @@ class JobStore:
         """Queued jobs ahead of `job` in priority-then-age order (fair sharing may reorder tenants)."""
         async with self.database.transaction() as tx:
             ((ahead,),) = await tx.execute(
-                "SELECT count(*) FROM kvgate_jobs WHERE state = 'queued' AND (priority < ? OR "
+                f"SELECT count(*) FROM kvgate_jobs WHERE state = {_QUEUED} AND (priority < ? OR "
                 "(priority = ? AND seq < (SELECT seq FROM kvgate_jobs WHERE id = ?)))",
                 (job.priority, job.priority, job.id),
             )
@@ -159,7 +165,7 @@ class JobStore:
             rows = await tx.execute(
                 "SELECT id, priority, tenant, tokens, seq, attempts FROM (SELECT id, priority, tenant, "
                 "tokens, seq, attempts, row_number() OVER (PARTITION BY priority, tenant ORDER BY seq) "
-                "AS n FROM kvgate_jobs WHERE state = 'queued') AS heads WHERE n <= ?",
+                f"AS n FROM kvgate_jobs WHERE state = {_QUEUED}) AS heads WHERE n <= ?",
                 (per_group,),
             )
         return [Waiting(r[0], int(r[1]), r[2], int(r[3]), int(r[4]), int(r[5])) for r in rows]
@@ -169,9 +175,9 @@ class JobStore:
         is claiming it this instant). Returns the job with its request."""
         async with self.database.transaction() as tx:
             rows = await tx.execute(
-                f"UPDATE kvgate_jobs SET state = 'running', owner = ?, node = ?, reservation = ?, "
+                f"UPDATE kvgate_jobs SET state = {_RUNNING}, owner = ?, node = ?, reservation = ?, "
                 f"attempts = attempts + 1, started_at = {self._now}, lease_until = {self._now} + ? "
-                f"WHERE id = (SELECT id FROM kvgate_jobs WHERE id = ? AND state = 'queued'"
+                f"WHERE id = (SELECT id FROM kvgate_jobs WHERE id = ? AND state = {_QUEUED}"
                 f"{self.database.skip_locked}) RETURNING {JOB_COLUMNS}, {_REQUEST_COLUMNS}",
                 (owner, node, reservation, lease_s, job_id),
             )
@@ -186,8 +192,8 @@ class JobStore:
         """Extend the lease of `owner`'s running jobs; the ids of `running` it no longer holds."""
         async with self.database.transaction() as tx:
             rows = await tx.execute(
-                f"UPDATE kvgate_jobs SET lease_until = {self._now} + ? WHERE owner = ? AND state = 'running' "
-                "RETURNING id",
+                f"UPDATE kvgate_jobs SET lease_until = {self._now} + ? "
+                f"WHERE owner = ? AND state = {_RUNNING} RETURNING id",
                 (lease_s, owner),
             )
         return set(running) - {row[0] for row in rows}
@@ -201,7 +207,7 @@ class JobStore:
             rows = await tx.execute(
                 f"UPDATE kvgate_jobs SET state = ?, finished_at = {self._now}, lease_until = NULL, "
                 "result_status = ?, result_type = ?, result_body = ?, error_code = ?, error_message = ? "
-                "WHERE id = ? AND state = 'running' AND owner = ? AND attempts = ? RETURNING id",
+                f"WHERE id = ? AND state = {_RUNNING} AND owner = ? AND attempts = ? RETURNING id",
                 (
                     state.value,
                     result.status if result else None,
@@ -222,8 +228,8 @@ class JobStore:
         """Put `owner`'s running attempt back in the queue (engine dropped it, replica stopping)."""
         async with self.database.transaction() as tx:
             rows = await tx.execute(
-                "UPDATE kvgate_jobs SET state = 'queued', owner = NULL, lease_until = NULL "
-                "WHERE id = ? AND state = 'running' AND owner = ? AND attempts = ? RETURNING id",
+                f"UPDATE kvgate_jobs SET state = {_QUEUED}, owner = NULL, lease_until = NULL "
+                f"WHERE id = ? AND state = {_RUNNING} AND owner = ? AND attempts = ? RETURNING id",
                 (job.id, owner, job.attempts),
             )
             if rows:
@@ -234,8 +240,8 @@ class JobStore:
         """Fail a queued job that can never run (bigger than every node)."""
         async with self.database.transaction() as tx:
             rows = await tx.execute(
-                f"UPDATE kvgate_jobs SET state = 'failed', finished_at = {self._now}, error_code = ?, "
-                "error_message = ? WHERE id = ? AND state = 'queued' RETURNING id",
+                f"UPDATE kvgate_jobs SET state = {literal(JobState.FAILED)}, finished_at = {self._now}, "
+                f"error_code = ?, error_message = ? WHERE id = ? AND state = {_QUEUED} RETURNING id",
                 (error.code, error.message, job_id),
             )
             if rows:
@@ -246,8 +252,9 @@ class JobStore:
         """Cancel a queued or running job by id or request id; the job as it is now (None: unknown)."""
         async with self.database.transaction() as tx:
             rows = await tx.execute(
-                f"UPDATE kvgate_jobs SET state = 'cancelled', finished_at = {self._now}, lease_until = NULL, "
-                f"error_code = ?, error_message = ? WHERE (id = ? OR request_id = ?) AND state IN {_OPEN} "
+                f"UPDATE kvgate_jobs SET state = {literal(JobState.CANCELLED)}, finished_at = {self._now}, "
+                f"lease_until = NULL, error_code = ?, error_message = ? WHERE (id = ? OR request_id = ?) "
+                f"AND state IN {_ACTIVE} "
                 f"RETURNING {JOB_COLUMNS}",
                 (error.code, error.message, key, key),
             )
@@ -261,8 +268,8 @@ class JobStore:
         their node and reservation, for the caller to release."""
         async with self.database.transaction() as tx:
             rows = await tx.execute(
-                "UPDATE kvgate_jobs SET state = 'queued', owner = NULL, lease_until = NULL "
-                f"WHERE state = 'running' AND (lease_until < {self._now} OR ? = 1) RETURNING {JOB_COLUMNS}",
+                f"UPDATE kvgate_jobs SET state = {_QUEUED}, owner = NULL, lease_until = NULL "
+                f"WHERE state = {_RUNNING} AND (lease_until < {self._now} OR ? = 1) RETURNING {JOB_COLUMNS}",
                 (1 if everything else 0,),
             )
             if rows:
@@ -273,9 +280,9 @@ class JobStore:
         """Expire queued batch lines whose batch window closed; the batch ids touched."""
         async with self.database.transaction() as tx:
             rows = await tx.execute(
-                f"UPDATE kvgate_jobs SET state = 'expired', finished_at = {self._now}, "
+                f"UPDATE kvgate_jobs SET state = {literal(JobState.EXPIRED)}, finished_at = {self._now}, "
                 "error_code = 'batch_expired', error_message = 'This request could not be executed before "
-                f"the completion window expired.' WHERE state = 'queued' AND expires_at < {self._now} "
+                f"the completion window expired.' WHERE state = {_QUEUED} AND expires_at < {self._now} "
                 "RETURNING batch_id"
             )
         return sorted({row[0] for row in rows if row[0] is not None})
@@ -285,8 +292,8 @@ class JobStore:
         async with self.database.transaction() as tx:
             rows = await tx.execute(
                 f"DELETE FROM kvgate_jobs WHERE state IN {_ENDED} AND finished_at < {self._now} - ? AND "
-                "(batch_id IS NULL OR batch_id IN (SELECT id FROM kvgate_batches WHERE status IN "
-                "('completed', 'failed', 'expired', 'cancelled'))) RETURNING id",
+                f"(batch_id IS NULL OR batch_id IN (SELECT id FROM kvgate_batches WHERE status IN "
+                f"{_BATCH_ENDED})) RETURNING id",
                 (result_ttl_s,),
             )
         return len(rows)
@@ -296,10 +303,10 @@ class JobStore:
             states = await tx.execute("SELECT state, count(*) FROM kvgate_jobs GROUP BY state")
             ((oldest,),) = await tx.execute(
                 f"SELECT {self._now} - created_at FROM kvgate_jobs WHERE seq = "
-                "(SELECT min(seq) FROM kvgate_jobs WHERE state = 'queued') UNION ALL SELECT NULL LIMIT 1"
+                f"(SELECT min(seq) FROM kvgate_jobs WHERE state = {_QUEUED}) UNION ALL SELECT NULL LIMIT 1"
             )
             tenants = await tx.execute(
-                "SELECT tenant, CAST(sum(tokens) AS BIGINT) FROM kvgate_jobs WHERE state = 'queued' "
+                f"SELECT tenant, CAST(sum(tokens) AS BIGINT) FROM kvgate_jobs WHERE state = {_QUEUED} "
                 "GROUP BY tenant"
             )
         return QueueStats(
