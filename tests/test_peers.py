@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvgate.harness.client import Reply, post
-from kvgate.harness.peers import PeerRouter, find_peer, kv_event_flags, peer_router
+from kvgate.harness.peers import PeerRouter, connectable_endpoint, find_peer, kv_event_flags, peer_router
 from kvgate.harness.processes import ProcessGroup, Service, sim_command
 from kvgate.localports import free_ports
 from kvgate.sim.server import NODE_HEADER
@@ -114,3 +114,9 @@ def test_vllm_router_kv_aware_credits_the_prefix_a_node_published(nodes: list[st
         wait_for_log(router.service, r"kv_index live sequence advanced")
         assert chat(router, prompt("kv")).headers[NODE_HEADER] == node
         wait_for_log(router.service, r"KV prefix decision .*credited_prefix_tokens=288\b")
+
+
+def test_a_wildcard_kv_endpoint_is_given_to_vllm_router_as_the_worker_s_host() -> None:
+    assert connectable_endpoint("tcp://*:5557", "127.0.0.1") == "tcp://127.0.0.1:5557"
+    assert connectable_endpoint("tcp://0.0.0.0:5558", "10.0.0.5") == "tcp://10.0.0.5:5558"
+    assert connectable_endpoint("tcp://127.0.0.1:41000", "10.0.0.5") == "tcp://127.0.0.1:41000"

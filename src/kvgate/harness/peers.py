@@ -94,7 +94,8 @@ def kv_event_flags(workers: Sequence[str]) -> list[str]:
         ranks = _get_json(worker, "/kv_event_sources")
         if not isinstance(ranks, dict) or not ranks:
             raise ChildError(f"{worker} publishes no KV events (its /kv_event_sources is {ranks!r})")
-        endpoints = [ranks[rank]["endpoint"] for rank in sorted(ranks, key=int)]
+        host = urlsplit(worker).hostname or "127.0.0.1"
+        endpoints = [connectable_endpoint(ranks[rank]["endpoint"], host) for rank in sorted(ranks, key=int)]
         flags += ["--kv-event-source", f"{worker}={','.join(endpoints)}"]
         info = _get_json(worker, "/get_server_info")
         identities.add((str(info["model_id"]), int(info["kv_block_size"])))
@@ -102,6 +103,14 @@ def kv_event_flags(workers: Sequence[str]) -> list[str]:
         raise ChildError(f"the workers disagree on model or block size: {sorted(identities)}")
     ((model, block_size),) = identities
     return [*flags, "--kv-event-model", model, "--kv-event-block-size", str(block_size)]
+
+
+def connectable_endpoint(endpoint: str, host: str) -> str:
+    """A bound wildcard address (tcp://*:P, tcp://0.0.0.0:P) as the worker's host, as vllm-router's own
+    discovery rewrites it (its static flags refuse unspecified hosts)."""
+    scheme, _, rest = endpoint.partition("://")
+    address, _, port = rest.rpartition(":")
+    return f"{scheme}://{host}:{port}" if address in ("*", "0.0.0.0", "[::]") else endpoint
 
 
 @dataclass
