@@ -8,6 +8,7 @@ the queue again, and that the events replicas wake on are sent.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -16,8 +17,11 @@ from typing import TypeVar
 
 import pytest
 from postgres import PostgresServer, postgres_server
+from waiting import until_async
 
 from kvgate.errors import StoreError
+from kvgate.queue.batches import Batch, BatchStatus, Counts
+from kvgate.queue.batchstore import BatchStore
 from kvgate.queue.jobs import JobError, JobRequest, JobResult, JobState, NewJob, new_id
 from kvgate.queue.store import CANCEL, DONE, NEW, JobStore, Limits, QueueFull
 from kvgate.queue.stores import open_database
@@ -158,11 +162,12 @@ def test_a_claim_whose_lease_ran_out_goes_back_to_the_queue_with_its_reservation
     async def scenario() -> None:
         async with opened(opener) as store:
             job_id = await added(store, job())
-            claimed = await store.claim(job_id, "r1", "node-a", "res-1", 0.2)
+            claimed = await store.claim(job_id, "r1", "node-a", "res-1", 3600)
             assert claimed is not None
             assert await store.recover() == []
-            await asyncio.sleep(0.4)
-            (recovered,) = await store.recover()
+            # The lease runs out: renewed to end now, it has ended once the database clock moves on.
+            assert await store.renew("r1", [job_id], 0) == set()
+            (recovered,) = await until_async(store.recover, "the claim whose lease ran out")
             assert (recovered.id, recovered.node, recovered.reservation) == (job_id, "node-a", "res-1")
             assert recovered.state is JobState.QUEUED
             # The old owner's late result is not recorded; the next claim is attempt 2.
@@ -178,10 +183,11 @@ def test_renewing_keeps_claims_and_names_the_ones_lost(opener: Opener) -> None:
         async with opened(opener) as store:
             kept, cancelled = await added(store, job()), await added(store, job())
             for job_id in (kept, cancelled):
-                assert await store.claim(job_id, "r1", "n", f"res-{job_id}", 0.3) is not None
+                # Leases that end at once: only the renewal below keeps the claim.
+                assert await store.claim(job_id, "r1", "n", f"res-{job_id}", 0) is not None
             await store.cancel(cancelled, JobError("cancelled", "by test"))
-            assert await store.renew("r1", [kept, cancelled], 30) == {cancelled}
-            await asyncio.sleep(0.5)
+            assert await store.renew("r1", [kept, cancelled], 3600) == {cancelled}
+            await asyncio.sleep(0.05)  # the database clock moves past the claims' own leases
             assert await store.recover() == []
 
     run(scenario)
@@ -233,10 +239,7 @@ def test_store_events_announce_new_ended_and_cancelled_jobs(opener: Opener) -> N
             second = await added(store, job())
             await store.cancel(second, JobError("cancelled", "by test"))
             wanted = [NEW, DONE + first, NEW, CANCEL + second, DONE + second]
-            deadline = time.monotonic() + 5
-            while [e for e in heard if e in wanted] != wanted and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            assert [e for e in heard if e in wanted] == wanted
+            await until_async(lambda: [e for e in heard if e in wanted] == wanted, f"the events {wanted}")
 
     run(scenario)
 
@@ -294,6 +297,57 @@ def test_stats_count_jobs_by_state_the_oldest_wait_and_tokens_per_tenant(opener:
             stats = await store.stats()
             assert stats.jobs == {"queued": 2, "running": 1}
             assert stats.tokens_waiting == {"a": 2000, "b": 500}
-            assert stats.oldest_queued_s is not None and 0 <= stats.oldest_queued_s < 5
+            assert stats.oldest_queued_s is not None and 0 <= stats.oldest_queued_s < 3600
+
+    run(scenario)
+
+
+def batch_of(lines: int, window_s: float = 24 * 3600.0) -> tuple[Batch, list[NewJob]]:
+    """A batch created now (by this process's clock), open for `window_s`, and its lines."""
+    now = time.time()
+    batch = Batch(
+        new_id("batch_"), BatchStatus.IN_PROGRESS, "/v1/chat/completions", "file-x", "24h", "t", now,
+        now + window_s, Counts(lines), in_progress_at=now,
+    )  # fmt: skip
+    return batch, [
+        dataclasses.replace(job(), batch_id=batch.id, line=n, custom_id=f"c{n}", expires_at=batch.expires_at)
+        for n in range(lines)
+    ]
+
+
+def test_a_cancelled_batchs_waiting_lines_end_in_the_job_store_and_are_announced(opener: Opener) -> None:
+    async def scenario() -> None:
+        async with opened(opener) as store:
+            heard: list[str] = []
+            store.database.subscribe(heard.append)
+            batches = BatchStore(store.database, store)
+            batch, lines = batch_of(3)
+            assert await batches.create(batch, lines, ROOMY) == batch
+            assert await store.claim(lines[0].id, "r1", "n", "res", 30) is not None
+            cancelling = await batches.cancel(batch.id)
+            assert cancelling is not None and cancelling.status is BatchStatus.CANCELLING
+            states = [line.state for line in await batches.lines(batch.id)]
+            assert states == [JobState.RUNNING, JobState.CANCELLED, JobState.CANCELLED], (
+                "running lines finish"
+            )
+            wanted = {DONE + lines[1].id, DONE + lines[2].id}
+            await until_async(lambda: wanted <= set(heard), f"the events {wanted}")
+            assert DONE + lines[0].id not in heard
+
+    run(scenario)
+
+
+def test_expired_batch_lines_are_announced_ended(opener: Opener) -> None:
+    async def scenario() -> None:
+        async with opened(opener) as store:
+            heard: list[str] = []
+            store.database.subscribe(heard.append)
+            batches = BatchStore(store.database, store)
+            closed, late = batch_of(2, window_s=-1.0)
+            await batches.create(closed, late, ROOMY)
+            assert await store.expire() == [closed.id]
+            assert [line.state for line in await batches.lines(closed.id)] == [JobState.EXPIRED] * 2
+            wanted = {DONE + line.id for line in late}
+            await until_async(lambda: wanted <= set(heard), f"the events {wanted}")
 
     run(scenario)

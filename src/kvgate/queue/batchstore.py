@@ -1,4 +1,4 @@
-"""Files and batches in the store, beside the jobs their lines become.
+"""Files and batches in the store, beside the jobs their lines become (written by the JobStore).
 
 A batch and all its lines are committed in one transaction (within the queue's bounds, or not at
 all). It is settled once none of its lines is queued or running: its output and error files are
@@ -115,13 +115,7 @@ class BatchStore:
                 (time.time(), batch_id),
             )
             if rows:
-                await tx.execute(
-                    f"UPDATE kvgate_jobs SET state = {literal(JobState.CANCELLED)}, "
-                    f"finished_at = {self._database.now_sql}, error_code = 'batch_cancelled', "
-                    "error_message = 'The batch was cancelled before this request ran.' "
-                    f"WHERE batch_id = ? AND state = {literal(JobState.QUEUED)}",
-                    (batch_id,),
-                )
+                await self._jobs.cancel_batch(tx, batch_id)
         return await self.batch(batch_id)
 
     async def settled(self) -> list[str]:

@@ -6,8 +6,9 @@ row survives kill -9 of the queue. Claims carry a lease the owning replica renew
 back in the queue the running jobs whose lease ran out (their replica died or lost the store), and
 on an exclusive store (SQLite) every running job at start-up.
 
-Events (see kvgate.queue.database): `new` when a job may have become runnable, `done:ID` when a job
-ended, `cancel:ID` when a running job was cancelled (its owner aborts the engine call).
+Every write to a job goes through this store, batch lines' included, and each transition is announced
+(see kvgate.queue.database): `new` when a job may have become runnable, `done:ID` when a job ended,
+`cancel:ID` when a running job was cancelled (its owner aborts the engine call).
 """
 
 from __future__ import annotations
@@ -263,6 +264,19 @@ class JobStore:
                 await tx.notify(DONE + row[0])
         return job_from_row(rows[0]) if rows else await self.get(key)
 
+    async def cancel_batch(self, tx: Tx, batch_id: str) -> list[str]:
+        """Cancel a batch's queued lines inside the caller's transaction (the one that marks the batch
+        cancelling), each announced ended; their ids. Running lines finish."""
+        rows = await tx.execute(
+            f"UPDATE kvgate_jobs SET state = {literal(JobState.CANCELLED)}, finished_at = {self._now}, "
+            "error_code = 'batch_cancelled', error_message = 'The batch was cancelled before this request "
+            f"ran.' WHERE batch_id = ? AND state = {_QUEUED} RETURNING id",
+            (batch_id,),
+        )
+        for (job_id,) in rows:
+            await tx.notify(DONE + job_id)
+        return [row[0] for row in rows]
+
     async def recover(self, everything: bool = False) -> list[Job]:
         """Requeue running jobs whose claim lease ran out (all running ones if `everything`). They keep
         their node and reservation, for the caller to release."""
@@ -277,15 +291,18 @@ class JobStore:
         return [job_from_row(row) for row in rows]
 
     async def expire(self) -> list[str]:
-        """Expire queued batch lines whose batch window closed; the batch ids touched."""
+        """Expire queued batch lines whose batch window closed, each announced ended; the batch ids
+        touched."""
         async with self.database.transaction() as tx:
             rows = await tx.execute(
                 f"UPDATE kvgate_jobs SET state = {literal(JobState.EXPIRED)}, finished_at = {self._now}, "
                 "error_code = 'batch_expired', error_message = 'This request could not be executed before "
                 f"the completion window expired.' WHERE state = {_QUEUED} AND expires_at < {self._now} "
-                "RETURNING batch_id"
+                "RETURNING id, batch_id"
             )
-        return sorted({row[0] for row in rows if row[0] is not None})
+            for job_id, _ in rows:
+                await tx.notify(DONE + job_id)
+        return sorted({row[1] for row in rows if row[1] is not None})
 
     async def sweep(self, result_ttl_s: float) -> int:
         """Delete jobs that ended more than `result_ttl_s` ago (batch lines once their batch ended)."""
