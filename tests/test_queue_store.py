@@ -322,7 +322,7 @@ def test_a_cancelled_batchs_waiting_lines_end_in_the_job_store_and_are_announced
             store.database.subscribe(heard.append)
             batches = BatchStore(store.database, store)
             batch, lines = batch_of(3)
-            assert await batches.create(batch, lines, ROOMY) == batch
+            assert isinstance(await batches.create(batch, lines, ROOMY), Batch)
             assert await store.claim(lines[0].id, "r1", "n", "res", 30) is not None
             cancelling = await batches.cancel(batch.id)
             assert cancelling is not None and cancelling.status is BatchStatus.CANCELLING
@@ -349,5 +349,26 @@ def test_expired_batch_lines_are_announced_ended(opener: Opener) -> None:
             assert [line.state for line in await batches.lines(closed.id)] == [JobState.EXPIRED] * 2
             wanted = {DONE + line.id for line in late}
             await until_async(lambda: wanted <= set(heard), f"the events {wanted}")
+
+    run(scenario)
+
+
+def test_a_batchs_times_and_its_lines_expiry_are_read_on_the_databases_clock(opener: Opener) -> None:
+    """A replica whose clock is ten days behind the database's must not expire its batch at once."""
+
+    async def scenario() -> None:
+        async with opened(opener) as store:
+            batches = BatchStore(store.database, store)
+            batch, lines = batch_of(2)
+            behind = batch.on_clock(batch.created_at - 10 * 24 * 3600)
+            created = await batches.create(behind, lines, ROOMY)
+            assert isinstance(created, Batch) and abs(created.created_at - time.time()) < 3600
+            assert created.expires_at == pytest.approx(created.created_at + 24 * 3600)
+            assert created.in_progress_at == created.created_at
+            assert await store.expire() == []
+            assert [line.state for line in await batches.lines(batch.id)] == [JobState.QUEUED] * 2
+            cancelling = await batches.cancel(batch.id)
+            assert cancelling is not None and cancelling.cancelling_at is not None
+            assert created.created_at <= cancelling.cancelling_at < created.created_at + 3600
 
     run(scenario)

@@ -70,6 +70,27 @@ class Batch:
     def with_counts(self, counts: Counts) -> Batch:
         return replace(self, counts=counts)
 
+    def on_clock(self, created_at: float) -> Batch:
+        """The batch as a clock that read `created_at` at its creation stamps it: every time it holds
+        moves with created_at, keeping its distance (its expiry stays its window away)."""
+        shift = created_at - self.created_at
+
+        def moved(at: float | None) -> float | None:
+            return None if at is None else at + shift
+
+        return replace(
+            self,
+            created_at=created_at,
+            expires_at=moved(self.expires_at),
+            in_progress_at=moved(self.in_progress_at),
+            finalizing_at=moved(self.finalizing_at),
+            completed_at=moved(self.completed_at),
+            failed_at=moved(self.failed_at),
+            expired_at=moved(self.expired_at),
+            cancelling_at=moved(self.cancelling_at),
+            cancelled_at=moved(self.cancelled_at),
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class StoredFile:

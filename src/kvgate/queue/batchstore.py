@@ -3,13 +3,14 @@
 A batch and all its lines are committed in one transaction (within the queue's bounds, or not at
 all). It is settled once none of its lines is queued or running: its output and error files are
 written and its status set in one transaction, by whichever replica gets there first (the status
-update is conditional).
+update is conditional). A batch's times are read on the database's clock, the one its lines' expiry
+is compared on.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -72,7 +73,11 @@ class BatchStore:
         return bool(rows)
 
     async def create(self, batch: Batch, lines: Sequence[NewJob], limits: Limits) -> Batch | QueueFull:
+        """Commit `batch` and its lines, or the bound they would pass. The batch's times move onto the
+        database's clock (the one its lines' expiry is compared on), and its lines expire with it."""
         async with self._database.transaction() as tx:
+            batch = batch.on_clock(await self._now(tx))
+            lines = [dataclasses.replace(line, expires_at=batch.expires_at) for line in lines]
             if lines:
                 full = await self._jobs.add_many(tx, lines, limits)
                 if full is not None:
@@ -110,9 +115,10 @@ class BatchStore:
         """Stop an open batch: its queued lines are cancelled, running ones finish; settled later."""
         async with self._database.transaction() as tx:
             rows = await tx.execute(
-                f"UPDATE kvgate_batches SET status = {literal(BatchStatus.CANCELLING)}, cancelling_at = ? "
+                f"UPDATE kvgate_batches SET status = {literal(BatchStatus.CANCELLING)}, "
+                f"cancelling_at = {self._database.now_sql} "
                 f"WHERE id = ? AND status IN {_OPEN_SQL} AND cancelling_at IS NULL RETURNING id",
-                (time.time(), batch_id),
+                (batch_id,),
             )
             if rows:
                 await self._jobs.cancel_batch(tx, batch_id)
@@ -143,13 +149,13 @@ class BatchStore:
         errors: tuple[StoredFile, bytes] | None,
     ) -> bool:
         """Settle `batch` with its output and error files; False if another replica settled it first."""
-        now = time.time()
         ended_column = {
             BatchStatus.COMPLETED: "completed_at",
             BatchStatus.CANCELLED: "cancelled_at",
             BatchStatus.EXPIRED: "expired_at",
         }[status]
         async with self._database.transaction() as tx:
+            now = await self._now(tx)
             rows = await tx.execute(
                 f"UPDATE kvgate_batches SET status = ?, finalizing_at = ?, {ended_column} = ?, "
                 "completed = ?, failed = ?, output_file_id = ?, error_file_id = ? "
@@ -173,6 +179,11 @@ class BatchStore:
                     (stored.id, stored.purpose, stored.filename, stored.bytes, stored.created_at, content),
                 )
         return True
+
+    async def _now(self, tx: Tx) -> float:
+        """The database's clock, read once for times that must agree."""
+        ((now,),) = await tx.execute(f"SELECT {self._database.now_sql}")
+        return float(now)
 
     async def _live_counts(self, tx: Tx, batch: Batch) -> Counts:
         rows = await tx.execute(
