@@ -35,11 +35,20 @@ FAST = {"decode_tokens_per_s": 1000.0, "prefill_tokens_per_s": 1_000_000.0}
 
 @asynccontextmanager
 async def serving(
-    *, layout: Layout | None = None, kv_events_endpoint: str | None = None, **settings: Any
+    *,
+    layout: Layout | None = None,
+    kv_events_endpoint: str | None = None,
+    stream_interval: int = 1,
+    **settings: Any,
 ) -> AsyncIterator[str]:
     config = EngineConfig(**{**FAST, **settings})
     server = SimServer(
-        config, model_name="m", node_name="n1", layout=layout, kv_events_endpoint=kv_events_endpoint
+        config,
+        model_name="m",
+        node_name="n1",
+        layout=layout,
+        kv_events_endpoint=kv_events_endpoint,
+        stream_interval=stream_interval,
     )
     runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()
@@ -111,6 +120,25 @@ def test_streaming_chat_sends_role_tokens_usage_and_done() -> None:
         assert len(text) == 6 * 4
         assert chunks[-2]["choices"][0]["finish_reason"] == "length"
         assert chunks[-1]["usage"] == {"prompt_tokens": 50, "completion_tokens": 6, "total_tokens": 56}
+
+    run(case)
+
+
+def test_a_stream_interval_sends_the_first_token_at_once_then_coarser_chunks() -> None:
+    async def case() -> None:
+        async with (
+            serving(kv_capacity_tokens=4096, max_model_len=4096, stream_interval=4) as url,
+            aiohttp.ClientSession() as s,
+        ):
+            request = chat(50, 10, stream=True, stream_options={"include_usage": True})
+            async with s.post(f"{url}/v1/chat/completions", json=request) as r:
+                events = sse_events(await r.text())
+        chunks = [json.loads(e) for e in events[:-1]]
+        texts = [c["choices"][0]["delta"].get("content", "") for c in chunks[1:-1]]
+        # Tokens 1, 4, 8 and 10 end a chunk (a slow reader may get two of them as one, never more).
+        assert len(texts[0]) == 4 and 2 <= len(texts) <= 4
+        assert len("".join(texts)) == 10 * 4
+        assert chunks[-1]["usage"]["completion_tokens"] == 10
 
     run(case)
 

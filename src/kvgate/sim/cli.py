@@ -134,6 +134,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "(each data-parallel rank on PORT + rank; port 0 picks free ports); /kv_event_sources "
         "reports where (default: off)",
     )
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        metavar="N",
+        help="a stream sends its first token at once, then a chunk every N tokens and the last, as "
+        "vLLM's and SGLang's --stream-interval (default 1: every token)",
+    )
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="seed for output lengths and text")
     parser.add_argument("--block-size", type=int, default=16, metavar="N", help="KV block size in tokens")
     parser.add_argument(
@@ -183,7 +191,13 @@ def run(args: argparse.Namespace) -> int:
     if args.kv_events_endpoint is not None and not args.kv_events_endpoint.startswith("tcp://"):
         raise ConfigError(f"--kv-events-endpoint must be tcp://HOST:PORT, got {args.kv_events_endpoint!r}")
     server = _Served(
-        config, layout, tokenizer, args.model_name, args.node_name or args.listen, args.kv_events_endpoint
+        config,
+        layout,
+        tokenizer,
+        args.model_name,
+        args.node_name or args.listen,
+        args.kv_events_endpoint,
+        args.stream_interval,
     )
     asyncio.run(_serve(server, (host, port)))
     return 0
@@ -197,6 +211,7 @@ class _Served:
     model_name: str
     node_name: str
     kv_events_endpoint: str | None
+    stream_interval: int = 1
 
 
 async def _serve(served: _Served, address: tuple[str, int]) -> None:
@@ -212,6 +227,7 @@ async def _serve(served: _Served, address: tuple[str, int]) -> None:
         layout=served.layout,
         tokenizer=served.tokenizer,
         kv_events_endpoint=served.kv_events_endpoint,
+        stream_interval=served.stream_interval,
     )
     host, port = address
     runner = web.AppRunner(server.app(), access_log=None)

@@ -68,8 +68,14 @@ class SimServer:
         layout: Layout | None = None,
         tokenizer: SimTokenizer | None = None,
         kv_events_endpoint: str | None = None,
+        stream_interval: int = 1,
     ) -> None:
-        """`kv_events_endpoint` (tcp://HOST:PORT, port 0 for a free one) turns the KV-event feed on."""
+        """`kv_events_endpoint` (tcp://HOST:PORT, port 0 for a free one) turns the KV-event feed on;
+        `stream_interval` is vLLM's and SGLang's option of that name: a stream sends its first token at
+        once, then a chunk every `stream_interval` tokens, and the last."""
+        if stream_interval < 1:
+            raise ConfigError(f"the stream interval must be >= 1 token, got {stream_interval}")
+        self._stream_interval = stream_interval
         self.layout = layout or Layout()
         if kv_events_endpoint is not None:
             config = dataclasses.replace(config, kv_events=True)
@@ -171,9 +177,15 @@ class SimServer:
             await asyncio.sleep(max(0.0, step_end - self._clock()))
             for event in engine.complete(step):
                 self._account(event)
-                self._streams[event.request_id].put_nowait(event)
+                if self._due(event):
+                    self._streams[event.request_id].put_nowait(event)
             self._publish(rank)
             self.page.stepped(rank, step, engine.stats())
+
+    def _due(self, event: TokenEvent) -> bool:
+        """Whether a chunk goes out for this token: the first, every `stream_interval`-th, the last."""
+        tokens = event.output_tokens
+        return event.finished or tokens == 1 or tokens % self._stream_interval == 0
 
     def _publish(self, rank: int) -> None:
         """The step's prefix-cache changes, published after its output as vLLM's scheduler does."""
