@@ -8,6 +8,8 @@
 3. Decision cost in auto mode against always counting exactly, on two request mixes.
 4. Event-loop stall while a ~200k-token request is counted exactly: in the estimator's worker
    process, in a thread, and on the loop itself.
+5. What the fast estimate's reading costs: a text past FULL_SCAN_BYTES against one 50 times longer
+   (constant time), and 600 short messages read as one against read one by one.
 
 Only the estimator's public interface is used for 2 and 3, so the same functions measure an older
 kvgate (put its src first on PYTHONPATH) on the same requests.
@@ -32,6 +34,7 @@ from kvgate.estimate import PromptCosts, build_estimator, calibration, local_est
 from kvgate.estimate.estimator import Estimator
 from kvgate.estimate.exact import TokenizerFile, load_counter
 from kvgate.estimate.fast import FastEstimator
+from kvgate.estimate.features import FULL_SCAN_BYTES
 from kvgate.policy.classify import TokenClass, classify, thresholds
 from kvgate.request.shape import Api, RequestShape
 
@@ -314,8 +317,39 @@ def event_loop_stall() -> None:
         threaded.close()
 
 
+def _median_s(call: Callable[[], object], runs: int = 50) -> float:
+    call()
+    times = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def fast_read_costs() -> None:
+    fast = FastEstimator(calibration.for_tokenizer(TokenizerFile.open(TOKENIZER)))
+    body = text("english")
+    small = body[: FULL_SCAN_BYTES * 2]
+    big = small * 50
+    messages = [body[i : i + 300] for i in range(0, 300 * 600, 300)]
+    small_s, big_s = _median_s(lambda: fast.estimate(small)), _median_s(lambda: fast.estimate(big))
+    joined_s = _median_s(lambda: fast.estimate_all(messages))
+    apart_s = _median_s(lambda: [fast.estimate(m) for m in messages], runs=10)
+    print("fast estimate, reading cost (median of 50 runs):")
+    print(
+        f"  a {len(small.encode()) // 1024} KiB text {_ms(small_s)}; 50 times longer {_ms(big_s)} "
+        f"(x{big_s / small_s:.1f}: the same windows are read past {FULL_SCAN_BYTES // 1024} KiB)"
+    )
+    print(
+        f"  600 messages of 300 characters as one read {_ms(joined_s)}; read one by one {_ms(apart_s)} "
+        f"(x{apart_s / joined_s:.0f})"
+    )
+
+
 def main() -> None:
     print(f"thresholds {LIMITS}; default output budget {MODEL.default_output_tokens}")
+    fast_read_costs()
     fast_errors()
     class_errors_all()
     for path in (TOKENIZER, TOKENIZERS["tekken 240718"]):

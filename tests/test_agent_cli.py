@@ -7,9 +7,9 @@ import asyncio
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
+from waiting import PATIENCE_S, until_async
 
 from kvgate.agent.cli import register, settings_from_args
 from kvgate.config.headroom import HeadroomSettings
@@ -136,7 +136,7 @@ def test_view_survives_agent_kill_and_restart() -> None:
     )
 
     async def wait_for(view: HeadroomView, connected: bool) -> None:
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(PATIENCE_S):
             while view.snapshot()[0].connected != connected or (connected and not view.snapshot()[0].fresh):
                 await asyncio.sleep(0.02)
 
@@ -152,11 +152,9 @@ def test_view_survives_agent_kill_and_restart() -> None:
             assert node is not None and node.capacity_source is CapacitySource.STATIC and len(node.gpus) == 8
             assert (await view.reserve(address, "burst-1", 12_000)).granted
             stop(proc, signal.SIGKILL)
-            killed_at = time.monotonic()
             await wait_for(view, connected=False)
-            await asyncio.sleep(0.25)
-            assert not view.snapshot()[0].fresh
-            assert time.monotonic() - killed_at < 2.0
+            # Silent past stale_after_s: no longer fresh.
+            await until_async(lambda: not view.snapshot()[0].fresh, "the killed agent's node to go stale")
             proc = start_agent(port, "--nvml", "fake", "--capacity-tokens", "40000")
             await wait_for(view, connected=True)
             restarted = view.snapshot()[0].headroom

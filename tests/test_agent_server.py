@@ -15,6 +15,7 @@ import grpc
 import pytest
 from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from waiting import PATIENCE_S
 
 from kvgate._proto.headroom.v1 import headroom_pb2 as pb
 from kvgate.agent.node import NodeSettings, NodeState
@@ -46,12 +47,16 @@ async def running_agent(
             await engine.stop()
 
 
+# An engine that answers this late: only the scraper's timeout keeps the stream going.
+SLOW_ENGINE_S = 3.0
+
+
 def client(address: str) -> AgentClient:
     return AgentClient(address, reconnect_initial_s=0.05, reconnect_max_s=0.5)
 
 
 async def first_message(
-    address: str, accept: Callable[[NodeHeadroom], bool], timeout_s: float = 3.0
+    address: str, accept: Callable[[NodeHeadroom], bool], timeout_s: float = PATIENCE_S
 ) -> NodeHeadroom:
     """The first streamed message that satisfies `accept`."""
     c = client(address)
@@ -157,26 +162,30 @@ def test_two_processes_reserving_at_once_cannot_over_admit() -> None:
     run(scenario)
 
 
-def test_stream_pushes_every_period_with_increasing_seq() -> None:
+def test_stream_pushes_with_increasing_seq_and_names_its_period() -> None:
+    """How evenly the pushes come, period after period, is `python -m bench agent`'s figure (stream
+    jitter); here, each message is newer than the one before and says the period it is pushed at."""
+
     async def scenario() -> None:
         settings = NodeSettings("n1", "127.0.0.1:8000", period_s=0.02, capacity_tokens=1000)
         async with running_agent(settings) as (_, address):
             c = client(address)
             stream = c.subscribe("test")
-            received: list[tuple[float, NodeHeadroom]] = []
+            received: list[NodeHeadroom] = []
             try:
-                for _ in range(11):
-                    message = await asyncio.wait_for(stream.next(), 1.0)
-                    assert message is not None
-                    received.append((time.monotonic(), message))
+                async with asyncio.timeout(PATIENCE_S):
+                    for _ in range(11):
+                        message = await stream.next()
+                        assert message is not None
+                        received.append(message)
             finally:
                 stream.cancel()
                 await c.close()
-            seqs = [m.seq for _, m in received]
+            seqs = [m.seq for m in received]
             assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
-            span = received[-1][0] - received[1][0]
-            assert 0.1 < span < 0.5  # about 9 periods of 20 ms
-            last = received[-1][1]
+            stamps = [m.sample_time_unix_ns for m in received]
+            assert stamps == sorted(stamps)
+            last = received[-1]
             assert (last.node, last.endpoint, last.period_ms, last.headroom_tokens) == (
                 "n1",
                 "127.0.0.1:8000",
@@ -229,7 +238,7 @@ def test_every_rpc_of_the_agent_service_is_served() -> None:
                     f"/{service.full_name}/{method.name}",
                     request_serializer=lambda m: m.SerializeToString(),
                     response_deserializer=reply_type.FromString,
-                )(GetMessageClass(method.input_type)(), timeout=1.0)
+                )(GetMessageClass(method.input_type)(), timeout=10.0)
                 try:
                     reply = await (call.read() if method.server_streaming else call)
                 except grpc.aio.AioRpcError as exc:
@@ -267,7 +276,8 @@ def test_the_stream_says_what_engine_was_read_and_how() -> None:
             "engine",
         )
         assert message.capacity_rule == "sglang:max_total_num_tokens 40000"
-        assert message.engine_sample_age_ms is not None and message.engine_sample_age_ms < 200
+        # A fresh sample's age: a few periods at most here, unless the machine is very busy.
+        assert message.engine_sample_age_ms is not None and 0 <= message.engine_sample_age_ms < 10_000
 
     run(scenario)
 
@@ -293,16 +303,14 @@ def test_an_unrecognised_page_is_named_and_manual_capacity_runs_it_reservation_o
     run(scenario)
 
 
-def test_garbage_metrics_make_the_node_unhealthy_within_the_staleness_window() -> None:
+def test_garbage_metrics_make_the_node_unhealthy_once_its_figures_are_stale() -> None:
     async def scenario() -> None:
         engine = FakeEngineMetrics()
         settings = NodeSettings("n1", "e:1", period_s=0.05, engine_stale_after_s=0.3)
         async with running_agent(settings, engine) as (_, address):
             assert (await first_message(address, lambda m: True)).healthy
             engine.body = "<html>oops</html>"
-            start = time.monotonic()
             sick = await first_message(address, lambda m: not m.healthy)
-            assert time.monotonic() - start < 1.0
             assert sick.reason == (
                 "engine_metrics_stale: engine metrics: not a Prometheus text page "
                 "(17 chars, first line '<html>oops</html>')"
@@ -315,21 +323,24 @@ def test_garbage_metrics_make_the_node_unhealthy_within_the_staleness_window() -
 
 
 def test_a_slow_engine_does_not_delay_the_stream() -> None:
+    """Each scrape times out after half a period. A stream that waited for the engine instead would
+    take SLOW_ENGINE_S per message, 18 s for the six read here; the stream gets them in its periods."""
+
     async def scenario() -> None:
-        engine = FakeEngineMetrics(delay_s=0.3)
+        engine = FakeEngineMetrics(delay_s=SLOW_ENGINE_S)
         settings = NodeSettings("n1", "e:1", period_s=0.05, engine_stale_after_s=0.2)
         async with running_agent(settings, engine) as (_, address):
             c = client(address)
             stream = c.subscribe("test")
             try:
-                start = time.monotonic()
-                messages = [await asyncio.wait_for(stream.next(), 1.0) for _ in range(6)]
-                assert time.monotonic() - start < 0.6
+                async with asyncio.timeout(SLOW_ENGINE_S * 6 / 2):
+                    messages = [await stream.next() for _ in range(6)]
             finally:
                 stream.cancel()
                 await c.close()
-            last = messages[-1]
-            assert last is not None and not last.healthy and "no answer within" in last.reason
+            assert all(m is not None for m in messages)
+            sick = await first_message(address, lambda m: not m.healthy)
+            assert "no answer within" in sick.reason
 
     run(scenario)
 
@@ -359,15 +370,15 @@ def test_health_service_follows_the_node() -> None:
             health = health_pb2_grpc.HealthStub(channel)
 
             async def status() -> int:
-                reply = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=1)
+                reply = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=10)
                 return int(reply.status)
 
             assert await status() == health_pb2.HealthCheckResponse.SERVING
             nvml.gpus[0].lost = True
-            async with asyncio.timeout(2):
+            async with asyncio.timeout(PATIENCE_S):
                 while await status() != health_pb2.HealthCheckResponse.NOT_SERVING:
                     await asyncio.sleep(0.02)
-            overall = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+            overall = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
             assert overall.status == health_pb2.HealthCheckResponse.SERVING
 
     run(scenario)
@@ -395,9 +406,9 @@ def test_stop_ends_subscriber_streams_cleanly() -> None:
         c = client(f"127.0.0.1:{port}")
         stream = c.subscribe("test")
         try:
-            assert await asyncio.wait_for(stream.next(), 1.0) is not None
+            assert await asyncio.wait_for(stream.next(), PATIENCE_S) is not None
             await agent.stop(grace_s=0.5)
-            async with asyncio.timeout(2):
+            async with asyncio.timeout(PATIENCE_S):
                 while (await stream.next()) is not None:
                     pass
         finally:

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from texts import text_with_tokens
+from waiting import until
 
 from kvgate.harness.client import Reply, chat, post
 from kvgate.harness.envoy import render_envoy
@@ -140,9 +141,14 @@ def burst_through(stack: ExitStack, tmp_path: Path, sp_model_path: Path, pool_po
     threads = [threading.Thread(target=one) for _ in range(10)]
     for thread in threads:
         thread.start()
-    time.sleep(0.5)  # the admitted requests are decoding: the agents hold their reservations
-    with ThreadPoolExecutor(2) as pool:
-        during = list(pool.map(status, (a.port for a in agents)))
+
+    def holding() -> list[dict[str, Any]] | None:
+        """The agents' pages once they hold the six admitted requests' reservations (decoding)."""
+        with ThreadPoolExecutor(2) as pool:
+            seen = list(pool.map(status, (a.port for a in agents)))
+        return seen if sum(s["reserved"]["reservations"] for s in seen) >= 6 else None
+
+    during = until(holding, "six reservations held while the admitted requests decode", interval_s=0.1)
     for thread in threads:
         thread.join(60)
 

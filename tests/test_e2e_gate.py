@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from texts import text_with_tokens
+from waiting import until
 
 from kvgate.harness.client import chat, post
 from kvgate.harness.envoy import render_envoy
@@ -242,7 +243,8 @@ def test_sigterm_drains_in_flight_requests(stack: Stack, texts: dict[str, str], 
 
             worker = threading.Thread(target=slow_request)
             worker.start()
-            time.sleep(0.8)
+            # In flight: at the long pool, which answers after 2 s.
+            until(lambda: stack.upstreams.in_flight.get("long", 0) > 0, "the request at the long pool")
             started = time.monotonic()
             gate.signal(signal.SIGTERM)
             worker.join(15)

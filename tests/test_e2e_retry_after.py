@@ -29,6 +29,7 @@ import openai
 import pytest
 from test_e2e_engines import ROOT, agent, until_healthy
 from texts import text_with_tokens
+from waiting import PATIENCE_S
 
 from kvgate.demo.report import percentile
 from kvgate.demo.retry_figures import RetryFigures, read_retry_figures
@@ -99,6 +100,17 @@ def wait_until_fresh(metrics_port: int, agents: int, timeout_s: float = 15.0) ->
         time.sleep(0.2)
 
 
+def settled_retry_figures(metrics_port: int) -> RetryFigures:
+    """The gate's Retry-After figures once every answer was checked against when its capacity freed
+    (or given up as unresolved); as they stand after PATIENCE_S if some never settle."""
+    deadline = time.monotonic() + PATIENCE_S
+    while True:
+        figures = read_retry_figures(gate_page(metrics_port))
+        if figures.checked + figures.unresolved >= figures.answers or time.monotonic() > deadline:
+            return figures
+        time.sleep(0.2)
+
+
 async def burst(listener: int, sp_model: Path) -> tuple[int, int, list[float], list[float]]:
     """Twelve requests at once, each with the SDK's default retries; (completed, refused, first
     retries, all retries), retry times in seconds after the burst started."""
@@ -155,8 +167,7 @@ def run_burst(tmp: Path, mode: str, pool_ports: dict[str, int], agents: list[int
         wait_until_fresh(gate.metrics_port, len(agents))
         completed, refused, first, every = asyncio.run(burst(ports["listener"], sp_model))
         # The last answers are checked once their capacity frees: within a few agent messages.
-        time.sleep(1.0)
-        retry = read_retry_figures(gate_page(gate.metrics_port))
+        retry = settled_retry_figures(gate.metrics_port)
     return Burst(completed, refused, first, every, retry)
 
 

@@ -1,8 +1,7 @@
-"""The page reader underneath the engine readers: one family at a time, garbage refused clearly, fast."""
+"""The page reader underneath the engine readers: one family at a time, garbage refused clearly, big
+pages read as small ones."""
 
 from __future__ import annotations
-
-import time
 
 import pytest
 from fixtures.engines.pages import Vllm
@@ -74,15 +73,13 @@ def test_garbage_is_a_clear_error(text: str, message: str) -> None:
         read_engine_page(text)
 
 
-def test_a_big_page_reads_in_well_under_a_millisecond() -> None:
+def test_a_big_page_reads_as_its_kv_figures_alone() -> None:
+    """100 KB of histogram buckets around the figures change nothing (what a read of such a page
+    costs is `python -m bench agent`'s figure)."""
     buckets = "".join(
         f'vllm:request_prompt_tokens_bucket{{engine="0",le="{2**i}.0",{M}}} {i}.0\n' for i in range(20)
     )
-    page = buckets * 60 + Vllm(blocks=(2500, 2500), usage=(0.5, 0.25)).page()
+    bare = Vllm(blocks=(2500, 2500), usage=(0.5, 0.25)).page()
+    page = buckets * 60 + bare
     assert len(page) > 100_000
-    read_engine_page(page)
-    start = time.perf_counter()
-    for _ in range(50):
-        read_engine_page(page)
-    per_read = (time.perf_counter() - start) / 50
-    assert per_read < 0.002, f"{per_read * 1e3:.3f} ms per read"
+    assert read_engine_page(page) == read_engine_page(bare)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import grpc
 import pytest
+from waiting import PATIENCE_S, until_async
 
 from kvgate._proto.headroom.v1 import headroom_pb2 as pb
 from kvgate._proto.headroom.v1 import headroom_pb2_grpc as pb_grpc
@@ -33,7 +33,7 @@ def settings(**overrides: Any) -> NodeSettings:
     return NodeSettings("n1", "127.0.0.1:8000", **values)
 
 
-async def view_until(view: HeadroomView, check: Any, timeout_s: float = 3.0) -> tuple[NodeView, ...]:
+async def view_until(view: HeadroomView, check: Any, timeout_s: float = PATIENCE_S) -> tuple[NodeView, ...]:
     async with asyncio.timeout(timeout_s):
         while not check(snapshot := view.snapshot()):
             await view.wait_update(0.05)
@@ -97,9 +97,7 @@ def test_view_reconnects_to_a_restarted_agent() -> None:
             second = Agent(settings())
             await second.start(address)
             try:
-                start = time.monotonic()
                 (node,) = await view_until(view, lambda s: s[0].connected and s[0].fresh)
-                assert time.monotonic() - start < 2.0
                 assert (
                     node.headroom is not None and node.headroom.reserved_tokens == 0
                 )  # a new agent, a new ledger
@@ -136,7 +134,9 @@ def test_reserve_updates_the_view_at_once() -> None:
     run(scenario())
 
 
-def test_view_sees_an_engine_usage_change_within_a_few_periods() -> None:
+def test_view_sees_an_engine_usage_change() -> None:
+    """How many periods the change takes to reach the view is `python -m bench agent`'s figure."""
+
     async def scenario() -> None:
         engine = FakeEngineMetrics()
         url = await engine.start()
@@ -147,9 +147,7 @@ def test_view_sees_an_engine_usage_change_within_a_few_periods() -> None:
         try:
             await view_until(view, lambda s: s[0].healthy)
             engine.kv_usage = 0.75
-            start = time.monotonic()
             (node,) = await view_until(view, lambda s: s[0].headroom.used_tokens == 30_000)
-            assert time.monotonic() - start < 0.5
             assert node.headroom is not None and node.headroom.headroom_tokens == 6_000
         finally:
             await view.stop()
@@ -172,7 +170,7 @@ class _SlowAgent(pb_grpc.AgentServicer):  # type: ignore[misc]
         await asyncio.sleep(30)
 
     async def Reserve(self, request: pb.ReserveRequest, context: Any) -> pb.ReserveResponse:
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(30)  # far past the gate's deadline: only the deadline can end the call
         return pb.ReserveResponse(granted=True)
 
 
@@ -191,13 +189,9 @@ def test_a_slow_agent_times_out_and_a_silent_stream_is_reopened() -> None:
         await view.start()
         try:
             await view_until(view, lambda s: s[0].connected)
-            start = time.monotonic()
             with pytest.raises(HeadroomError, match="DEADLINE_EXCEEDED"):
                 await view.reserve(address, "r", 10)
-            assert time.monotonic() - start < 0.5
-            async with asyncio.timeout(3):
-                while servicer.subscriptions < 3:
-                    await asyncio.sleep(0.05)
+            await until_async(lambda: servicer.subscriptions >= 3, "the silent stream reopened twice")
             (node,) = view.snapshot()
             assert not node.fresh and not node.connected and node.age_s > 0.4
         finally:
@@ -232,9 +226,7 @@ def test_dns_adds_and_removes_agents_and_survives_lookup_failures() -> None:
         try:
             assert [n.agent for n in view.snapshot()] == addresses[:1]
             await view_until(view, lambda s: len(s) == 2 and all(n.connected for n in s))
-            async with asyncio.timeout(3):
-                while len(lookups) < 3:
-                    await asyncio.sleep(0.02)
+            await until_async(lambda: len(lookups) >= 3, "the failed lookup")
             assert len(view.snapshot()) == 2  # a failed lookup keeps the agents known
             await view_until(view, lambda s: [n.agent for n in s] == addresses[1:])
             assert lookups[0] == ("agents", 9100)

@@ -6,6 +6,7 @@ import time
 
 import pynvml
 import pytest
+from waiting import PATIENCE_S, until
 
 from kvgate.agent.sources.fake_nvml import FakeNvml, GiB, make_gpus
 from kvgate.agent.sources.nvml import NvmlPoller, NvmlSampler
@@ -132,35 +133,36 @@ def test_no_gpus_is_unhealthy() -> None:
     assert not reading.healthy and reading.reason == "nvml: no GPUs"
 
 
+def _calls(fake: FakeNvml) -> int:
+    return sum(fake.calls.values())
+
+
 def test_poller_samples_every_period_and_a_hung_call_only_marks_the_node() -> None:
-    fake = FakeNvml(make_gpus(1), max_hang_s=5.0)
+    # A hang lasts until unhang() (the bound only ends a test that fails before it gets there).
+    fake = FakeNvml(make_gpus(1), max_hang_s=PATIENCE_S * 3)
     clock = Clock()
     poller = NvmlPoller(NvmlSampler(fake, time.monotonic), period_s=0.01, hung_after_s=2.0, clock=clock)
     try:
-        assert poller.wait_first(2.0)
+        assert poller.wait_first(PATIENCE_S)
         good = poller.latest()
         assert good.healthy
-        deadline = time.monotonic() + 2.0
-        while fake.calls["nvmlDeviceGetMemoryInfo_v2"] < 5 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert fake.calls["nvmlDeviceGetMemoryInfo_v2"] >= 5  # one read per period
+        until(lambda: fake.calls["nvmlDeviceGetMemoryInfo_v2"] >= 5, "a read every period")
         fake.hang()
-        time.sleep(0.05)
-        calls = fake.calls["nvmlDeviceGetMemoryInfo_v2"]
-        start = time.monotonic()
+        hung_from = _calls(fake)
+        # A call that starts after hang() blocks: from then on the poller's thread is stuck in it.
+        until(lambda: _calls(fake) > hung_from, "the poller's next NVML call")
+        stuck = _calls(fake)
         slow = poller.latest()  # a call stuck for less than hung_after_s: the last reading stands
         clock.now += 2.5
-        hung = poller.latest()  # stuck past hung_after_s: a wedged driver
-        assert time.monotonic() - start < 0.01  # latest() never waits for NVML
+        hung = poller.latest()  # stuck past hung_after_s (the injected clock): a wedged driver
+        # latest() made no NVML call (it would have blocked on the hang): it never waits for NVML.
+        assert _calls(fake) == stuck
         assert slow == good
         assert not hung.healthy and hung.reason.startswith("nvml_hung")
-        time.sleep(0.05)
-        assert fake.calls["nvmlDeviceGetMemoryInfo_v2"] == calls  # nothing queued behind the stuck call
+        time.sleep(0.05)  # five periods: no other read starts beside the stuck one
+        assert _calls(fake) == stuck
         fake.unhang()
-        deadline = time.monotonic() + 2.0
-        while not poller.latest().healthy and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert poller.latest().healthy
+        until(lambda: poller.latest().healthy, "a healthy reading once NVML answers again")
     finally:
         fake.unhang()
         poller.close()
@@ -169,12 +171,9 @@ def test_poller_samples_every_period_and_a_hung_call_only_marks_the_node() -> No
 def test_poller_shuts_nvml_down_when_closed() -> None:
     fake = FakeNvml(make_gpus(1))
     poller = NvmlPoller(NvmlSampler(fake, time.monotonic), period_s=0.01)
-    assert poller.wait_first(2.0)
+    assert poller.wait_first(PATIENCE_S)
     poller.close()
-    deadline = time.monotonic() + 2.0
-    while fake.calls.get("nvmlShutdown", 0) == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert fake.calls["nvmlShutdown"] == 1
+    until(lambda: fake.calls.get("nvmlShutdown", 0) == 1, "nvmlShutdown once the poller is closed")
 
 
 def test_real_pynvml_without_a_gpu_reports_unhealthy_instead_of_raising() -> None:

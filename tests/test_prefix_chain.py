@@ -1,9 +1,9 @@
-"""A prompt's prefix blocks as the gate cuts them: chained, full blocks only, cheap, model-scoped."""
+"""A prompt's prefix blocks as the gate cuts them: chained, full blocks only, model-scoped (what a cut
+costs is `python -m bench prefix`'s figure)."""
 
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 
@@ -50,15 +50,6 @@ def test_a_block_stands_for_its_share_of_the_estimate_and_the_chain_never_exceed
     assert prefix_chain(["too short"], 3, 256, 1024) is None
     with pytest.raises(ValueError, match="block_tokens"):
         prefix_chain([DOC], 30_000, 0, 1024)
-
-
-def test_cutting_a_32k_prompt_takes_well_under_a_millisecond() -> None:
-    texts = [make_prompt(32_000, random.Random(3))]
-    prefix_chain(texts, 32_000, 256, 1024)
-    started = time.perf_counter()
-    for _ in range(20):
-        prefix_chain(texts, 32_000, 256, 1024)
-    assert (time.perf_counter() - started) / 20 < 0.002
 
 
 def test_bodies_with_tool_definitions_are_recognised() -> None:

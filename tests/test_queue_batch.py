@@ -10,6 +10,7 @@ from typing import Any
 
 import aiohttp
 from test_queue_service import CHAT, Queue, next_call, queue, run
+from waiting import until_async
 
 from kvgate.queue.batchfile import output_files, read_lines
 from kvgate.queue.jobs import Job, JobError, JobResult, JobState
@@ -87,6 +88,16 @@ async def batch(q: Queue, batch_id: str) -> dict[str, Any]:
     return found
 
 
+async def ended(q: Queue, batch_id: str) -> dict[str, Any]:
+    """The batch once it has ended (completed, failed, cancelled or expired)."""
+
+    async def read() -> dict[str, Any] | None:
+        found = await batch(q, batch_id)
+        return found if found["status"] in ("completed", "failed", "cancelled", "expired") else None
+
+    return await until_async(read, f"batch {batch_id} to end")
+
+
 async def content(q: Queue, file_id: str) -> list[dict[str, Any]]:
     response = await q.client.get(q.server.make_url(f"/v1/files/{file_id}/content"))
     return [json.loads(x) for x in (await response.read()).splitlines()]
@@ -101,8 +112,7 @@ def test_lines_too_big_for_every_node_or_too_long_go_to_the_error_file_and_the_r
             created = await response.json()
             assert response.status == 200 and created["request_counts"]["total"] == 3
             q.engines.answer(await next_call(q, 0))
-            await asyncio.sleep(0.2)
-            done = await batch(q, created["id"])
+            done = await ended(q, created["id"])
             assert done["status"] == "completed", done
             assert done["request_counts"] == {"total": 3, "completed": 1, "failed": 2}
             assert [x["custom_id"] for x in await content(q, done["output_file_id"])] == ["ok"]
@@ -136,8 +146,7 @@ def test_a_cancelled_batch_stops_its_waiting_lines_and_keeps_what_ran(tmp_path: 
             ).json()
             assert cancelling["status"] == "cancelling"
             q.engines.answer(running)
-            await asyncio.sleep(0.3)
-            done = await batch(q, created["id"])
+            done = await ended(q, created["id"])
             assert done["status"] == "cancelled" and done["cancelled_at"] is not None
             assert done["request_counts"] == {"total": 3, "completed": 1, "failed": 2}
             errors = await content(q, done["error_file_id"])
