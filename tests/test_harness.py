@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 import time
 from pathlib import Path
@@ -10,7 +11,9 @@ from typing import Any
 
 import pytest
 import yaml
+from leftovers import alive
 from test_demo_envoy import envoy_accepts
+from waiting import until
 
 from kvgate.demo.envoy_config import write_yaml
 from kvgate.harness.envoy import LOCAL_PORTS, render_envoy
@@ -57,6 +60,23 @@ def test_children_are_ready_when_listening_and_stopped_on_exit(tmp_path: Path) -
         group.check_alive()
     assert not listening.alive and not stuck.alive
     assert time.monotonic() - started < 20
+
+
+def test_what_a_killed_child_left_in_its_session_goes_with_it(tmp_path: Path) -> None:
+    """A child killed before it could stop its own workers (a gate and its token counter, say):
+    stopping it ends what is left of the process group it leads."""
+    parent = (
+        "import subprocess, sys, time; "
+        "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+        "print(worker.pid, flush=True); time.sleep(600)"
+    )
+    with ProcessGroup(tmp_path) as group:
+        child = group.start("parent", [sys.executable, "-c", parent])
+        (worker,) = map(int, until(lambda: child.log().split(), "the worker's pid"))
+        child.signal(signal.SIGKILL)
+        child.process.wait(10)
+        assert alive(worker), "orphaned: nothing stopped it yet"
+    until(lambda: not alive(worker), "the worker to end with its parent's process group")
 
 
 def test_envoy_binary_is_found() -> None:

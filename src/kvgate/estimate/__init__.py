@@ -23,7 +23,8 @@ def build_estimator(tokenizer_path: Path | None, costs: PromptCosts) -> Estimato
     The tokenizer's calibration is found by the file's hash (see `calibration.for_tokenizer`), and its
     exact counts run in a worker process that starts now. A model without a tokenizer gets the fast
     estimate alone, with the calibrations of every shipped tokenizer family, settled on the safe side
-    near a threshold (see `estimator`). Call `close()` on the estimator at shutdown.
+    near a threshold (see `estimator`). Close the estimator at shutdown (`close()`, or use it in a
+    `with` block): that stops its worker.
     """
     if tokenizer_path is None:
         return _without_tokenizer(costs)

@@ -85,8 +85,15 @@ class Estimator:
         return self._pending
 
     def close(self) -> None:
+        """Stop the executor's workers and wait for them (a worker process is gone when this returns)."""
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> Estimator:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def output_tokens(self, shape: RequestShape) -> int:
         if shape.output_budget is not None:

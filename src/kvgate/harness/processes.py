@@ -114,18 +114,29 @@ class Service:
             self.process.send_signal(signum)
 
     def kill(self) -> None:
-        """SIGKILL, and wait for it to be gone."""
+        """SIGKILL, and wait for it to be gone (with whatever it left in its session)."""
         self.signal(signal.SIGKILL)
         self.process.wait(10)
+        self.end_session()
 
     def stop(self, timeout_s: float = _STOP_GRACE_S) -> int:
         """SIGTERM (a graceful drain), SIGKILL after `timeout_s`; the exit code."""
         self.signal(signal.SIGTERM)
         try:
-            return self.process.wait(timeout_s)
+            code = self.process.wait(timeout_s)
         except subprocess.TimeoutExpired:
             self.process.kill()
-            return self.process.wait(5)
+            code = self.process.wait(5)
+        self.end_session()
+        return code
+
+    def end_session(self) -> None:
+        """Once the child is gone: SIGKILL what is left of its process group (the session it leads),
+        such as the workers of a child that was killed before it could stop them."""
+        if self.alive:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
 
     def log(self) -> str:
         try:
@@ -216,4 +227,5 @@ class ProcessGroup:
                 service.process.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 service.kill()
+            service.end_session()
         self.services.clear()
