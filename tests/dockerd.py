@@ -187,18 +187,28 @@ def _mmdebstrap(tarball: Path) -> None:
     if os.geteuid() != 0:
         raise DockerUnavailable("building the Debian base image with mmdebstrap needs root")
     tarball.parent.mkdir(parents=True, exist_ok=True)
-    # Our own name: another run building the same base at once writes its own.
-    partial = tarball.with_name(f"{tarball.stem}.{os.getpid()}.partial")
+    # Our own name: another run building the same base at once writes its own. It ends in .tar, and the
+    # format is named as well: mmdebstrap picks its output format from the file name, and under any
+    # other name it writes a directory, which `docker import` refuses.
+    partial = tarball.with_name(f"{tarball.stem}.{os.getpid()}.partial.tar")
     argv = [
         "mmdebstrap",
         "--variant=minbase",
+        "--format=tar",
         f"--include={','.join(BASE_PACKAGES)}",
         BASE_SUITE,
         str(partial),
     ]
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=BASE_TIMEOUT_S, check=False)
-    if result.returncode != 0:
-        partial.unlink(missing_ok=True)
-        raise RuntimeError(f"mmdebstrap failed ({result.returncode}):\n{result.stderr[-3000:]}")
-    # Renamed only when whole: an interrupted run leaves no cache entry behind.
-    partial.replace(tarball)
+    try:
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=BASE_TIMEOUT_S, check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"mmdebstrap failed ({result.returncode}):\n{result.stderr[-3000:]}")
+        if not partial.is_file():
+            raise RuntimeError(f"mmdebstrap wrote no tarball at {partial}")
+        # Renamed only when whole: an interrupted run leaves no cache entry behind.
+        partial.replace(tarball)
+    finally:
+        if partial.is_dir():
+            shutil.rmtree(partial, ignore_errors=True)
+        else:
+            partial.unlink(missing_ok=True)
