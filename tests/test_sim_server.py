@@ -23,12 +23,13 @@ import pytest
 import zmq
 import zmq.asyncio
 from aiohttp import web
+from conftest import TOKENIZER_DIR
 
 from kvgate.localports import free_port
 from kvgate.sim.engine import EngineConfig
 from kvgate.sim.layout import Layout
 from kvgate.sim.server import NODE_HEADER, SimServer
-from kvgate.sim.tokens import ByteQuads, make_prompt
+from kvgate.sim.tokens import ByteQuads, SimTokenizer, load_tokenizer, make_prompt
 
 FAST = {"decode_tokens_per_s": 1000.0, "prefill_tokens_per_s": 1_000_000.0}
 
@@ -39,6 +40,7 @@ async def serving(
     layout: Layout | None = None,
     kv_events_endpoint: str | None = None,
     stream_interval: int = 1,
+    tokenizer: SimTokenizer | None = None,
     **settings: Any,
 ) -> AsyncIterator[str]:
     config = EngineConfig(**{**FAST, **settings})
@@ -49,6 +51,7 @@ async def serving(
         layout=layout,
         kv_events_endpoint=kv_events_endpoint,
         stream_interval=stream_interval,
+        tokenizer=tokenizer,
     )
     runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()
@@ -177,6 +180,31 @@ def test_context_overflow_and_unknown_model_are_refused_like_vllm() -> None:
                 assert r.status == 404
             async with s.post(f"{url}/v1/chat/completions", data=b"{nope") as r:
                 assert r.status == 400
+
+    run(case)
+
+
+def test_with_a_tokenizer_file_a_shared_prefix_of_uneven_words_is_found_in_the_cache() -> None:
+    """Words of every length: tokens are not equal shares of the bytes, and the cache keys blocks by
+    their ids, so a longer prompt that begins as an earlier one finds its full blocks."""
+    tekken = load_tokenizer(TOKENIZER_DIR / "tekken_240911.json")
+    rng = random.Random(7)
+    words = [" people", " a", " government", " of", " through", " is", " information", " and"]
+    head = "".join(rng.choices(words, k=200))
+    tail = "".join(rng.choices(words, k=150))
+
+    async def case() -> None:
+        async with (
+            serving(kv_capacity_tokens=8192, max_model_len=4096, tokenizer=tekken) as url,
+            aiohttp.ClientSession() as s,
+        ):
+            for content in (head, head + tail):
+                body = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 1}
+                async with s.post(f"{url}/v1/chat/completions", json=body) as r:
+                    assert r.status == 200
+            async with s.get(f"{url}/metrics") as r:
+                text = await r.text()
+        assert metric(text, "vllm:prefix_cache_hits_total") == tekken.count(head) // 16 * 16
 
     run(case)
 

@@ -21,6 +21,7 @@ a block alone removes nothing).
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -131,6 +132,35 @@ def prompt_block_hashes(parts: Sequence[tuple[str, str, int]], block_size: int) 
         while taken < tokens:
             step = min(room, tokens - taken)
             block += data[taken * len(data) // tokens : (taken + step) * len(data) // tokens]
+            taken += step
+            room -= step
+            if room == 0:
+                previous = hashlib.blake2b(previous + block, digest_size=8).digest()
+                hashes.append(int.from_bytes(previous, "little"))
+                block.clear()
+                room = block_size
+    return tuple(hashes)
+
+
+def token_block_hashes(parts: Sequence[tuple[str, Sequence[int]]], block_size: int) -> tuple[int, ...]:
+    """Chained hashes of a prompt's full blocks of `block_size` token ids, as vLLM keys its prefix cache
+    (each block's hash covers the previous block's and its own ids).
+
+    `parts` are (marker, token ids) in prompt order, the marker standing for the template tokens
+    around the part as in `prompt_block_hashes`. With a real tokenizer a token is not an equal share
+    of its text's bytes, so the server keys blocks by ids: two prompts share block i exactly when
+    their parts' ids agree up to its end.
+    """
+    hashes: list[int] = []
+    previous = b""
+    block = bytearray()
+    room = block_size
+    for marker, ids in parts:
+        block += b"\x1e" + marker.encode() + b"\x1f"
+        taken = 0
+        while taken < len(ids):
+            step = min(room, len(ids) - taken)
+            block += array("Q", ids[taken : taken + step]).tobytes()
             taken += step
             room -= step
             if room == 0:

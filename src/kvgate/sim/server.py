@@ -25,7 +25,7 @@ import itertools
 import json
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +34,7 @@ from aiohttp import web
 
 from kvgate.errors import ConfigError
 from kvgate.sim import api, kv_events, render
-from kvgate.sim.blocks import prompt_block_hashes
+from kvgate.sim.blocks import prompt_block_hashes, token_block_hashes
 from kvgate.sim.engine import Engine, EngineConfig, EngineStats, TokenEvent
 from kvgate.sim.identity import Identity
 from kvgate.sim.layout import Finished, Layout
@@ -87,6 +87,7 @@ class SimServer:
         self.config = config
         self.page = metrics_page(config, self.layout, model_name, clock)
         self._tokenizer = tokenizer or ByteQuads()
+        self._counted = _Counted(self._tokenizer)
         self._publisher = (
             None
             if kv_events_endpoint is None
@@ -244,12 +245,7 @@ class SimServer:
         rank = min(range(len(self.engines)), key=self._in_flight.__getitem__)
         self._in_flight[rank] += 1
         self._admitted[request_id] = _Admitted(rank, parsed.prompt_tokens, self._clock())
-        hashes = (
-            prompt_block_hashes(parsed.parts, self.config.block_size)
-            if self.config.enable_prefix_caching
-            else ()
-        )
-        ids = render.prompt_ids(parsed, self._tokenizer) if self._publisher is not None else []
+        hashes, ids = self._blocks(parsed)
         self.engines[rank].add(
             request_id,
             parsed.prompt_tokens,
@@ -305,9 +301,25 @@ class SimServer:
         body = reply.full(words.take(last.output_tokens), last.finish_reason, last.output_tokens)
         return web.json_response(body, headers={NODE_HEADER: self.node_name})
 
+    def _blocks(self, parsed: api.CompletionRequest) -> tuple[tuple[int, ...], list[int]]:
+        """The prompt's block hashes for the prefix cache and, with KV events on, its token ids.
+
+        Without a tokenizer file a token is four bytes of text, so blocks are keyed by their bytes;
+        with one, tokens are not equal shares of the text, so blocks are keyed by their ids (those the
+        parse just counted, not tokenized again)."""
+        caching = self.config.enable_prefix_caching
+        if isinstance(self._tokenizer, ByteQuads) or parsed.prompt_ids is not None:
+            hashes = prompt_block_hashes(parsed.parts, self.config.block_size) if caching else ()
+            ids = render.prompt_ids(parsed, self._counted) if self._publisher is not None else []
+            return hashes, ids
+        by_part = [(role, self._counted.ids(text)) for role, text, _ in parsed.parts]
+        hashes = token_block_hashes(by_part, self.config.block_size) if caching else ()
+        return hashes, [i for _, part in by_part for i in part] if self._publisher is not None else []
+
     def _parse(self, kind: api.Api, body: object) -> api.CompletionRequest:
         """A request as its call would read it: EngineError for what vLLM refuses."""
-        parsed = api.parse_request(kind, body, self._tokenizer.count)
+        self._counted.parsing()
+        parsed = api.parse_request(kind, body, self._counted.count)
         api.check_context(parsed, self.config.max_model_len)
         if parsed.model is not None and parsed.model != self.model_name:
             raise api.EngineError(404, "NotFoundError", f"The model `{parsed.model}` does not exist.")
@@ -334,7 +346,7 @@ class SimServer:
             return _error(exc)
         assert isinstance(body, dict), "a parsed request is a JSON object"
         budget = parsed.max_tokens or self.config.max_model_len - parsed.prompt_tokens
-        ids = render.prompt_ids(parsed, self._tokenizer)
+        ids = render.prompt_ids(parsed, self._counted)
         answer = render.generate_request(
             parsed,
             body,
@@ -409,6 +421,36 @@ class _Words:
 
     def take(self, count: int) -> str:
         return "".join(output_word(self._rng.randrange(vocabulary_size())) for _ in range(count))
+
+
+class _Counted:
+    """The server's tokenizer, keeping the ids of the request parsed last (`parsing` starts one), so
+    its prefix-cache blocks, KV events and render answer do not tokenize its prompt again. A parse
+    and what reads its ids run without yielding to the event loop, so no other request comes between.
+    """
+
+    def __init__(self, tokenizer: SimTokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._keep = not isinstance(tokenizer, ByteQuads)  # bytes / 4 costs nothing to redo
+        self._ids: dict[str, list[int]] = {}
+
+    def parsing(self) -> None:
+        self._ids.clear()
+
+    def count(self, text: str) -> int:
+        if not self._keep:
+            return self._tokenizer.count(text)
+        ids = self._ids.get(text)
+        if ids is None:
+            ids = self._ids[text] = self._tokenizer.ids(text)
+        return len(ids)
+
+    def ids(self, text: str) -> list[int]:
+        found = self._ids.get(text)
+        return found if found is not None else self._tokenizer.ids(text)
+
+    def pieces(self, ids: Sequence[int]) -> list[str]:
+        return self._tokenizer.pieces(ids)
 
 
 async def _next_events(queue: asyncio.Queue[TokenEvent | None]) -> list[TokenEvent]:
