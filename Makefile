@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast bench soak lint format proto clean image peers
+.PHONY: setup demo test test-fast bench soak lint format proto clean image engines peers
 
 setup: $(STAMP)
 
@@ -48,6 +48,11 @@ image: setup
 # cached outside the clone; .venv-peers links to it (scripts/peers.sh).
 peers:
 	@scripts/peers.sh
+
+# The real engines for the end-to-end tests: vLLM's CPU build, llama-server built from source and the
+# tiny model, cached outside the clone; .venv-engines links to them (scripts/engines.sh).
+engines:
+	@scripts/engines.sh
 
 proto: setup
 	$(BIN)/python -m kvgate.headroom.protogen
