@@ -7,10 +7,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvgate.addresses import split_host_port
 from kvgate.agent.sources.engines import read_engine_page
 from kvgate.agent.sources.scrape import parse_response
 from kvgate.digits import INT64_MAX, NotWhole, read_whole, whole_number
-from kvgate.errors import HeadroomError
+from kvgate.errors import ConfigError, HeadroomError
+from kvgate.sim.cli import parse_listen
 
 
 def test_only_ascii_digits_in_range_count() -> None:
@@ -91,3 +93,19 @@ def test_an_engine_answer_with_a_latin1_number_is_a_bad_response() -> None:
         with pytest.raises(Exception, match=r"bad Content-Length|not an HTTP/1\.x response") as raised:
             parse_response(answer, True)
         assert not isinstance(raised.value, ValueError), "the scrape's own error, not int()'s"
+
+
+@given(st.text(max_size=12))
+def test_any_port_text_is_a_port_or_a_config_error_naming_where(port: str) -> None:
+    try:
+        host, number = split_host_port(f"agent:{port}", "headroom.agents[0]")
+    except ConfigError as exc:
+        assert "headroom.agents[0]" in str(exc)
+    else:
+        assert host == "agent" and 1 <= number <= 65535 and port.strip(" \t").isascii()
+
+
+def test_a_superscript_port_is_a_config_error_not_a_crash() -> None:
+    with pytest.raises(ConfigError, match="--listen"):
+        parse_listen("127.0.0.1:8²")
+    assert parse_listen("[::1]:0") == ("::1", 0)

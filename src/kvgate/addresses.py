@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvgate.digits import whole_number
 from kvgate.errors import ConfigError
 
 
@@ -10,10 +11,10 @@ def split_host_port(address: str, where: str = "address", allow_port_zero: bool 
     host, sep, port_text = address.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
-    lowest = 0 if allow_port_zero else 1
-    if not sep or not host or not port_text.isdigit() or not lowest <= int(port_text) < 65536:
+    port = whole_number(port_text, minimum=0 if allow_port_zero else 1, maximum=65535)
+    if not sep or not host or port is None:
         raise ConfigError(f"{where}: expected host:port, got {address!r}")
-    return host, int(port_text)
+    return host, port
 
 
 def join_host_port(host: str, port: int) -> str:

@@ -10,6 +10,7 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvgate.addresses import split_host_port
 from kvgate.errors import ConfigError
 from kvgate.sim.engine import EngineConfig
 from kvgate.sim.layout import Layout
@@ -164,10 +165,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def parse_listen(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ConfigError(f"--listen must be HOST:PORT, got {value!r}")
-    return host, int(port)
+    try:
+        return split_host_port(value, "--listen", allow_port_zero=True)
+    except ConfigError as exc:
+        raise ConfigError(f"--listen must be HOST:PORT, got {value!r}") from exc
 
 
 def run(args: argparse.Namespace) -> int:
