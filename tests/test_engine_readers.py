@@ -12,9 +12,9 @@ import math
 import pytest
 from fixtures.engines.pages import Sglang, Vllm, llamacpp_page, tgi_page
 
-from kvgate.agent.ledger import ReserveReason
 from kvgate.agent.node import NodeSettings, NodeState
 from kvgate.agent.sources.engines import EngineKind, PageState, read_engine_page
+from kvgate.headroom.snapshot import ReserveReason
 
 SAFETY = 0.9
 
