@@ -39,6 +39,9 @@ say() { printf 'make engines: %s\n' "$*"; }
 die() { printf 'make engines: FAILED: %s\n' "$*" >&2; exit 1; }
 quiet_pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@" 2>&1 | grep -v 'is ignored: it is neither' || return "${PIPESTATUS[0]}"; }
 
+if [[ -e "$REPO/.venv-engines" && ! -L "$REPO/.venv-engines" ]]; then
+    die "$REPO/.venv-engines exists and is not a symlink: remove it (the engines live in the cache)"
+fi
 command -v "$PYTHON" >/dev/null || die "no $PYTHON on PATH (set PYTHON=... to a CPython 3.11)"
 PY_TAG=$("$PYTHON" -c 'import sys; print("py%d.%d" % sys.version_info[:2])')
 ARCH=$(uname -m)
