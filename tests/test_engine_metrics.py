@@ -35,7 +35,7 @@ def test_labels_are_read_by_exact_key() -> None:
 
 
 def test_crlf_and_timestamps_are_accepted() -> None:
-    page = Vllm(blocks=(2000,), usage=(0.5,)).page()
+    page = Vllm(blocks=(2001,), usage=(0.5,)).page()
     page = page.replace("} 0.5\n", "} 0.5 1764000000000\n").replace("\n", "\r\n")
     assert read_engine_page(page).used_tokens == 16_000
 

