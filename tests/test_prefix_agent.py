@@ -159,7 +159,7 @@ def test_the_audit_reads_sglangs_hit_rate_as_seen_or_not() -> None:
 def vllm_page(used_fraction: float, hits: int, caching: bool = True) -> str:
     info = (
         f'vllm:cache_config_info{{block_size="16",enable_prefix_caching="{caching}",engine="0",'
-        'num_gpu_blocks="6250"} 1.0'
+        'num_gpu_blocks="6251"} 1.0'  # 100k tokens of requests, and vLLM's null block
     )
     return (
         f'vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} {used_fraction}\n{info}\n'
@@ -172,6 +172,16 @@ def vllm_page(used_fraction: float, hits: int, caching: bool = True) -> str:
 
 def node(clock: ManualClock) -> NodeState:
     return NodeState(NodeSettings("n", "n:8000", safety_ratio=1.0), clock, uses_engine=True, uses_nvml=False)
+
+
+def test_the_node_s_prefix_index_is_the_one_its_settings_bound() -> None:
+    settings = NodeSettings("n", "n:8000", safety_ratio=1.0, prefix_index_blocks=150)
+    state = NodeState(settings, ManualClock(), uses_engine=True, uses_nvml=False)
+    state.observe_engine(read_engine_page(vllm_page(0.0, 0)))
+    for n in range(3):
+        state.reserve(f"q{n}", 26_000, 0, prefix=PrefixChain(tuple(range(n * 100, n * 100 + 100)), 250))
+        state.release(f"q{n}")
+    assert len(state.ledger.prefixes) == 150
 
 
 def test_an_evicted_prefix_is_charged_in_full_on_the_next_request() -> None:

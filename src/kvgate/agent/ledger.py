@@ -65,7 +65,7 @@ class ReservationLedger:
         self._clock = clock
         self._default_lease_s = default_lease_s
         self._max_lease_s = max_lease_s
-        self.prefixes = prefixes or PrefixBlocks()
+        self.prefixes = prefixes if prefixes is not None else PrefixBlocks()
         self._live: dict[str, Reservation] = {}
         self._reserved = 0  # own tokens of live reservations plus every held prefix block once
         self._asked = 0  # tokens live reservations asked for: _asked - _reserved is what sharing saves
