@@ -60,6 +60,20 @@ def test_flags_build_node_settings() -> None:
     assert shaped.model_shape is not None and shaped.model_shape.dtype_bytes == 1.0
 
 
+METRICS = ("--engine-metrics", "http://127.0.0.1:8000/metrics")
+EVENTS = ("--engine-kv-events", "tcp://127.0.0.1:5557")
+
+
+def test_kv_event_flags_name_where_the_agent_listens() -> None:
+    bound = settings_from_args(parse(*METRICS, *EVENTS, "--engine-kv-events-replay", "tcp://127.0.0.1:5558"))
+    assert (bound.kv_events, bound.kv_events_max_blocks) == ("tcp://127.0.0.1:5557", 262_144)
+    connected = settings_from_args(parse(*METRICS, "--engine-kv-events-connect", "tcp://10.0.0.7:5557"))
+    assert connected.kv_events == "tcp://10.0.0.7:5557"
+    assert settings_from_args(parse(*METRICS)).kv_events == ""
+    with pytest.raises(SystemExit):  # one or the other
+        parse(*METRICS, *EVENTS, "--engine-kv-events-connect", "tcp://10.0.0.7:5557")
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -76,6 +90,11 @@ def test_flags_build_node_settings() -> None:
         (("--capacity-tokens", "5", "--gpu-memory-utilization", "0"), "gpu-memory-utilization"),
         (("--engine-metrics", "https://127.0.0.1:8000/metrics"), "--engine-metrics must be an http://"),
         (("--capacity-tokens", "5", "--unreserved-request-tokens", "-1"), "--unreserved-request-tokens"),
+        (("--capacity-tokens", "5", "--engine-kv-events", "tcp://127.0.0.1:5557"), "needs --engine-metrics"),
+        ((*METRICS, "--engine-kv-events", "127.0.0.1:5557"), "must be a ZeroMQ endpoint"),
+        ((*METRICS, "--engine-kv-events", "tcp://*:5557"), "not a wildcard"),
+        ((*METRICS, "--engine-kv-events-replay", "tcp://127.0.0.1:5558"), "needs --engine-kv-events"),
+        ((*METRICS, *EVENTS, "--engine-kv-events-max-blocks", "0"), "max-blocks must be >= 1"),
     ],
 )
 def test_bad_flags_are_config_errors(argv: tuple[str, ...], message: str) -> None:

@@ -118,3 +118,24 @@ def test_a_reservation_only_node_says_so() -> None:
         "reservations",
         {"tokens": 12_000, "reservations": 1},
     )
+
+
+def test_status_names_vllm_s_null_block_and_where_prefixes_come_from(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    engine = FakeEngineMetrics(kv_usage=0.5)
+    with live_agent(NodeSettings("n", "e:1", period_s=0.05, safety_ratio=1.0), engine) as address:
+        args = parse("--agent", address)
+        assert args.func(args) == 0
+        text = capsys.readouterr().out
+        args = parse("--agent", address, "--json")
+        assert args.func(args) == 0
+        seen = json.loads(capsys.readouterr().out)
+    assert (
+        "capacity  40,000 tokens from engine, num_gpu_blocks 2501 x block_size 16: 2500 of 2501 blocks "
+        "(one is vLLM's null block) x 1 engine; x 1 safety = 40,000 admissible\n"
+    ) in text
+    assert "used      20,000 tokens, from engine, 50.0% of capacity\n" in text
+    assert "prefixes  0 tokens indexed, 0 shared; guessed from reservations" in text
+    assert seen["prefix"]["source"].startswith("guessed from reservations")
+    assert seen["forecast"] == {"decode_tokens_per_s": None, "releases": [], "freed_tokens_total": 0}

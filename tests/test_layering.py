@@ -40,6 +40,7 @@ IO_MODULES: dict[str, dict[str, str]] = {
         "sources.fake_nvml": "a scriptable pynvml stand-in with a hanging mode (threads)",
         "sources.nvml": "NVML calls on their own thread",
         "sources.scrape": "the engine's /metrics over HTTP/1.1",
+        "sources.kv_events": "the engine's KV events over ZeroMQ, on their own thread",
     },
     "queue": {
         "__init__": "imports nothing, but names the package's I/O modules",

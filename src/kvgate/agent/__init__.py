@@ -5,6 +5,9 @@ Pure (no gRPC, no I/O):
     ledger          reservations: atomic grant/refuse, release, lease expiry
     prefix_blocks   the prompt blocks reservations hold, shared or idle
     prefix_audit    whether the engine's prefix cache holds what the agent believes
+    prefix_events   the engine's KV events linked to reservations: the prefix index made the engine's
+    engine_cache    the engine's cached blocks as its KV events tell them
+    kv_events       vLLM's KV-event messages decoded, their sequence checked
     releases        when live reservations are expected to end
     decode_rate     the engine's per-request output rate
     capacity        KV bytes per token from a model's shape; static capacity over free GPU memory

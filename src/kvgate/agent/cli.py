@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from kvgate.addresses import join_host_port, split_host_port
 from kvgate.agent.capacity import DTYPE_BYTES, ModelShape
+from kvgate.agent.kv_events import check_endpoint
 from kvgate.agent.node import NodeSettings
 from kvgate.agent.sources.scrape import metrics_url
 from kvgate.errors import ConfigError, HeadroomError
@@ -38,6 +39,13 @@ vLLM and SGLang pages are read as those engines write them (data-parallel engine
 Engines that publish no KV figures (TGI, llama.cpp), or no --engine-metrics, make the node
 reservation-only: with --capacity-tokens, usage is the live reservations plus
 --unreserved-request-tokens for each request the engine runs or queues beyond them.
+With --engine-kv-events, the agent follows vLLM's KV-cache events, so the prompt prefixes it tells
+gates about are the ones the engine says it holds. Pair it with vLLM's
+  --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
+                       "endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558"}'
+and --engine-kv-events tcp://127.0.0.1:5557 --engine-kv-events-replay tcp://127.0.0.1:5558 (vLLM
+connects to an endpoint without '*'; the agent binds it). Gates that send X-Session-ID: <request id>
+let the agent tell whose blocks the engine stored (docs/engines.md).
 """
 
 
@@ -114,6 +122,31 @@ def _register_agent(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
         metavar="N",
         help="prefix blocks the stream shows the gates, most recently used first (default 1024: 8 KiB)",
     )
+    events = parser.add_argument_group("the engine's KV-cache events (vLLM --kv-events-config)")
+    where = events.add_mutually_exclusive_group()
+    where.add_argument(
+        "--engine-kv-events",
+        metavar="ENDPOINT",
+        help="bind a ZeroMQ SUB socket here (tcp://HOST:PORT) for vLLM's publisher to connect to: vLLM "
+        "connects when its endpoint has no '*'",
+    )
+    where.add_argument(
+        "--engine-kv-events-connect",
+        metavar="ENDPOINT",
+        help="connect to a publisher that binds instead (vLLM with tcp://*:PORT, kvgate sim)",
+    )
+    events.add_argument(
+        "--engine-kv-events-replay",
+        metavar="ENDPOINT",
+        help="vLLM's replay_endpoint: batches missed are asked for there (it keeps the last 10,000)",
+    )
+    events.add_argument(
+        "--engine-kv-events-max-blocks",
+        type=int,
+        default=262_144,
+        metavar="N",
+        help="engine blocks followed at most (the engine's pool holds no more); default 262144",
+    )
     parser.add_argument(
         "--metrics-listen",
         default="127.0.0.1:9465",
@@ -161,6 +194,7 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
         raise ConfigError("--prefix-index-blocks and --prefix-summary-blocks must be >= 1")
     if args.engine_stale_after_s <= 0 or args.nvml_hung_after_s <= 0 or args.fake_gpus < 0:
         raise ConfigError("--engine-stale-after-s and --nvml-hung-after-s must be > 0, --fake-gpus >= 0")
+    kv_events = _kv_events_endpoint(args)
     shape = None
     if args.kv_layers is not None:
         if args.nvml == "off":
@@ -193,7 +227,29 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
         unreserved_request_tokens=args.unreserved_request_tokens,
         prefix_index_blocks=args.prefix_index_blocks,
         prefix_summary_blocks=args.prefix_summary_blocks,
+        kv_events=kv_events,
+        kv_events_max_blocks=args.engine_kv_events_max_blocks,
     )
+
+
+def _kv_events_endpoint(args: argparse.Namespace) -> str:
+    """The KV-event endpoint followed ("" for none), its flags checked."""
+    endpoint: str | None = args.engine_kv_events or args.engine_kv_events_connect
+    if endpoint is None:
+        if args.engine_kv_events_replay is not None:
+            raise ConfigError(
+                "--engine-kv-events-replay needs --engine-kv-events or --engine-kv-events-connect"
+            )
+        return ""
+    flag = "--engine-kv-events" if args.engine_kv_events else "--engine-kv-events-connect"
+    check_endpoint(endpoint, flag)
+    if args.engine_kv_events_replay is not None:
+        check_endpoint(args.engine_kv_events_replay, "--engine-kv-events-replay")
+    if args.engine_metrics is None:
+        raise ConfigError(f"{flag} needs --engine-metrics: the page says whether the engine caches prefixes")
+    if args.engine_kv_events_max_blocks < 1:
+        raise ConfigError("--engine-kv-events-max-blocks must be >= 1")
+    return endpoint
 
 
 def tls_from_args(args: argparse.Namespace) -> ServerTls:
@@ -225,7 +281,13 @@ def build_agent(args: argparse.Namespace) -> Agent:
 
             module = pynvml
         nvml = NvmlPoller(NvmlSampler(module, time.monotonic), settings.period_s, args.nvml_hung_after_s)
-    return Agent(settings, engine, nvml)
+    kv_events = None
+    if settings.kv_events:
+        from kvgate.agent.sources.kv_events import KvEventFeed
+
+        bind = args.engine_kv_events is not None
+        kv_events = KvEventFeed(settings.kv_events, bind=bind, replay=args.engine_kv_events_replay)
+    return Agent(settings, engine, nvml, kv_events=kv_events)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -16,7 +16,9 @@ Reservations that carry a prefix chain share the blocks live reservations hold
 (kvgate.agent.prefix_blocks), on engines that say they share cached prefixes (vLLM's
 enable_prefix_caching, SGLang's radix cache); idle prefix blocks are forgotten as the engine's KV
 fills and when its hit counters fall short (kvgate.agent.prefix_audit). On any other engine a chain
-is ignored: every request is charged in full.
+is ignored: every request is charged in full. With the engine's KV events (vLLM's
+--kv-events-config, `kv_events` here), what the engine says it holds replaces those guesses wherever
+it can be told (kvgate.agent.prefix_events).
 Each message also says when the live reservations are expected to end (kvgate.agent.releases), at
 the per-request decode rate measured from the engine's generation counter
 (kvgate.agent.decode_rate), and how many tokens ended reservations have freed in all: what a gate
@@ -31,9 +33,11 @@ from dataclasses import dataclass
 
 from kvgate.agent.capacity import ModelShape, kv_bytes_per_token, static_capacity_tokens
 from kvgate.agent.decode_rate import DecodeRate
+from kvgate.agent.kv_events import Batch
 from kvgate.agent.ledger import Budget, ReservationLedger
 from kvgate.agent.prefix_audit import PrefixAudit
 from kvgate.agent.prefix_blocks import PrefixBlocks
+from kvgate.agent.prefix_events import PrefixEvents
 from kvgate.agent.releases import expected_releases
 from kvgate.agent.sources.engines import EngineReading, PageState
 from kvgate.headroom.snapshot import (
@@ -68,6 +72,10 @@ class NodeSettings:
     # Prefix blocks remembered (in use or idle), and how many the stream's summary shows.
     prefix_index_blocks: int = 16384
     prefix_summary_blocks: int = 1024
+    # Where the engine's KV events come from ("" when they are not followed), and how many of its
+    # blocks are followed at most.
+    kv_events: str = ""
+    kv_events_max_blocks: int = 262_144
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +107,11 @@ class NodeState:
         prefixes = PrefixBlocks(settings.prefix_index_blocks, settings.prefix_summary_blocks)
         self.ledger = ReservationLedger(clock, settings.default_lease_s, settings.max_lease_s, prefixes)
         self._audit = PrefixAudit(ARRIVAL_S)
+        self.prefix_events = (
+            PrefixEvents(prefixes, settings.kv_events, settings.kv_events_max_blocks)
+            if settings.kv_events
+            else None
+        )
         self.prefix_forgotten = 0  # idle prefix tokens forgotten by the engine's signals, in all
         self._engine = _EngineSample(None, float("-inf"), "engine metrics: no sample yet", float("-inf"))
         self._nvml: NvmlReading | None = None
@@ -109,6 +122,9 @@ class NodeState:
 
     def observe_engine(self, reading: EngineReading) -> None:
         now = self._clock()
+        before = self._engine.reading
+        if self.prefix_events is not None and before is not None and _restarted(before, reading):
+            self.prefix_events.engine_restarted()
         changed = self._engine.changed_at
         if self._engine.reading is None or _figures(reading) != _figures(self._engine.reading):
             changed = now
@@ -126,6 +142,15 @@ class NodeState:
             now, reading.prefix_hits_total, reading.cache_hit_rate, reading.waiting
         )
         self.prefix_forgotten += prefixes.evict(shortfall)
+
+    def observe_kv_events(self, batches: list[Batch]) -> None:
+        """The engine's KV-event batches received since the last call, in order; called every period,
+        with none as well."""
+        if self.prefix_events is None:
+            return
+        for batch in batches:
+            self.prefix_events.apply(batch)
+        self.prefix_events.settle(self._clock(), {r.request_id for r in self.ledger.live()})
 
     def engine_failed(self, error: str) -> None:
         self._engine = _EngineSample(
@@ -157,6 +182,8 @@ class NodeState:
             now = self._clock()
             self._grants.append(now)
             self._audit.expect(now, result.cached_tokens)
+            if self.prefix_events is not None and chain is not None and chain.blocks:
+                self.prefix_events.granted(request_id, chain, now)
         return result
 
     def release(self, request_id: str) -> ReleaseOutcome:
@@ -206,7 +233,16 @@ class NodeState:
             decode_tokens_per_s=self.decode_rate.tokens_per_s,
             releases=expected_releases(self.ledger.live(), now, self.decode_rate.tokens_per_s),
             freed_tokens_total=self.ledger.freed_tokens,
+            prefix_source=self._prefix_source(last),
         )
+
+    def _prefix_source(self, engine: EngineReading | None) -> str:
+        """Where the prefix index comes from, for operators."""
+        if engine is None or engine.prefix_caching is not True:
+            return "none: the engine does not say it caches prefixes"
+        if self.prefix_events is not None:
+            return self.prefix_events.describe()
+        return "guessed from reservations, the engine's free KV and its hit counters (no KV events)"
 
     def _assess(self) -> _Assessment:
         engine = self._fresh_engine()
@@ -307,6 +343,17 @@ class NodeState:
 def _not_ready(engine: EngineReading) -> str:
     # An engine that shows its usage but not its capacity is up, only idle (older SGLang).
     return "engine not ready" if engine.used_tokens is None else "engine idle, capacity not yet published"
+
+
+def _restarted(before: EngineReading, now: EngineReading) -> bool:
+    """The engine's counters went back: it restarted (and its prefix cache is empty)."""
+    return any(
+        b is not None and n is not None and n < b
+        for b, n in (
+            (before.prefix_queries_total, now.prefix_queries_total),
+            (before.generation_tokens_total, now.generation_tokens_total),
+        )
+    )
 
 
 def _figures(reading: EngineReading) -> tuple[int | None, ...]:

@@ -1,8 +1,9 @@
 """The agent's gRPC adapter: a sampling loop on a fixed cadence, the Agent service and gRPC health.
 
 Every period the loop scrapes the engine's metrics (bounded by the scraper's timeout, half the
-period), takes NVML's latest reading (sampled on its own thread, see nvml.NvmlPoller), folds both
-into the NodeState, and pushes one NodeHeadroom to every subscriber.
+period), takes NVML's latest reading (sampled on its own thread, see nvml.NvmlPoller) and the engine's
+KV-event batches received since the last period (on their own thread, see kv_events.KvEventFeed),
+folds them into the NodeState, and pushes one NodeHeadroom to every subscriber.
 Ticks are scheduled on absolute deadlines so a slow sample delays one push, not all that follow.
 Reserve and Release run on the same event loop as the ledger and never await between check and
 charge: that is what makes this agent the single authority for its node.
@@ -23,6 +24,7 @@ from grpc_health.v1.health import aio as health_aio
 from kvgate._proto.headroom.v1 import headroom_pb2 as pb
 from kvgate._proto.headroom.v1 import headroom_pb2_grpc as pb_grpc
 from kvgate.agent.broadcast import Broadcast
+from kvgate.agent.kv_events import Batch
 from kvgate.agent.metrics import AgentMetrics
 from kvgate.agent.node import NodeSettings, NodeState
 from kvgate.agent.sources.engines import EngineReading
@@ -46,6 +48,14 @@ class EngineSource(Protocol):
     async def close(self) -> None: ...
 
 
+class KvEventSource(Protocol):
+    """Never blocks: the batches received since the last call (received on its own thread)."""
+
+    def start(self) -> None: ...
+    def drain(self) -> list[Batch]: ...
+    def close(self) -> None: ...
+
+
 class NvmlSource(Protocol):
     """Never blocks: the latest reading, sampled elsewhere (NvmlPoller's thread)."""
 
@@ -60,8 +70,10 @@ class Agent:
         settings: NodeSettings,
         engine: EngineSource | None = None,
         nvml: NvmlSource | None = None,
+        *,
         clock: Callable[[], float] = time.monotonic,
         wall_clock_ns: Callable[[], int] = time.time_ns,
+        kv_events: KvEventSource | None = None,
     ) -> None:
         self.settings = settings
         self.state = NodeState(settings, clock, uses_engine=engine is not None, uses_nvml=nvml is not None)
@@ -70,6 +82,7 @@ class Agent:
         self._encoder = HeadroomEncoder()
         self._engine = engine
         self._nvml = nvml
+        self._kv_events = kv_events
         self._wall_clock_ns = wall_clock_ns
         self._health = health_aio.HealthServicer()
         self._healthy: bool | None = None
@@ -93,6 +106,8 @@ class Agent:
             raise HeadroomError(f"agent cannot listen on {listen}: {exc}") from exc
         await server.start()
         self._server = server
+        if self._kv_events is not None:
+            await asyncio.to_thread(self._kv_events.start)
         if self._nvml is not None and not await asyncio.to_thread(
             self._nvml.wait_first, NVML_FIRST_READING_S
         ):
@@ -123,6 +138,8 @@ class Agent:
             await self._engine.close()
         if self._nvml is not None:
             self._nvml.close()
+        if self._kv_events is not None:
+            await asyncio.to_thread(self._kv_events.close)
 
     async def wait_closed(self) -> None:
         if self._server is not None:
@@ -134,6 +151,8 @@ class Agent:
             await self._sample_engine()
         if self._nvml is not None:
             self.state.observe_nvml(self._nvml.latest())
+        if self._kv_events is not None:
+            self.state.observe_kv_events(self._kv_events.drain())
         for lapsed in self.state.ledger.expire():
             self.metrics.expired()
             # A lease that runs out means a gate never released: a lost end-of-request signal.

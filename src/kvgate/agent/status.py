@@ -41,6 +41,16 @@ def status_json(h: NodeHeadroom, agent: str, age_s: float) -> dict[str, Any]:
         "reserved": {"tokens": h.reserved_tokens, "reservations": h.reservations},
         "headroom_tokens": h.headroom_tokens,
         "requests": {"running": h.running, "waiting": h.waiting, "preemptions_total": h.preemptions_total},
+        "prefix": {
+            "source": h.prefix_source or None,
+            "indexed_tokens": h.prefix.indexed_tokens,
+            "saved_tokens": h.prefix.saved_tokens,
+        },
+        "forecast": {
+            "decode_tokens_per_s": h.decode_tokens_per_s,
+            "releases": [{"after_s": r.after_s, "tokens": r.tokens} for r in h.releases],
+            "freed_tokens_total": h.freed_tokens_total,
+        },
         "gpus": [
             {"uuid": g.uuid, "name": g.name, "healthy": g.healthy, "used_bytes": g.used_bytes} for g in h.gpus
         ],
@@ -76,6 +86,17 @@ def status_text(h: NodeHeadroom, agent: str, age_s: float) -> str:
         f"{_count(h.preemptions_total)} preempted since start",
         f"age       {age_s:.3f} s since the agent's sample{scraped}",
     ]
+    if h.prefix_source:
+        lines.append(
+            f"prefixes  {h.prefix.indexed_tokens:,} tokens indexed, {h.prefix.saved_tokens:,} shared; "
+            f"{h.prefix_source}"
+        )
+    if h.decode_tokens_per_s is not None:
+        ends = ""
+        if h.releases:
+            ends = f"; {len(h.releases)} reservations expected to end in {h.releases[0].after_s:.1f}"
+            ends += f"-{h.releases[-1].after_s:.1f} s" if len(h.releases) > 1 else " s"
+        lines.append(f"decode    {h.decode_tokens_per_s:.1f} tokens/s per running request{ends}")
     if h.gpus:
         sick = [g.uuid for g in h.gpus if not g.healthy]
         lines.append(

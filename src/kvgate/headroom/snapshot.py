@@ -136,6 +136,7 @@ class NodeHeadroom:
     # When live reservations are expected to end, soonest first (what a refused request waits for).
     releases: tuple[ExpectedRelease, ...] = ()
     freed_tokens_total: int = 0  # tokens freed by ended reservations since the agent started
+    prefix_source: str = ""  # where the prefix index comes from (the engine's KV events, guesses)
 
     @property
     def admissible_tokens(self) -> int:

@@ -77,6 +77,7 @@ def _scalars_to_proto(h: NodeHeadroom) -> pb.NodeHeadroom:
         decode_tokens_per_s=h.decode_tokens_per_s,
         releases=[pb.ExpectedRelease(after_ms=round(r.after_s * 1000), tokens=r.tokens) for r in h.releases],
         freed_tokens_total=h.freed_tokens_total,
+        prefix_source=h.prefix_source,
     )
 
 
@@ -195,6 +196,7 @@ def headroom_from_proto(m: pb.NodeHeadroom, previous: PrefixSummary = NO_PREFIXE
         decode_tokens_per_s=m.decode_tokens_per_s if m.HasField("decode_tokens_per_s") else None,
         releases=tuple(ExpectedRelease(r.after_ms / 1000, r.tokens) for r in m.releases),
         freed_tokens_total=m.freed_tokens_total,
+        prefix_source=m.prefix_source,
     )
 
 

@@ -36,7 +36,7 @@ class GpuInfo(_message.Message):
     def __init__(self, uuid: _Optional[str] = ..., index: _Optional[int] = ..., name: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., healthy: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class NodeHeadroom(_message.Message):
-    __slots__ = ("node", "endpoint", "seq", "sample_time_unix_ns", "capacity_tokens", "safety_ratio", "used_tokens", "reserved_tokens", "reservations", "headroom_tokens", "healthy", "reason", "capacity_source", "kv_usage", "running", "waiting", "preemptions_total", "gpus", "period_ms", "engine_kind", "engines", "capacity_rule", "usage_source", "unreserved_tokens", "engine_sample_age_ms", "prefix", "decode_tokens_per_s", "releases", "freed_tokens_total")
+    __slots__ = ("node", "endpoint", "seq", "sample_time_unix_ns", "capacity_tokens", "safety_ratio", "used_tokens", "reserved_tokens", "reservations", "headroom_tokens", "healthy", "reason", "capacity_source", "kv_usage", "running", "waiting", "preemptions_total", "gpus", "period_ms", "engine_kind", "engines", "capacity_rule", "usage_source", "unreserved_tokens", "engine_sample_age_ms", "prefix", "decode_tokens_per_s", "releases", "freed_tokens_total", "prefix_source")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class NodeHeadroom(_message.Message):
     DECODE_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     RELEASES_FIELD_NUMBER: _ClassVar[int]
     FREED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SOURCE_FIELD_NUMBER: _ClassVar[int]
     node: str
     endpoint: str
     seq: int
@@ -95,7 +96,8 @@ class NodeHeadroom(_message.Message):
     decode_tokens_per_s: float
     releases: _containers.RepeatedCompositeFieldContainer[ExpectedRelease]
     freed_tokens_total: int
-    def __init__(self, node: _Optional[str] = ..., endpoint: _Optional[str] = ..., seq: _Optional[int] = ..., sample_time_unix_ns: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., safety_ratio: _Optional[float] = ..., used_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., reservations: _Optional[int] = ..., headroom_tokens: _Optional[int] = ..., healthy: _Optional[bool] = ..., reason: _Optional[str] = ..., capacity_source: _Optional[str] = ..., kv_usage: _Optional[float] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., period_ms: _Optional[int] = ..., engine_kind: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., capacity_rule: _Optional[str] = ..., usage_source: _Optional[str] = ..., unreserved_tokens: _Optional[int] = ..., engine_sample_age_ms: _Optional[int] = ..., prefix: _Optional[_Union[PrefixSummary, _Mapping]] = ..., decode_tokens_per_s: _Optional[float] = ..., releases: _Optional[_Iterable[_Union[ExpectedRelease, _Mapping]]] = ..., freed_tokens_total: _Optional[int] = ...) -> None: ...
+    prefix_source: str
+    def __init__(self, node: _Optional[str] = ..., endpoint: _Optional[str] = ..., seq: _Optional[int] = ..., sample_time_unix_ns: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., safety_ratio: _Optional[float] = ..., used_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., reservations: _Optional[int] = ..., headroom_tokens: _Optional[int] = ..., healthy: _Optional[bool] = ..., reason: _Optional[str] = ..., capacity_source: _Optional[str] = ..., kv_usage: _Optional[float] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., period_ms: _Optional[int] = ..., engine_kind: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., capacity_rule: _Optional[str] = ..., usage_source: _Optional[str] = ..., unreserved_tokens: _Optional[int] = ..., engine_sample_age_ms: _Optional[int] = ..., prefix: _Optional[_Union[PrefixSummary, _Mapping]] = ..., decode_tokens_per_s: _Optional[float] = ..., releases: _Optional[_Iterable[_Union[ExpectedRelease, _Mapping]]] = ..., freed_tokens_total: _Optional[int] = ..., prefix_source: _Optional[str] = ...) -> None: ...
 
 class ExpectedRelease(_message.Message):
     __slots__ = ("after_ms", "tokens")
