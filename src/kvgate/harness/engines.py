@@ -236,11 +236,24 @@ def vllm_process(
     timeout_s: float = READY_TIMEOUT_S,
 ) -> EngineService:
     """A vLLM serving the tiny Llama on a free port, once /health answers; stopped if it never does."""
+    return _healthy(start_vllm(install, log_dir, name=name, options=options, seed=seed), timeout_s)
+
+
+def start_vllm(
+    install: EnginesInstall,
+    log_dir: Path,
+    *,
+    name: str = "vllm",
+    options: VllmOptions = VllmOptions(),
+    seed: int = 0,
+    port: int | None = None,
+) -> EngineService:
+    """A vLLM started on `port` (a free one by default), not waited for: start several, then wait for
+    each (`wait_healthy`), so that their start-ups overlap."""
     model = install.model(seed)
-    port = free_port()
+    port = free_port() if port is None else port
     argv = vllm_argv(install, model, port, options)
-    service = EngineService(name, argv, log_dir, env=vllm_env(install, options), port=port)
-    return _healthy(service, timeout_s)
+    return EngineService(name, argv, log_dir, env=vllm_env(install, options), port=port)
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,5 +316,6 @@ __all__: Sequence[str] = (
     "find_engines",
     "llama_server_process",
     "locate_engines",
+    "start_vllm",
     "vllm_process",
 )
