@@ -7,9 +7,10 @@ it as such, and the final figures wait out a restart before reading the counters
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -67,12 +68,18 @@ class Node:
         return f"http://{self.address}/metrics"
 
 
-async def scrape(session: aiohttp.ClientSession, node: Node) -> NodeMetrics | None:
+# How a node's /metrics page reads: the simulator's (parse_sim_metrics) or a real engine's.
+PageParser = Callable[[str], NodeMetrics]
+
+
+async def scrape(
+    session: aiohttp.ClientSession, node: Node, parse: PageParser = parse_sim_metrics
+) -> NodeMetrics | None:
     try:
         async with session.get(node.metrics_url) as response:
             if response.status != 200:
                 return None
-            return parse_sim_metrics(await response.text())
+            return parse(await response.text())
     except (aiohttp.ClientError, TimeoutError, ValueError):
         return None
 
@@ -81,12 +88,17 @@ class Sampler:
     """Scrapes every node at a fixed interval while the load runs."""
 
     def __init__(
-        self, nodes: Sequence[Node], interval_s: float = 0.25, clock: Callable[[], float] = time.monotonic
+        self,
+        nodes: Sequence[Node],
+        interval_s: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
+        parse: PageParser = parse_sim_metrics,
     ) -> None:
         self.nodes = tuple(nodes)
         self.timeline: dict[str, list[Sample]] = {n.name: [] for n in nodes}
         self._interval = interval_s
         self._clock = clock
+        self._parse = parse
 
     async def run(self, start: float) -> None:
         """Sample until cancelled; `start` is the clock value that timelines count from."""
@@ -94,7 +106,7 @@ class Sampler:
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
                 now = self._clock() - start
-                found = await asyncio.gather(*(scrape(session, n) for n in self.nodes))
+                found = await asyncio.gather(*(scrape(session, n, self._parse) for n in self.nodes))
                 for node, metrics in zip(self.nodes, found, strict=True):
                     self.timeline[node.name].append(Sample(now, metrics))
                 await asyncio.sleep(self._interval)
@@ -112,15 +124,34 @@ async def fetch_page(url: str, timeout_s: float = 2.0) -> str | None:
         return None
 
 
-async def final_metrics(nodes: Sequence[Node], wait_s: float) -> dict[str, NodeMetrics | None]:
+async def final_metrics(
+    nodes: Sequence[Node], wait_s: float, parse: PageParser = parse_sim_metrics
+) -> dict[str, NodeMetrics | None]:
     """Each node's counters, waiting up to `wait_s` for nodes that are restarting after a crash."""
     deadline = time.monotonic() + wait_s
     result: dict[str, NodeMetrics | None] = {}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0)) as session:
         for node in nodes:
-            metrics = await scrape(session, node)
+            metrics = await scrape(session, node, parse)
             while metrics is None and time.monotonic() < deadline:
                 await asyncio.sleep(0.2)
-                metrics = await scrape(session, node)
+                metrics = await scrape(session, node, parse)
             result[node.name] = metrics
+    return result
+
+
+def with_sampled_peaks(
+    final: Mapping[str, NodeMetrics | None], timeline: Mapping[str, Sequence[Sample]]
+) -> dict[str, NodeMetrics | None]:
+    """`final` with each node's peak KV raised to the highest usage sampled on its timeline: an engine
+    that keeps no peak of its own (vLLM) has its peak read from the samples; the simulator's own peak,
+    taken at every step, is never below them."""
+    result: dict[str, NodeMetrics | None] = {}
+    for name, metrics in final.items():
+        sampled = [s.metrics for s in timeline.get(name, ()) if s.metrics is not None]
+        if metrics is None or not sampled:
+            result[name] = metrics
+            continue
+        peak = max(round(m.kv_usage * m.capacity_tokens) for m in sampled)
+        result[name] = dataclasses.replace(metrics, peak_kv_tokens=max(metrics.peak_kv_tokens, peak))
     return result
