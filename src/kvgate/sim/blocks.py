@@ -155,14 +155,16 @@ def token_block_hashes(parts: Sequence[tuple[str, Sequence[int]]], block_size: i
     previous = b""
     block = bytearray()
     room = block_size
+    width = array("Q").itemsize
     for marker, ids in parts:
+        data = array("Q", ids).tobytes()
         block += b"\x1e" + marker.encode() + b"\x1f"
         taken = 0
-        while taken < len(ids):
-            step = min(room, len(ids) - taken)
-            block += array("Q", ids[taken : taken + step]).tobytes()
+        while taken < len(data):
+            step = min(room * width, len(data) - taken)
+            block += data[taken : taken + step]
             taken += step
-            room -= step
+            room -= step // width
             if room == 0:
                 previous = hashlib.blake2b(previous + block, digest_size=8).digest()
                 hashes.append(int.from_bytes(previous, "little"))
