@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import kvgate
-from kvgate.demo.scenario import RUN_NAMES, builtin_scenario, load_scenario
+from kvgate.demo.scenario import RUN_NAMES, RunName, Scenario, builtin_scenario, load_scenario
 from kvgate.errors import ConfigError
 
 
@@ -28,7 +28,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "report.json and report.png. Everything it starts is stopped when it ends. `--only "
             "kvgate_no_queue` shows kvgate without its queue (429 after the wait). A scenario may name "
             "other runs: the rag scenario "
-            "(src/kvgate/demo/scenarios/rag.yaml) compares kvgate with prefix-aware placement off and on."
+            "(src/kvgate/demo/scenarios/rag.yaml) compares kvgate with prefix-aware placement off and on. "
+            "With --trace it replays a request trace instead (Mooncake's JSONL format) through the "
+            "scenario's runs, peer routers included (default scenario: "
+            "src/kvgate/demo/scenarios/trace.yaml; `make peers` installs the peers)."
         ),
     )
     parser.add_argument(
@@ -45,6 +48,28 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument(
         "--only", choices=RUN_NAMES, default=None, help="run this one of the scenario's stacks only"
+    )
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="replay this request trace, one JSON object a line: timestamp (ms), input_length, "
+        "output_length, hash_ids (one per 512-token prompt block)",
+    )
+    parser.add_argument(
+        "--window",
+        default=":",
+        metavar="START:END",
+        help="with --trace: the seconds of the trace to replay, either side optional (default: all)",
+    )
+    parser.add_argument(
+        "--speed",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="with --trace: send the trace X times faster; the simulated nodes' prefill and decode "
+        "rates are multiplied by X, so they stay as loaded as the trace makes them (default 1)",
     )
     parser.set_defaults(func=run)
 
@@ -64,21 +89,55 @@ def run(args: argparse.Namespace) -> int:
     from kvgate.demo.runner import print_report, run_demo
     from kvgate.harness.processes import ChildError
 
-    scenario = load_scenario(args.scenario or builtin_scenario("burst"))
+    scenario = load_scenario(args.scenario or builtin_scenario("trace" if args.trace else "burst"))
     runs = (args.only,) if args.only else scenario.runs
     envoy_config = Path()
-    if any(run != "baseline" for run in runs):
+    if any(run.startswith("kvgate") for run in runs):
         envoy_config = args.envoy_config or default_envoy_config()
+    work = (
+        _trace_work(args, scenario, envoy_config, runs)
+        if args.trace is not None
+        else run_demo(scenario, args.out, envoy_config, runs)
+    )
     try:
-        report = asyncio.run(_until_terminated(run_demo(scenario, args.out, envoy_config, runs)))
+        report = asyncio.run(_until_terminated(work))
     except ChildError as exc:
         print(f"kvgate demo: {exc}\n(logs of every process are in {args.out / 'logs'})", file=sys.stderr)
         return 1
     except asyncio.CancelledError:
         print("kvgate demo: terminated; every process it started is stopped", file=sys.stderr)
         return 143
-    print_report(report, args.out)
+    if args.trace is None:
+        print_report(report, args.out)
+        return 0
+    from kvgate.demo.trace_report import format_trace_table
+
+    print(format_trace_table(report))
+    for name, reason in report["not_run"].items():
+        print(f"not run: {name}: {reason}")
+    print(f"\nwrote {args.out / 'report.json'}, report.md and report.png")
     return 0
+
+
+def _trace_work(
+    args: argparse.Namespace, scenario: Scenario, envoy_config: Path, runs: tuple[RunName, ...]
+) -> Coroutine[Any, Any, dict[str, Any]]:
+    """The trace replay of `args` (its file read and checked before anything starts)."""
+    from kvgate.demo.replay import run_trace_demo
+    from kvgate.demo.trace import parse_window, read_trace
+
+    window = parse_window(args.window)
+    requests = read_trace(args.trace, window)
+    return run_trace_demo(
+        scenario,
+        args.trace,
+        requests,
+        window=window,
+        speed=args.speed,
+        out_dir=args.out,
+        envoy_config=envoy_config,
+        runs=runs,
+    )
 
 
 async def _until_terminated(work: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:

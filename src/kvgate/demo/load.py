@@ -16,13 +16,14 @@ import json
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, overload
 
 import aiohttp
 
 from kvgate.demo.scenario import Planned, Scenario
+from kvgate.demo.tokenizer import prompt_blocks
 from kvgate.names import JOB_ID_HEADER
 from kvgate.sim.server import NODE_HEADER
 from kvgate.sim.tokens import make_prompt
@@ -59,8 +60,14 @@ def classify_response(status: int, body: bytes) -> Outcome:
 
 def request_body(scenario: Scenario, planned: Planned) -> bytes:
     """The request's chat body: one user message of its own, or its parts, each drawn from its key (so
-    a document, or a session's history, is the same text in every request that carries it)."""
-    if planned.parts:
+    a document, or a session's history, is the same text in every request that carries it), or a
+    trace request's blocks as one user message, its output exact (`ignore_eos`, as vLLM reads it)."""
+    exact: dict[str, bool] = {}
+    if planned.blocks:
+        text = prompt_blocks(scenario.tokenizer).prompt(planned.blocks, planned.prompt_tokens)
+        messages = [{"role": "user", "content": text}]
+        exact = {"ignore_eos": True}
+    elif planned.parts:
         messages = [
             {"role": role, "content": make_prompt(tokens, random.Random(f"{scenario.seed}/{key}"))}
             for role, key, tokens in planned.parts
@@ -74,8 +81,32 @@ def request_body(scenario: Scenario, planned: Planned) -> bytes:
         "max_tokens": planned.max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **exact,
     }
     return json.dumps(body).encode()
+
+
+class LazyBodies(Sequence[bytes]):
+    """The bodies of a plan, each built as it is sent: a long trace's prompts (hundreds of megabytes in
+    all) are never held at once, and one takes about a millisecond to build."""
+
+    def __init__(self, scenario: Scenario, plan: Sequence[Planned]) -> None:
+        self._scenario = scenario
+        self._plan = plan
+
+    def __len__(self) -> int:
+        return len(self._plan)
+
+    @overload
+    def __getitem__(self, index: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[bytes]: ...
+
+    def __getitem__(self, index: int | slice) -> bytes | Sequence[bytes]:
+        if isinstance(index, slice):
+            return LazyBodies(self._scenario, self._plan[index])
+        return request_body(self._scenario, self._plan[index])
 
 
 def _describe(exc: BaseException) -> str:
@@ -120,7 +151,7 @@ class LoadGenerator:
         """The request bodies, built before the clock starts so that building them delays no send."""
         return [request_body(self._scenario, p) for p in plan]
 
-    async def run(self, plan: list[Planned], bodies: list[bytes], start: float) -> list[Result]:
+    async def run(self, plan: list[Planned], bodies: Sequence[bytes], start: float) -> list[Result]:
         """Send `plan` open-loop, each request `at_s` after `start` (a value of the clock)."""
         timing = self._scenario.timing
         timeout = aiohttp.ClientTimeout(total=timing.request_timeout_s, sock_connect=timing.connect_timeout_s)

@@ -163,6 +163,16 @@ def format_table(report: Mapping[str, Mapping[str, Any]]) -> str:
         rows.append((key, [_cell(report[r].get(key)) for r in runs]))
     for key in RETRY_KEYS:
         rows.append((key, [_cell(report[r].get(key)) for r in runs]))
+    return render_rows(runs, rows)
+
+
+def cell(value: object) -> str:
+    """A table cell: '-' for None, thousands separated, one decimal for floats."""
+    return _cell(value)
+
+
+def render_rows(runs: Sequence[str], rows: Sequence[tuple[str, Sequence[str]]]) -> str:
+    """A table: one column per run, one labelled row of cells per figure, right-aligned."""
     label_width = max(len(label) for label, _ in rows)
     widths = [max(len(run), *(len(cells[i]) for _, cells in rows)) for i, run in enumerate(runs)]
     header = " " * label_width + "  " + "  ".join(run.rjust(w) for run, w in zip(runs, widths, strict=True))

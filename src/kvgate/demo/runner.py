@@ -14,7 +14,7 @@ import json
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -23,9 +23,10 @@ from kvgate.demo.load import LoadGenerator, Result
 from kvgate.demo.plot import write_plot
 from kvgate.demo.report import RunTrace, format_table, summarize_run
 from kvgate.demo.retry_figures import RetryFigures, read_retry_figures
-from kvgate.demo.scenario import RunName, Scenario, long_shape, plan
+from kvgate.demo.runs import start_stack
+from kvgate.demo.scenario import Planned, RunName, Scenario, long_shape, plan
 from kvgate.demo.scrape import Sampler, fetch_page, final_metrics
-from kvgate.demo.stacks import Stack, start_baseline, start_kvgate
+from kvgate.demo.stacks import Stack
 from kvgate.harness.processes import ProcessGroup
 
 
@@ -75,8 +76,24 @@ async def _phase(
     requests = plan(scenario, duration, with_bursts)
     load = LoadGenerator(stack.url, scenario, stack.async_nodes)
     bodies = load.prepare(requests)
+    return await replay(
+        label, load, requests, bodies, duration_s=duration, progress=progress, sampler=sampler
+    )
+
+
+async def replay(
+    label: str,
+    load: LoadGenerator,
+    requests: list[Planned],
+    bodies: Sequence[bytes],
+    *,
+    duration_s: float,
+    progress: Progress,
+    sampler: Sampler | None,
+) -> list[Result]:
+    """Send `requests` open-loop through `load` (while `sampler` samples the nodes), with progress."""
     start = time.monotonic()
-    watchers = [asyncio.create_task(_report_progress(label, duration, load, progress))]
+    watchers = [asyncio.create_task(_report_progress(label, duration_s, load, progress))]
     if sampler is not None:
         watchers.append(asyncio.create_task(sampler.run(start)))
     try:
@@ -100,17 +117,7 @@ async def _run_one(
         ProcessGroup(out_dir / "logs" / name) as group,
     ):
         progress.done(f"{name}: starting the stack")
-        if name == "baseline":
-            stack = await start_baseline(group, scenario, Path(tmp))
-        else:
-            stack = await start_kvgate(
-                group,
-                scenario,
-                Path(tmp),
-                envoy_config,
-                prefix_affinity=name == "kvgate_prefix_on",
-                queue=scenario.layout.queue and name != "kvgate_no_queue",
-            )
+        stack = await start_stack(name, group, scenario, Path(tmp), envoy_config)
         quiet, busy = (
             ("no bursts", "bursts") if scenario.bursts is not None else ("short only", "long traffic")
         )
@@ -148,7 +155,7 @@ async def run_demo(
     traces: dict[str, RunTrace] = {}
     for name in scenario.runs if runs is None else runs:
         traces[name] = await _run_one(name, scenario, out_dir, envoy_config, progress)
-        _write_requests(traces[name].burst, out_dir / f"requests-{name}.jsonl")
+        write_requests(traces[name].burst, out_dir / f"requests-{name}.jsonl")
     report = {name: trace.summary for name, trace in traces.items()}
     report_path = out_dir / "report.json"
     report_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
@@ -157,8 +164,8 @@ async def run_demo(
     return report
 
 
-def _write_requests(results: list[Result], path: Path) -> None:
-    """One JSON line per request of the burst phase: what was asked, when, and what came of it."""
+def write_requests(results: list[Result], path: Path) -> None:
+    """One JSON line per request replayed (of the burst phase): what was asked, when, and what came of it."""
     with path.open("w", encoding="utf-8") as out:
         for r in results:
             row = {**dataclasses.asdict(r.planned), **dataclasses.asdict(r)}

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
 
+from kvgate.bounds import at_least
 from kvgate.config import parse_yaml_as
 from kvgate.errors import ConfigError
 
@@ -28,6 +29,9 @@ class NodeProfile:
     decode_tokens_per_s: float = 50.0
     on_exhaustion: Literal["crash", "preempt"] = "crash"
     restart_s: float = 8.0
+    # A stream's first token goes out at once, then a chunk every stream_interval tokens (vLLM's and
+    # SGLang's --stream-interval); a long replay raises it so chunks do not eat the host's CPU.
+    stream_interval: int = dataclasses.field(default=1, metadata=at_least(1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,10 +112,26 @@ class Timing:
     max_in_flight: int = 256
 
 
+# A peer router in one of its policies, over the same nodes as the baseline (kvgate.demo.peers):
+# peer_<router>_<policy>. vllm-router's consistent_hash and sticky policies route on a session header
+# that neither a scenario nor a trace carries, so they are not among them.
+PeerRunName = Literal[
+    "peer_smg_cache_aware",
+    "peer_smg_prefix_hash",
+    "peer_smg_power_of_two",
+    "peer_smg_least_load",
+    "peer_smg_round_robin",
+    "peer_vllm-router_cache_aware",
+    "peer_vllm-router_kv_aware",
+    "peer_vllm-router_power_of_two",
+    "peer_vllm-router_round_robin",
+]
 # The stacks a run can start: a plain Envoy over one shared pool, or kvgate with prefix-aware
 # placement off (its default) or on, or kvgate without its queue (long requests that find no room
-# get 429 after the wait).
-RunName = Literal["baseline", "kvgate", "kvgate_prefix_off", "kvgate_prefix_on", "kvgate_no_queue"]
+# get 429 after the wait), or a peer router.
+RunName = Literal[
+    "baseline", "kvgate", "kvgate_prefix_off", "kvgate_prefix_on", "kvgate_no_queue", PeerRunName
+]
 RUN_NAMES: tuple[RunName, ...] = get_args(RunName)
 
 
@@ -120,6 +140,9 @@ class Scenario:
     name: str = "scenario"
     seed: int = 1
     model: str = "kvgate-sim"
+    # The model's tokenizer file (a path, or the name of one mistral-common ships): the nodes count with
+    # it and the gate is given it (kvgate.demo.tokenizer). None: the nodes count UTF-8 bytes / 4.
+    tokenizer: str | None = None
     runs: tuple[RunName, ...] = ("baseline", "kvgate")
     node: NodeProfile = NodeProfile()
     layout: Layout = Layout()
@@ -150,6 +173,8 @@ class Planned:
     index: int
     parts: tuple[Part, ...] = ()
     label: str = ""  # what the request belongs to: "doc 2", "session 1 turn 3"
+    # A trace request's prompt: one hash id per 512-token block (kvgate.demo.prompts), output exact.
+    blocks: tuple[int, ...] = ()
 
 
 def _check(s: Scenario) -> None:

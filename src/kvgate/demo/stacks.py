@@ -1,16 +1,18 @@
-"""The two stacks the demo compares, started in a ProcessGroup on free 127.0.0.1 ports.
+"""The stacks the demo compares, started in a ProcessGroup on free 127.0.0.1 ports.
 
 - baseline: simulated nodes in one shared pool behind a plain round-robin Envoy.
 - kvgate: an interactive pool, a long-context pool with one `kvgate agent` per node, an optional
   async pool, the gate (prefix-aware placement off, its default, or on), and Envoy with the
   repository's config.
-Both use the same node profile and the same number of nodes for the interactive and long traffic.
+- a peer router over the baseline's nodes: kvgate.demo.peers.
+All use the same node profile and the same number of nodes for the interactive and long traffic.
+A stack names the processes of its routing layer (`routing`), whose CPU the demo reports.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from typing import Any
 from kvgate.demo.envoy_config import baseline_bootstrap, write_yaml
 from kvgate.demo.scenario import Scenario
 from kvgate.demo.scrape import Node
+from kvgate.demo.tokenizer import tokenizer_file
 from kvgate.harness.envoy import render_envoy
 from kvgate.harness.processes import ProcessGroup, find_envoy, kvgate_command, sim_command
 from kvgate.localports import free_ports
@@ -31,9 +34,14 @@ class Stack:
     long_pool: tuple[str, ...]
     async_nodes: frozenset[str]
     gate_metrics_url: str | None = None  # the gate's /metrics (kvgate runs)
+    # The ProcessGroup names of the processes that route (Envoy, the gate, agents, the queue; a peer
+    # router): what the routing layer costs is their CPU.
+    routing: tuple[str, ...] = ()
 
 
-def _sim_command(scenario: Scenario, node: Node, max_model_len: int, seed: int) -> list[str]:
+def _sim_command(
+    scenario: Scenario, node: Node, max_model_len: int, seed: int, extra: Sequence[str] = ()
+) -> list[str]:
     profile = scenario.node
     return [
         *sim_command(),
@@ -49,7 +57,16 @@ def _sim_command(scenario: Scenario, node: Node, max_model_len: int, seed: int) 
         "--seed", str(seed),
         "--model-name", scenario.model,
         "--node-name", node.name,
+        "--stream-interval", str(profile.stream_interval),
+        *_tokenizer_flag(scenario),
+        *extra,
     ]  # fmt: skip
+
+
+def _tokenizer_flag(scenario: Scenario) -> list[str]:
+    if scenario.tokenizer is None:
+        return []
+    return ["--tokenizer", str(tokenizer_file(scenario.tokenizer))]
 
 
 def _start_envoy(group: ProcessGroup, config_path: Path) -> None:
@@ -57,28 +74,35 @@ def _start_envoy(group: ProcessGroup, config_path: Path) -> None:
     group.start("envoy", [*argv, "--log-level", "warn"])
 
 
-async def _wait_all(group: ProcessGroup, ports: dict[str, int]) -> None:
+async def wait_all(group: ProcessGroup, ports: dict[str, int]) -> None:
+    """Until each named process listens on its port."""
     await asyncio.gather(*(group[name].listening(port) for name, port in ports.items()))
 
 
-def _start_nodes(
-    group: ProcessGroup, scenario: Scenario, nodes: list[Node], max_model_len: dict[str, int]
+def start_nodes(
+    group: ProcessGroup,
+    scenario: Scenario,
+    nodes: list[Node],
+    max_model_len: dict[str, int],
+    extra: Sequence[str] = (),
 ) -> None:
+    """One simulated node per `nodes` entry (`extra`: more `kvgate sim` flags for each)."""
     for i, node in enumerate(nodes):
-        group.start(node.name, _sim_command(scenario, node, max_model_len[node.pool], scenario.seed + i))
+        argv = _sim_command(scenario, node, max_model_len[node.pool], scenario.seed + i, extra)
+        group.start(node.name, argv)
 
 
 async def start_baseline(group: ProcessGroup, scenario: Scenario, work_dir: Path) -> Stack:
     count = scenario.layout.baseline_nodes
     ports = iter(free_ports(count + 2))
     nodes = [Node(f"shared-{i}", next(ports), "shared") for i in range(count)]
-    _start_nodes(group, scenario, nodes, {"shared": scenario.node.max_model_len})
+    start_nodes(group, scenario, nodes, {"shared": scenario.node.max_model_len})
     listen, admin = next(ports), next(ports)
     bootstrap = baseline_bootstrap(listen, admin, [n.port for n in nodes])
     _start_envoy(group, write_yaml(bootstrap, work_dir / "envoy-baseline.yaml"))
-    await _wait_all(group, {**{n.name: n.port for n in nodes}, "envoy": listen})
+    await wait_all(group, {**{n.name: n.port for n in nodes}, "envoy": listen})
     url = f"http://127.0.0.1:{listen}/v1/chat/completions"
-    return Stack(url, tuple(nodes), tuple(n.name for n in nodes), frozenset())
+    return Stack(url, tuple(nodes), tuple(n.name for n in nodes), frozenset(), routing=("envoy",))
 
 
 def gate_config(
@@ -91,11 +115,13 @@ def gate_config(
     """The gate's YAML for this run (the queue reads it too): pool limits from the node profile, one
     agent per long node."""
     placement = {"placement": {"prefix_affinity": True}} if prefix_affinity else {}
+    tokenizer = {} if scenario.tokenizer is None else {"tokenizer": str(tokenizer_file(scenario.tokenizer))}
     return {
         "server": {"listen": f"127.0.0.1:{gate_port}", "workers": 1},
         "default_model": {
             "interactive_max_tokens": scenario.node.interactive_max_model_len,
             "max_total_tokens": scenario.node.max_model_len,
+            **tokenizer,
         },
         # With an async pool, a long request that finds no room is handed to it instead of a 429.
         "admission": {
@@ -145,7 +171,7 @@ async def start_kvgate(
         "long": scenario.node.max_model_len,
         "async": scenario.node.max_model_len,
     }
-    _start_nodes(group, scenario, nodes, model_len)
+    start_nodes(group, scenario, nodes, model_len)
     long_nodes = [n for n in nodes if n.pool == "long"]
     agents = _start_agents(group, long_nodes, ports)
     gate_port = next(ports)
@@ -175,9 +201,15 @@ async def start_kvgate(
         envoy_ports["async"] = [queue_port]
         ready["queue"] = queue_port
     _start_envoy(group, render_envoy(envoy_config, work_dir / "envoy-kvgate.yaml", envoy_ports))
-    await _wait_all(group, ready)
+    await wait_all(group, ready)
     url = f"http://127.0.0.1:{listen}/v1/chat/completions"
     async_nodes = frozenset(n.name for n in nodes if n.pool == "async")
+    routing = ("envoy", "gate", *agents, *(("queue",) if queue else ()))
     return Stack(
-        url, tuple(nodes), tuple(n.name for n in long_nodes), async_nodes, f"http://{gate_metrics}/metrics"
+        url,
+        tuple(nodes),
+        tuple(n.name for n in long_nodes),
+        async_nodes,
+        f"http://{gate_metrics}/metrics",
+        routing,
     )

@@ -168,13 +168,13 @@ def peer_router(
     service = Service(f"{name}-{policy}", argv, log_dir, port=port, metrics_port=metrics_port)
     router = PeerRouter(name, policy, tuple(workers), service)
     try:
-        _wait_ready(router, timeout_s)
+        wait_ready(router, timeout_s)
         yield router
     finally:
         router.stop()
 
 
-def _wait_ready(router: PeerRouter, timeout_s: float) -> None:
+def wait_ready(router: PeerRouter, timeout_s: float = 120.0) -> None:
     """Until /readiness answers 200 with every worker healthy; ChildError if the router dies first or
     is not ready after `timeout_s` (both routers answer {"status", "healthy_workers", "total_workers"})."""
     deadline = time.monotonic() + timeout_s

@@ -1,0 +1,74 @@
+"""CPU time a set of processes spent, read from Linux's /proc/<pid>/stat (user + system).
+
+A process counts with its descendants (a router's helpers, a gate's workers): its own utime + stime,
+what its waited-for children left (cutime + cstime), and each live descendant's the same way. Read
+once before a replay and once after it, the difference is what the routing layer cost while the
+traffic ran; the load generator is the demo's own process, never among them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+_PROC = Path("/proc")
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(parent pid, CPU seconds of the process and its waited-for children); None when it is gone."""
+    try:
+        text = (_PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    # The command name may hold spaces and parentheses: the fields start after its last ')'.
+    fields = text[text.rindex(")") + 2 :].split()
+    ppid = int(fields[1])
+    utime, stime, cutime, cstime = (int(v) for v in fields[11:15])
+    return ppid, (utime + stime + cutime + cstime) / _TICKS
+
+
+def _parents() -> dict[int, int]:
+    parents: dict[int, int] = {}
+    for entry in _PROC.iterdir():
+        if entry.name.isdigit() and (stat := _stat(int(entry.name))) is not None:
+            parents[int(entry.name)] = stat[0]
+    return parents
+
+
+def tree_cpu_seconds(pids: Iterable[int]) -> dict[int, float]:
+    """Per root pid, the CPU seconds of it and its live descendants (0.0 for a root that is gone)."""
+    parents = _parents()
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parents.items():
+        children.setdefault(ppid, []).append(pid)
+    totals: dict[int, float] = {}
+    for root in pids:
+        total, todo = 0.0, [root]
+        while todo:
+            pid = todo.pop()
+            stat = _stat(pid)
+            if stat is not None:
+                total += stat[1]
+            todo += children.get(pid, [])
+        totals[root] = total
+    return totals
+
+
+class CpuMeter:
+    """CPU seconds of named processes between `start` and `stop`."""
+
+    def __init__(self, pids: Mapping[str, int]) -> None:
+        self._pids = dict(pids)
+        self._before: dict[int, float] = {}
+
+    def start(self) -> None:
+        self._before = tree_cpu_seconds(self._pids.values())
+
+    def stop(self) -> dict[str, float]:
+        after = tree_cpu_seconds(self._pids.values())
+        return {
+            name: round(max(0.0, after[pid] - self._before.get(pid, 0.0)), 3)
+            for name, pid in self._pids.items()
+        }

@@ -1,0 +1,55 @@
+"""A run of the demo by name: which stack it starts over which nodes, and when that stack is ready.
+
+- `baseline`: a plain round-robin Envoy over one shared pool (kvgate.demo.stacks);
+- `kvgate`, `kvgate_prefix_off`, `kvgate_prefix_on`, `kvgate_no_queue`: kvgate's pools, agents, gate and
+  Envoy, prefix-aware placement on only in `kvgate_prefix_on`, the queue unless `kvgate_no_queue`;
+- `peer_<router>_<policy>`: a peer router over the baseline's nodes (kvgate.demo.peers).
+Every run starts fresh nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from pathlib import Path
+
+from kvgate.demo.peers import start_peer
+from kvgate.demo.scenario import RunName, Scenario
+from kvgate.demo.scrape import fetch_page
+from kvgate.demo.stacks import Stack, start_baseline, start_kvgate
+from kvgate.harness.processes import ChildError, ProcessGroup
+
+_FRESH = re.compile(r"^kvgate_node_fresh\{[^}]*\} 1\.0$", re.MULTILINE)
+
+
+async def start_stack(
+    name: RunName, group: ProcessGroup, scenario: Scenario, work_dir: Path, envoy_config: Path
+) -> Stack:
+    if name == "baseline":
+        return await start_baseline(group, scenario, work_dir)
+    if name.startswith("peer_"):
+        return await start_peer(group, scenario, name, group.log_dir)
+    return await start_kvgate(
+        group,
+        scenario,
+        work_dir,
+        envoy_config,
+        prefix_affinity=name == "kvgate_prefix_on",
+        queue=scenario.layout.queue and name != "kvgate_no_queue",
+    )
+
+
+async def gate_follows_agents(stack: Stack, timeout_s: float = 30.0) -> None:
+    """Until the gate has a fresh headroom view of every long node (its agents' streams arrived), so
+    that the first long request is placed rather than refused; at once for a stack without a gate."""
+    if stack.gate_metrics_url is None:
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        page = await fetch_page(stack.gate_metrics_url)
+        if page is not None and len(_FRESH.findall(page)) >= len(stack.long_pool):
+            return
+        if time.monotonic() > deadline:
+            raise ChildError(f"the gate saw no fresh headroom from its {len(stack.long_pool)} agents")
+        await asyncio.sleep(0.2)
