@@ -4,6 +4,7 @@ pages read as small ones."""
 from __future__ import annotations
 
 import pytest
+from fixtures.engines import rules
 from fixtures.engines.pages import Vllm
 
 from kvgate.agent.sources.engines import read_engine_page
@@ -83,3 +84,15 @@ def test_a_big_page_reads_as_its_kv_figures_alone() -> None:
     page = buckets * 60 + bare
     assert len(page) > 100_000
     assert read_engine_page(page) == read_engine_page(bare)
+
+
+def test_a_live_vllm_page_reads_as_the_families_the_reader_needs() -> None:
+    """vLLM 0.32.0's page as served (55 KB: histograms, _created samples, families new in 0.32 such
+    as num_requests_waiting_by_reason) reads as the handful of lines the reader takes from it."""
+    page = (rules.LIVE / f"{rules.VLLM_VERSION}-load.txt").read_text()
+    needed = (*rules.VLLM_FAMILIES, rules.VLLM_CACHE_INFO)
+    kept = "".join(line + "\n" for line in page.splitlines() if any(line.startswith(n + "{") for n in needed))
+    assert len(page) > 50_000 and len(kept) < 3_000
+    assert read_engine_page(page) == read_engine_page(kept)
+    assert "vllm:num_requests_waiting_by_reason" in metric_names(page, 200)
+    assert samples(page, "vllm:num_requests_waiting")[0].value == 3.0  # not the _by_reason family

@@ -1,5 +1,6 @@
-"""The engine readers against pages built from each engine's rules (tests/fixtures/engines/pages.py):
-capacity, usage and health exactly right, and a Reserve one token past the true headroom refused.
+"""The engine readers against pages built from each engine's rules (tests/fixtures/engines/pages.py)
+and against the pages live engines served (tests/fixtures/engines/live): capacity, usage and health
+exactly right, and a Reserve one token past the true headroom refused.
 
 Each case names the figure a reader that adds every series up would have read instead: data-parallel
 vLLM engines each carry the summed block count, SGLang's TP ranks and PP stages each repeat the pool.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from fixtures.engines import rules
 from fixtures.engines.pages import Sglang, Vllm, llamacpp_page, tgi_page
 
 from kvgate.agent.node import NodeSettings, NodeState
@@ -230,3 +232,68 @@ def test_an_unknown_page_is_named_not_called_stale() -> None:
     rescued = node(page, capacity_tokens=10_000).snapshot(0)
     assert rescued.healthy and rescued.used_tokens == 0
     assert rescued.reason.endswith("used = reservations (unreserved engine traffic unknown)")
+
+
+# --- pages captured from the live engines (tests/fixtures/engines/live, versions in the names) ------
+
+VLLM_LIVE = {
+    # page: used tokens, running, waiting, preemptions, prefix queries, prefix hits, generated
+    "idle": (0, 0, 0, 0, 0, 0, 0),
+    "load": (32_640, 4, 3, 0, 57_892, 3_968, 299),  # usage 1.0: all 255 usable blocks
+    "after": (0, 0, 0, 1, 74_468, 3_968, 1_965),
+}
+
+
+@pytest.mark.parametrize("which", sorted(VLLM_LIVE))
+def test_live_vllm_pages_read_as_the_engine_served_them(which: str) -> None:
+    page = (rules.LIVE / f"{rules.VLLM_VERSION}-{which}.txt").read_text()
+    assert rules.missing(page, rules.VLLM_FAMILIES) == []
+    info = rules.cache_info(page)
+    assert set(info) >= rules.VLLM_CACHE_INFO_LABELS
+    assert (info["num_gpu_blocks"], info["block_size"], info["kv_cache_size_tokens"]) == (
+        "256",
+        "128",
+        "32768",
+    )
+    reading = read_engine_page(page)
+    used, running, waiting, preemptions, queries, hits, generated = VLLM_LIVE[which]
+    assert (reading.kind, reading.state, reading.capacity_tokens) == (
+        EngineKind.VLLM,
+        PageState.READY,
+        32_640,
+    )
+    assert (
+        reading.rule == "kv_cache_size_tokens 32768 x 255 of 256 blocks (one is vLLM's null block) x 1 engine"
+    )
+    assert (reading.used_tokens, reading.running, reading.waiting, reading.preemptions_total) == (
+        used,
+        running,
+        waiting,
+        preemptions,
+    )
+    assert (reading.prefix_queries_total, reading.prefix_hits_total, reading.generation_tokens_total) == (
+        queries,
+        hits,
+        generated,
+    )
+    assert reading.prefix_caching is True and reading.engines == ("engine 0",)
+    snapshot = node(page).snapshot(0)
+    assert snapshot.healthy and snapshot.admissible_tokens == 29_376  # 32,640 x 0.9
+
+
+@pytest.mark.parametrize(("which", "running"), [("idle", 0), ("load", 4)])
+def test_live_llama_server_pages_run_reservation_only(which: str, running: int) -> None:
+    page = (rules.LIVE / f"{rules.LLAMA_VERSION}-{which}.txt").read_text()
+    assert rules.missing(page, rules.LLAMA_FAMILIES) == [] and rules.kv_families(page) == []
+    reading = read_engine_page(page)
+    assert (reading.kind, reading.state, reading.capacity_tokens, reading.used_tokens) == (
+        EngineKind.LLAMACPP,
+        PageState.NO_KV,
+        None,
+        None,
+    )
+    assert (reading.running, reading.waiting) == (running, 0)
+    assert not node(page).snapshot(0).healthy
+    given = node(page, capacity_tokens=32_768).snapshot(0)
+    assert given.healthy and given.usage_source.value == "reservations"
+    assert given.used_tokens == running * 4096  # each request holding no reservation, at the default

@@ -9,8 +9,10 @@ from contextlib import asynccontextmanager
 
 import pytest
 from aiohttp import web
+from fixtures.engines import rules
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
+from kvgate.agent.sources.engines import read_engine_page
 from kvgate.agent.sources.fake_engine import FakeEngineMetrics
 from kvgate.agent.sources.scrape import EngineScraper, metrics_url, parse_response
 from kvgate.errors import ConfigError, HeadroomError
@@ -263,3 +265,24 @@ def test_only_http_urls_are_accepted(url: str) -> None:
 def test_url_parts() -> None:
     assert metrics_url("http://user:pw@[::1]:8000/m?a=b", "f") == ("::1", 8000, "[::1]:8000", "/m?a=b")
     assert metrics_url("http://engine", "f") == ("engine", 80, "engine", "/")
+
+
+def test_scrapes_live_engine_pages_as_they_were_served() -> None:
+    async def scenario() -> None:
+        for name in (f"{rules.VLLM_VERSION}-load.txt", f"{rules.LLAMA_VERSION}-load.txt"):
+            body = (rules.LIVE / name).read_bytes()
+            answer = (
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: %d\r\n\r\n%s"
+                % (
+                    len(body),
+                    body,
+                )
+            )
+            async with scripted(answer) as (url, _):
+                scraper = EngineScraper(url, 1.0)
+                try:
+                    assert await scraper.sample() == read_engine_page(body.decode())
+                finally:
+                    await scraper.close()
+
+    run(scenario)
