@@ -205,7 +205,7 @@ def test_a_run_s_figures_by_kind_and_class_with_the_routing_layer_s_cpu() -> Non
         result("long", 30_000, "429", None),
         result("long", 40_000, "lost", None),
     ]
-    node = NodeMetrics(0.1, 0, 0, 3, 0, 900, 1000, prefix_hit_tokens=5000)
+    node = NodeMetrics(0.1, 0, 0, 3, 0, 900, 1000, prefix_hit_tokens=5000, stalled_s=0.3)
     summary = summarize_trace_run(results, {"a": node, "b": None}, {"envoy": 0.3, "gate": 0.9}, speed=2.0)
     assert summary["requests_total"] == 6 and summary["requests_lost"] == 1 and summary["refused_429"] == 1
     assert summary["served"] == 4 and summary["queued"] == 1 and summary["preemptions"] == 3
@@ -214,6 +214,8 @@ def test_a_run_s_figures_by_kind_and_class_with_the_routing_layer_s_cpu() -> Non
     assert summary["ttft_by_class"]["4k_16k"]["served"] == 1
     assert summary["kv_peak"] == 0.9 and summary["nodes_unreadable"] == ["b"]
     assert summary["routing_cpu_ms_per_request"] == 200.0
+    # 0.3 s lost by the one readable node over the replay's 3 s.
+    assert summary["nodes_stalled_pct"] == 10.0
     # Served tokens over the replay's span (3 s) in trace seconds (x2).
     assert summary["goodput_tokens_per_s"] == round((1000 + 2000 + 8000 + 30_000 + 40) / 6, 1)
     report = {"prefix_bound_tokens": 10_000, "runs": {"baseline": summary, "kvgate_prefix_on": summary}}

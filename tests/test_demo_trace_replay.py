@@ -89,6 +89,7 @@ def replay(tmp_path: Path, runs: tuple[RunName, ...]) -> dict[str, Any]:
         # The trace is real traffic: every request is served, none refused or lost.
         assert run["served"] == 36 and run["requests_lost"] == run["other_errors"] == 0, (name, run)
         assert run["oom_crashes"] == 0 and run["routing_cpu_ms_per_request"] > 0
+        assert run["nodes_stalled_pct"] is not None and run["nodes_cpu_ms_per_request"] > 0
         assert set(run["ttft_by_class"]) == {"le_4k", "4k_16k", "gt_16k"}
     return report
 

@@ -209,6 +209,26 @@ def test_with_a_tokenizer_file_a_shared_prefix_of_uneven_words_is_found_in_the_c
     run(case)
 
 
+def test_engine_time_the_host_loses_is_counted_as_stalled() -> None:
+    """A host that runs the engine's steps late (here: the event loop blocked for 0.3 s) makes the node
+    slower than its rates; the page says by how much."""
+
+    async def case() -> None:
+        async with (
+            serving(kv_capacity_tokens=4096, max_model_len=4096, decode_tokens_per_s=100) as url,
+            aiohttp.ClientSession() as s,
+        ):
+            async with s.post(f"{url}/v1/chat/completions", json=chat(50, 60, stream=True)) as r:
+                await r.content.readline()
+                time.sleep(0.3)  # blocks the loop the node runs on, as a busy CPU would
+                await r.read()
+            async with s.get(f"{url}/metrics") as r:
+                text = await r.text()
+        assert metric(text, "kvgate_sim_stalled_seconds_total") >= 0.25
+
+    run(case)
+
+
 def test_metrics_page_has_vllm_names_and_labels() -> None:
     async def case() -> None:
         async with serving(kv_capacity_tokens=4096, max_model_len=4096) as url, aiohttp.ClientSession() as s:

@@ -28,6 +28,8 @@ class NodeMetrics:
     peak_kv_tokens: int
     capacity_tokens: int
     prefix_hit_tokens: int = 0  # prompt tokens the engine found in its prefix cache
+    # Engine time the simulator's host lost running its steps late (a busy CPU); 0 for a real engine.
+    stalled_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +50,7 @@ def parse_sim_metrics(text: str) -> NodeMetrics:
             peak_kv_tokens=int(values["kvgate_sim_peak_kv_tokens"]),
             capacity_tokens=int(values["kvgate_sim_kv_capacity_tokens"]),
             prefix_hit_tokens=int(values["vllm:prefix_cache_hits_total"]),
+            stalled_s=values.get("kvgate_sim_stalled_seconds_total", 0.0),
         )
     except KeyError as exc:
         raise ValueError(f"not a kvgate sim /metrics page: {exc} missing") from exc

@@ -14,7 +14,11 @@ Per run, from the requests' results, the nodes' counters after the replay and th
   trace (replay seconds x speed), from the first request sent to the last one finished;
 - `routing_cpu_ms_per_request`: CPU of the routing layer's processes while the replay ran, per
   request (`routing_cpu_s` per process): Envoy + gate + agents + queue for kvgate, the router for a
-  peer, Envoy for the baseline.
+  peer, Envoy for the baseline;
+- `nodes_stalled_pct`: the share of the replay the simulated nodes lost because this host ran their
+  engine steps late (its CPU busy), summed over the nodes over nodes x the replay's span: above a few
+  percent the nodes were slower than their rates, and a run's latencies say as much about the host as
+  about what routed it.
 """
 
 from __future__ import annotations
@@ -50,6 +54,11 @@ def goodput(results: Sequence[Result], speed: float) -> float:
     end = max(r.sent_s + (r.finished_s or 0.0) for r in served)
     tokens = sum(r.planned.prompt_tokens + r.completion_tokens for r in served)
     return tokens / max((end - start) * speed, 1e-9)
+
+
+def _span_s(results: Sequence[Result]) -> float:
+    ends = [r.sent_s + (r.finished_s or 0.0) for r in results]
+    return max(ends, default=0.0) - min((r.sent_s for r in results), default=0.0)
 
 
 def summarize_trace_run(
@@ -93,6 +102,11 @@ def summarize_trace_run(
             for name, m in nodes.items()
         },
         "nodes_unreadable": sorted(name for name, m in nodes.items() if m is None),
+        "nodes_stalled_pct": (
+            round(100 * sum(m.stalled_s for m in known) / (len(known) * span), 1)
+            if known and (span := _span_s(results)) > 0
+            else None
+        ),
         "goodput_tokens_per_s": round(goodput(results, speed), 1),
         "routing_cpu_s": dict(cpu_s),
         "routing_cpu_ms_per_request": round(cpu_total * 1000 / len(results), 3) if results else None,
@@ -130,6 +144,7 @@ def _rows(bound: int) -> list[tuple[str, Callable[[Mapping[str, Any]], object]]]
         ("kv_peak", key("kv_peak")),
         ("goodput_tokens_per_s", key("goodput_tokens_per_s")),
         ("routing_cpu_ms_per_request", key("routing_cpu_ms_per_request")),
+        ("nodes_stalled_pct", key("nodes_stalled_pct")),
     ]
     return rows
 

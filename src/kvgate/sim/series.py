@@ -27,6 +27,14 @@ class SimSeries:
             labels,
             registry=registry,
         )
+        stalled = Counter(
+            "kvgate_sim_stalled_seconds",
+            "Engine time lost because the simulator's host ran its steps late (a busy CPU): the node "
+            "served less than its configured throughput by this much.",
+            labels,
+            registry=registry,
+        )
+        self._stalled = [stalled.labels(model_name, str(i)) for i in range(engines)]
         capacity = Gauge(
             "kvgate_sim_kv_capacity_tokens",
             "KV-cache capacity of this engine in tokens.",
@@ -42,6 +50,9 @@ class SimSeries:
             for i in range(engines)
         ]
         self._crashes = [0] * engines
+
+    def stall(self, engine: int, seconds: float) -> None:
+        self._stalled[engine].inc(seconds)
 
     def update(self, stats: Sequence[EngineStats]) -> None:
         for i, (s, (crashes, peak, capacity)) in enumerate(zip(stats, self._series, strict=True)):

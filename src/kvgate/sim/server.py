@@ -174,6 +174,10 @@ class SimServer:
                 step_end = self._clock()
                 continue
             # Never more than one step behind: a stalled host must not be followed by a burst of steps.
+            # What it forgives is engine time the host lost, counted as kvgate_sim_stalled_seconds.
+            lost = self._clock() - step.duration_s - step_end
+            if lost > 0:
+                self.page.stalled(rank, lost)
             step_end = max(step_end, self._clock() - step.duration_s) + step.duration_s
             await asyncio.sleep(max(0.0, step_end - self._clock()))
             for event in engine.complete(step):

@@ -197,6 +197,9 @@ class SglangPage:
         self._rates[engine] = step.started_hit_tokens / started if step.prefill_tokens and started else 0.0
         self._write(engine, stats)
 
+    def stalled(self, engine: int, seconds: float) -> None:
+        self._sim.stall(engine, seconds)
+
     def finished(self, done: Finished) -> None:
         values = (self._model_name, "unified", "false")
         self._prompt.labels(*values).inc(done.prompt_tokens)

@@ -144,6 +144,9 @@ class VllmPage:
     def stepped(self, engine: int, step: Step, stats: EngineStats) -> None:
         """vLLM sets its gauges from every step's stats: rendering reads the engine directly."""
 
+    def stalled(self, engine: int, seconds: float) -> None:
+        self._sim.stall(engine, seconds)
+
     def finished(self, done: Finished) -> None:
         self._success[done.engine, done.reason].inc()
         self._prompt_hist[done.engine].observe(done.prompt_tokens)
