@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 from kvgate.errors import BodyTooLargeError, InvalidRequestError, UnsupportedEncodingError
 from kvgate.request import Api, ParseLimits, api_for_path, decompress, is_json_content_type, parse_body
+from kvgate.request.parse import parse_document
+from kvgate.request.typed import typed_shape
 
 
 def parse(api: Api, body: dict[str, Any]) -> Any:
@@ -264,3 +266,298 @@ def test_message_count_and_schema_depth_limits_name_the_limit() -> None:
         parse_body(Api.CHAT, json.dumps(deep_tool).encode(), limits)
     shallow_tool = {"messages": [], "tools": [{"a": {"b": {"c": 1}}}]}
     assert parse_body(Api.CHAT, json.dumps(shallow_tool).encode(), limits).texts
+
+
+# The typed fast path (kvgate.request.typed) against the standard one: json.loads and the readers of
+# a decoded document, the way every body was read before it.
+
+
+DEFAULT_LIMITS = ParseLimits()
+
+
+def standard_outcome(api: Api, body: bytes, limits: ParseLimits = DEFAULT_LIMITS) -> Any:
+    """What parse_body answered when every body went through json.loads (its messages as they were)."""
+    try:
+        document = json.loads(body)
+    except UnicodeDecodeError as exc:
+        return f"The request body is not valid UTF-8: {exc.reason} at byte {exc.start}."
+    except json.JSONDecodeError as exc:
+        return f"The request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})."
+    except RecursionError:
+        return "The request body is nested too deeply."
+    if not isinstance(document, dict):
+        return f"The request body must be a JSON object, got {type(document).__name__}."
+    try:
+        return parse_document(api, document, limits)
+    except InvalidRequestError as exc:
+        return exc.message
+
+
+def outcome(api: Api, body: bytes, limits: ParseLimits = DEFAULT_LIMITS) -> Any:
+    try:
+        return parse_body(api, body, limits)
+    except InvalidRequestError as exc:
+        return exc.message
+
+
+parts = st.deferred(
+    lambda: st.one_of(
+        st.text(max_size=6),
+        st.fixed_dictionaries(
+            {},
+            optional={
+                "type": st.sampled_from(
+                    ["text", "input_text", "image_url", "input_image", "image", "tool_use", "tool_result"]
+                )
+                | st.none()
+                | st.integers(),
+                "text": st.text(max_size=6) | st.none() | st.integers(),
+                "input": json_values,
+                "content": st.text(max_size=6) | st.none() | st.lists(parts, max_size=3),
+                "image_url": st.fixed_dictionaries({"url": st.text(max_size=10)}),
+            },
+        ),
+        json_values,
+    )
+)
+contents = st.text(max_size=8) | st.none() | st.lists(parts, max_size=3) | json_values
+tool_calls = st.lists(
+    st.fixed_dictionaries(
+        {"function": st.fixed_dictionaries({}, optional={"name": json_values, "arguments": json_values})}
+    )
+    | json_values,
+    max_size=2,
+)
+typed_messages = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["system", "user", "assistant"])},
+        optional={"content": contents, "tool_calls": tool_calls | json_values, "name": st.text(max_size=4)},
+    )
+    | json_values,
+    max_size=4,
+)
+counts = st.integers(min_value=-2, max_value=5) | st.booleans() | st.none() | st.floats(allow_nan=False)
+request_bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": st.text(max_size=4) | st.none() | st.integers(),
+        "messages": typed_messages | json_values,
+        "system": contents,
+        "prompt": json_values | st.lists(st.integers(min_value=0, max_value=9), max_size=3),
+        "input": json_values | st.lists(parts, max_size=3),
+        "suffix": st.text(max_size=4) | json_values,
+        "instructions": st.text(max_size=4) | json_values,
+        "tools": st.lists(json_values, max_size=2) | json_values,
+        "functions": st.lists(json_values, max_size=2) | json_values,
+        "response_format": st.fixed_dictionaries({"json_schema": json_values}) | json_values,
+        "text": st.fixed_dictionaries({"format": json_values}) | json_values,
+        "n": counts,
+        "best_of": counts,
+        "max_tokens": counts,
+        "max_completion_tokens": counts,
+        "max_output_tokens": counts,
+        "stream": st.booleans() | json_values,
+        "temperature": json_values,
+    },
+)
+
+
+@settings(max_examples=600, deadline=None)
+@given(
+    api=st.sampled_from(list(Api)),
+    body=request_bodies,
+    ascii_only=st.booleans(),
+    depth=st.sampled_from([2, 64]),
+)
+def test_the_typed_path_reads_every_body_as_the_standard_path_does(
+    api: Api, body: dict[str, Any], ascii_only: bool, depth: int
+) -> None:
+    raw = json.dumps(body, ensure_ascii=ascii_only).encode()
+    limits = ParseLimits(max_messages=3, max_json_depth=depth)
+    assert outcome(api, raw, limits) == standard_outcome(api, raw, limits)
+
+
+def test_the_typed_path_takes_the_usual_requests() -> None:
+    chat_body = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {}}],
+            },
+            {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]},
+        ],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        "max_tokens": 10,
+    }
+    for api, body in (
+        (Api.CHAT, chat_body),
+        (
+            Api.ANTHROPIC_MESSAGES,
+            {"system": "s", "messages": [{"role": "user", "content": "q"}], "max_tokens": 5},
+        ),
+        (
+            Api.RESPONSES,
+            {
+                "instructions": "i",
+                "input": [{"role": "user", "content": "q"}, {"type": "input_text", "text": "t"}],
+            },
+        ),
+        (Api.COMPLETIONS, {"prompt": ["a", "b"], "n": 2, "max_tokens": 3}),
+        (Api.EMBEDDINGS, {"input": [[1, 2], [3]]}),
+    ):
+        raw = json.dumps(body).encode()
+        assert typed_shape(api, raw, ParseLimits()) == parse_document(api, body)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"messages": [], "temperature": NaN}',  # json.loads accepts NaN and Infinity, msgspec does not
+        b'{"messages": [], "temperature": 1e400}',
+        b'\xef\xbb\xbf{"messages": []}',  # a UTF-8 byte-order mark
+        '{"messages": [{"role": "user", "content": "hi"}]}'.encode("utf-16"),
+        b'{"messages": [{"role": "user", "content": "\\ud800"}]}',  # a lone surrogate, escaped
+        b'{"messages": [], "user": "\xed\xa0\x80"}',  # an encoded surrogate
+        b'{"messages": [], "user": "\xff"}',  # not UTF-8, in a field the typed path skips
+        b'{"messages": [], "user": "caf\xc3\xa9"}',
+        b'{"messages": [], "messages": [{"role": "user", "content": "the last one counts"}]}',
+        b'{"messages": [], "max_tokens": ' + b"1" * 5000 + b"}",
+    ],
+)
+def test_bodies_the_decoders_disagree_on_get_the_standard_answer(body: bytes) -> None:
+    try:
+        expected = standard_outcome(Api.CHAT, body)
+    except ValueError:  # an integer past Python's digit limit: json.loads's own error, as before
+        with pytest.raises(ValueError, match="Exceeds the limit"):
+            parse_body(Api.CHAT, body)
+        return
+    assert outcome(Api.CHAT, body) == expected
+
+
+short_text = st.text(max_size=6)
+# JSON as RFC 8259 has it (no Infinity, which json.dumps writes for inf and json.loads reads back).
+rfc_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=30,
+)
+valid_parts = st.deferred(
+    lambda: (
+        short_text
+        | st.fixed_dictionaries(
+            {},
+            optional={
+                "type": st.sampled_from(
+                    ["text", "input_text", "image_url", "image", "tool_use", "tool_result"]
+                ),
+                "text": short_text | st.none(),
+                "input": rfc_json_values,
+                "content": valid_contents,
+                "image_url": st.fixed_dictionaries({"url": short_text}),
+            },
+        )
+    )
+)
+valid_contents = short_text | st.none() | st.lists(valid_parts, max_size=3)
+valid_messages = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["system", "user", "assistant"])},
+        optional={
+            "content": valid_contents,
+            "tool_calls": st.lists(
+                st.fixed_dictionaries(
+                    {
+                        "function": st.fixed_dictionaries(
+                            {}, optional={"name": rfc_json_values, "arguments": rfc_json_values}
+                        )
+                    }
+                )
+                | rfc_json_values,
+                max_size=2,
+            ),
+            "name": short_text,
+        },
+    ),
+    max_size=4,
+)
+budgets = st.none() | st.integers(min_value=0, max_value=100)
+copies = st.none() | st.integers(min_value=1, max_value=4)
+prompts = (
+    short_text
+    | st.lists(short_text, max_size=3)
+    | st.lists(st.integers(min_value=0, max_value=9), max_size=3)
+    | st.lists(st.lists(st.integers(min_value=0, max_value=9), max_size=3), max_size=2)
+)
+common = {
+    "model": short_text | st.none(),
+    "stream": rfc_json_values,
+    "temperature": rfc_json_values,
+    "user": short_text,
+}
+definitions = st.none() | st.lists(rfc_json_values, max_size=2)
+valid_bodies = {
+    Api.CHAT: st.fixed_dictionaries(
+        {"messages": valid_messages},
+        optional={
+            **common,
+            "tools": definitions,
+            "functions": definitions,
+            "response_format": st.none()
+            | st.fixed_dictionaries({"type": short_text}, optional={"json_schema": rfc_json_values}),
+            "n": copies,
+            "max_tokens": budgets,
+            "max_completion_tokens": budgets,
+        },
+    ),
+    Api.COMPLETIONS: st.fixed_dictionaries(
+        {"prompt": prompts},
+        optional={
+            **common,
+            "suffix": short_text | st.none(),
+            "n": copies,
+            "best_of": copies,
+            "max_tokens": budgets,
+        },
+    ),
+    Api.EMBEDDINGS: st.fixed_dictionaries({"input": prompts}, optional=common),
+    Api.RESPONSES: st.fixed_dictionaries(
+        {},
+        optional={
+            **common,
+            "instructions": short_text | st.none(),
+            "input": short_text
+            | st.none()
+            | st.lists(
+                short_text
+                | st.fixed_dictionaries(
+                    {"role": short_text}, optional={"type": st.just("message"), "content": valid_contents}
+                )
+                | valid_parts,
+                max_size=3,
+            ),
+            "tools": definitions,
+            "text": st.none() | st.fixed_dictionaries({}, optional={"format": rfc_json_values}),
+            "max_output_tokens": budgets,
+        },
+    ),
+    Api.ANTHROPIC_MESSAGES: st.fixed_dictionaries(
+        {"messages": valid_messages},
+        optional={**common, "system": valid_contents, "tools": definitions, "max_tokens": budgets},
+    ),
+}
+
+
+@settings(max_examples=500, deadline=None)
+@given(data=st.data(), api=st.sampled_from(list(Api)))
+def test_the_typed_path_reads_every_well_formed_request_and_as_the_standard_path_does(
+    data: st.DataObject, api: Api
+) -> None:
+    body = data.draw(valid_bodies[api])
+    raw = json.dumps(body).encode()
+    shape = typed_shape(api, raw, ParseLimits())
+    assert shape is not None
+    assert shape == parse_document(api, json.loads(raw))

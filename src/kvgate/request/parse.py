@@ -8,175 +8,15 @@ chat templates render.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from kvgate.errors import InvalidRequestError
+from kvgate.request.collect import Collector, ParseLimits, load_json
 from kvgate.request.shape import Api, RequestShape
+from kvgate.request.typed import typed_shape
 
-_IMAGE_PART_TYPES = frozenset({"image_url", "input_image", "image"})
-
-
-@dataclass(frozen=True, slots=True)
-class ParseLimits:
-    """Bounds on what one body may contain; beyond them the request is a 400 that names the limit."""
-
-    max_messages: int = 10_000
-    max_json_depth: int = 64
-
-
-def _depth_exceeds(value: Any, limit: int) -> bool:
-    """Whether nested arrays/objects go deeper than `limit`; iterative, so no recursion limit applies."""
-    stack = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, dict):
-            children: Any = node.values()
-        elif isinstance(node, list):
-            children = node
-        else:
-            continue
-        if depth > limit:
-            return True
-        stack.extend((child, depth + 1) for child in children)
-    return False
-
-
-def load_json(body: bytes) -> dict[str, Any]:
-    """Decode a JSON object body, mapping every failure to a 400 that says what was wrong."""
-    try:
-        document = json.loads(body)
-    except UnicodeDecodeError as exc:
-        raise InvalidRequestError(
-            f"The request body is not valid UTF-8: {exc.reason} at byte {exc.start}."
-        ) from exc
-    except json.JSONDecodeError as exc:
-        raise InvalidRequestError(
-            f"The request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})."
-        ) from exc
-    except RecursionError as exc:
-        raise InvalidRequestError("The request body is nested too deeply.") from exc
-    if not isinstance(document, dict):
-        raise InvalidRequestError(f"The request body must be a JSON object, got {type(document).__name__}.")
-    return document
-
-
-def _compact(value: Any) -> str:
-    try:
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-    except RecursionError as exc:
-        raise InvalidRequestError("The request body is nested too deeply.") from exc
-
-
-class _Collector:
-    """Accumulates prompt pieces while walking a body."""
-
-    __slots__ = ("images", "limits", "messages", "texts", "token_ids")
-
-    def __init__(self, limits: ParseLimits) -> None:
-        self.limits = limits
-        self.texts: list[str] = []
-        self.token_ids = 0
-        self.images = 0
-        self.messages = 0
-
-    def text(self, value: Any, where: str) -> None:
-        if value is None:
-            return
-        if not isinstance(value, str):
-            raise InvalidRequestError(f"'{where}' must be a string, got {type(value).__name__}.")
-        if value:
-            self.texts.append(value)
-
-    def structured(self, value: Any) -> None:
-        if value is None:
-            return
-        if isinstance(value, str):
-            self.texts.append(value)
-            return
-        if _depth_exceeds(value, self.limits.max_json_depth):
-            raise InvalidRequestError(
-                f"A schema or tool argument is nested deeper than {self.limits.max_json_depth} levels."
-            )
-        self.texts.append(_compact(value))
-
-    def content(self, content: Any, where: str) -> None:
-        """A message content: a string, or a list of typed parts (text, images, tool results)."""
-        if content is None or isinstance(content, str):
-            self.text(content, where)
-            return
-        if not isinstance(content, list):
-            raise InvalidRequestError(f"'{where}' must be a string or an array of content parts.")
-        for i, part in enumerate(content):
-            self.part(part, f"{where}[{i}]")
-
-    def part(self, part: Any, where: str) -> None:
-        if isinstance(part, str):
-            self.text(part, where)
-            return
-        if not isinstance(part, dict):
-            raise InvalidRequestError(f"'{where}' must be an object.")
-        kind = part.get("type")
-        if kind in _IMAGE_PART_TYPES:
-            self.images += 1
-        elif kind == "tool_use":
-            self.structured(part.get("input"))
-        elif kind == "tool_result":
-            self.content(part.get("content"), f"{where}.content")
-        elif "text" in part:
-            self.text(part["text"], f"{where}.text")
-
-    def message_list(self, messages: Any, where: str) -> None:
-        if not isinstance(messages, list):
-            raise InvalidRequestError(f"'{where}' must be an array of messages.")
-        if len(messages) > self.limits.max_messages:
-            raise InvalidRequestError(
-                f"'{where}' has {len(messages)} messages, "
-                f"more than this gateway's limit of {self.limits.max_messages}."
-            )
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict):
-                raise InvalidRequestError(f"'{where}[{i}]' must be an object.")
-            self.messages += 1
-            self.content(message.get("content"), f"{where}[{i}].content")
-            calls = message.get("tool_calls") or ()
-            if not isinstance(calls, list | tuple):
-                raise InvalidRequestError(f"'{where}[{i}].tool_calls' must be an array.")
-            for call in calls:
-                function = call.get("function") if isinstance(call, dict) else None
-                if isinstance(function, dict):
-                    self.structured(function.get("name"))
-                    self.structured(function.get("arguments"))
-
-    def prompt(self, prompt: Any, where: str) -> None:
-        """A completions/embeddings input: string, strings, token ids, or lists of token ids."""
-        if isinstance(prompt, str):
-            self.text(prompt, where)
-        elif isinstance(prompt, list):
-            if all(isinstance(item, int) and not isinstance(item, bool) for item in prompt):
-                self.token_ids += len(prompt)
-                return
-            for i, item in enumerate(prompt):
-                if isinstance(item, list):
-                    self.prompt(item, f"{where}[{i}]")
-                else:
-                    self.text(item, f"{where}[{i}]")
-        elif prompt is not None:
-            raise InvalidRequestError(
-                f"'{where}' must be a string, an array of strings or an array of token ids."
-            )
-
-    def definitions(self, body: dict[str, Any], *keys: str) -> None:
-        for key in keys:
-            value = body.get(key)
-            if value is None:
-                continue
-            if not isinstance(value, list):
-                raise InvalidRequestError(f"'{key}' must be an array.")
-            for item in value:
-                self.structured(item)
+__all__ = ["ParseLimits", "load_json", "parse_body", "parse_document"]
 
 
 def _count(body: dict[str, Any], key: str, minimum: int) -> int | None:
@@ -203,7 +43,7 @@ def _model(body: dict[str, Any]) -> str | None:
     return model
 
 
-def _shape(api: Api, body: dict[str, Any], collected: _Collector, output: int | None, n: int) -> RequestShape:
+def _shape(api: Api, body: dict[str, Any], collected: Collector, output: int | None, n: int) -> RequestShape:
     return RequestShape(
         api=api,
         model=_model(body),
@@ -220,7 +60,7 @@ def _shape(api: Api, body: dict[str, Any], collected: _Collector, output: int | 
 def _chat(body: dict[str, Any], limits: ParseLimits) -> RequestShape:
     if "messages" not in body:
         raise InvalidRequestError("'messages' is required.")
-    collected = _Collector(limits)
+    collected = Collector(limits)
     collected.message_list(body["messages"], "messages")
     collected.definitions(body, "tools", "functions")
     response_format = body.get("response_format")
@@ -234,7 +74,7 @@ def _chat(body: dict[str, Any], limits: ParseLimits) -> RequestShape:
 def _completions(body: dict[str, Any], limits: ParseLimits) -> RequestShape:
     if "prompt" not in body:
         raise InvalidRequestError("'prompt' is required.")
-    collected = _Collector(limits)
+    collected = Collector(limits)
     collected.prompt(body["prompt"], "prompt")
     collected.text(body.get("suffix"), "suffix")
     n = _count(body, "n", 1) or 1
@@ -245,7 +85,7 @@ def _completions(body: dict[str, Any], limits: ParseLimits) -> RequestShape:
 
 
 def _responses(body: dict[str, Any], limits: ParseLimits) -> RequestShape:
-    collected = _Collector(limits)
+    collected = Collector(limits)
     collected.text(body.get("instructions"), "instructions")
     items = body.get("input")
     if isinstance(items, list):
@@ -270,7 +110,7 @@ def _responses(body: dict[str, Any], limits: ParseLimits) -> RequestShape:
 def _embeddings(body: dict[str, Any], limits: ParseLimits) -> RequestShape:
     if "input" not in body:
         raise InvalidRequestError("'input' is required.")
-    collected = _Collector(limits)
+    collected = Collector(limits)
     collected.prompt(body["input"], "input")
     # Embeddings generate nothing: no output budget to charge.
     return _shape(Api.EMBEDDINGS, body, collected, 0, 1)
@@ -279,7 +119,7 @@ def _embeddings(body: dict[str, Any], limits: ParseLimits) -> RequestShape:
 def _anthropic_messages(body: dict[str, Any], limits: ParseLimits) -> RequestShape:
     if "messages" not in body:
         raise InvalidRequestError("'messages' is required.")
-    collected = _Collector(limits)
+    collected = Collector(limits)
     collected.content(body.get("system"), "system")
     collected.message_list(body["messages"], "messages")
     collected.definitions(body, "tools")
@@ -299,6 +139,16 @@ _PARSERS: dict[Api, Callable[[dict[str, Any], ParseLimits], RequestShape]] = {
 _DEFAULT_LIMITS = ParseLimits()
 
 
-def parse_body(api: Api, body: bytes, limits: ParseLimits = _DEFAULT_LIMITS) -> RequestShape:
-    """Parse a JSON body of the given API. Raises InvalidRequestError for anything malformed."""
-    return _PARSERS[api](load_json(body), limits)
+def parse_body(api: Api, body: bytes | bytearray, limits: ParseLimits = _DEFAULT_LIMITS) -> RequestShape:
+    """Parse a JSON body of the given API. Raises InvalidRequestError for anything malformed.
+
+    The typed fast path (kvgate.request.typed) reads what it can; the rest, malformed bodies among
+    them, is decoded whole and read here.
+    """
+    shape = typed_shape(api, body, limits)
+    return shape if shape is not None else parse_document(api, load_json(body), limits)
+
+
+def parse_document(api: Api, document: dict[str, Any], limits: ParseLimits = _DEFAULT_LIMITS) -> RequestShape:
+    """The shape of a body already decoded into a JSON object."""
+    return _PARSERS[api](document, limits)
