@@ -45,6 +45,7 @@ class Result:
     node: str | None = None
     detail: str = ""
     queued: bool = False  # answered by kvgate's queue (held until a node reserved for it)
+    prompt_tokens: int = 0  # what the engine counted, from the stream's usage (0 when it sent none)
 
 
 def classify_response(status: int, body: bytes) -> Outcome:
@@ -113,10 +114,12 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:200]
 
 
-def _completion_tokens(data: bytes) -> int:
+def _usage(data: bytes) -> tuple[int, int]:
+    """(prompt tokens, completion tokens) of a stream's usage chunk, as the engine counted them."""
     usage = json.loads(data).get("usage") or {}
-    count = usage.get("completion_tokens", 0)
-    return count if isinstance(count, int) else 0
+    counts = [usage.get(key, 0) for key in ("prompt_tokens", "completion_tokens")]
+    prompt, completion = (count if isinstance(count, int) else 0 for count in counts)
+    return prompt, completion
 
 
 def _chunk_text(data: bytes) -> str:
@@ -223,7 +226,7 @@ class LoadGenerator:
                     detail=payload[:200].decode(errors="replace"),
                 )
             try:
-                ttft, tokens, done = await self._read_stream(response.content, sent)
+                ttft, (prompt, tokens), done = await self._read_stream(response.content, sent)
             except (aiohttp.ClientError, OSError, ValueError) as exc:
                 return Result(planned, sent - start, "lost", 200, node=node, detail=_describe(exc))
         if done is None:
@@ -231,14 +234,17 @@ class LoadGenerator:
                 planned, sent - start, "lost", 200, ttft, None, tokens, node, "stream ended without [DONE]"
             )
         served: Outcome = "async" if node in self._async_nodes else "ok"
-        return Result(planned, sent - start, served, 200, ttft, done, tokens, node, queued=queued)
+        return Result(
+            planned, sent - start, served, 200, ttft, done, tokens, node, queued=queued, prompt_tokens=prompt
+        )
 
     async def _read_stream(
         self, content: aiohttp.StreamReader, sent: float
-    ) -> tuple[float | None, int, float | None]:
-        """(TTFT, completion tokens, time to `data: [DONE]` or None when the stream ended without it)."""
+    ) -> tuple[float | None, tuple[int, int], float | None]:
+        """(TTFT, (prompt, completion) tokens, time to `data: [DONE]` or None when the stream ended
+        without it)."""
         ttft: float | None = None
-        tokens = 0
+        tokens = (0, 0)
         async for line in content:
             if not line.startswith(b"data: "):
                 continue
@@ -251,5 +257,5 @@ class LoadGenerator:
                 if _chunk_text(data):
                     ttft = self._clock() - sent
             elif b'"usage":{' in data:
-                tokens = _completion_tokens(data)
+                tokens = _usage(data)
         return ttft, tokens, None

@@ -9,7 +9,11 @@ TTFT includes any wait for admission); `long_goodput_tokens_per_s` counts prompt
 of long requests served in full, over the window from the first long request sent to the last one
 finished; `long_capacity_tokens_per_s` is what the pool serving long requests would do at full use
 over the same kind of traffic (see `capacity`). `prefix_hit_tokens` is what the nodes' engines found
-in their prefix caches (vllm:prefix_cache_hits), over the whole run. `retry_*` are the gate's
+in their prefix caches (vllm:prefix_cache_hits), over the whole run. `long_refused` counts long
+requests answered with an explicit refusal (413, 429 or 503, each with its reason; 429 and 503 with
+Retry-After). `short_prompt_tokens` and `long_prompt_tokens` are the prompt tokens of the served requests
+as the engine counted them (each stream's `usage`). With real engines `long_capacity_tokens_per_s` is
+None: the simulator's capacity model does not describe them. `retry_*` are the gate's
 Retry-After answers to capacity refusals over the whole run, and how close each came to when the
 capacity it counted on freed (kvgate.demo.retry_figures); None for the baseline.
 """
@@ -77,7 +81,7 @@ def summarize_run(
     no_burst: Sequence[Result],
     nodes: Mapping[str, NodeMetrics | None],
     pools: Mapping[str, str],
-    long_capacity_tokens_per_s: float,
+    long_capacity_tokens_per_s: float | None,
     *,
     retry: RetryFigures | None = None,
 ) -> dict[str, Any]:
@@ -98,13 +102,18 @@ def summarize_run(
             for name, m in nodes.items()
         },
         "long_goodput_tokens_per_s": round(long_goodput(burst), 1),
-        "long_capacity_tokens_per_s": round(long_capacity_tokens_per_s, 1),
+        "long_capacity_tokens_per_s": (
+            None if long_capacity_tokens_per_s is None else round(long_capacity_tokens_per_s, 1)
+        ),
         "nodes_unreadable": sorted(name for name, m in nodes.items() if m is None),
         "pools": dict(pools),
         "long_requests": sum(1 for r in burst if r.planned.kind == "long"),
         "long_served": sum(1 for r in burst if r.planned.kind == "long" and r.outcome == "ok"),
         # Of those, the ones kvgate's queue held until a node had room (instead of a 429).
         "long_queued": sum(1 for r in burst if r.planned.kind == "long" and r.outcome == "ok" and r.queued),
+        "long_refused": sum(1 for r in burst if r.planned.kind == "long" and r.outcome in _REFUSED),
+        "short_prompt_tokens": _served_prompt_tokens(burst, "short"),
+        "long_prompt_tokens": _served_prompt_tokens(burst, "long"),
         "long_ttft_p50_ms": _ms(percentile(served_ttfts(burst, "long"), 50)),
         "long_ttft_p99_ms": _ms(percentile(served_ttfts(burst, "long"), 99)),
         "prefix_hit_tokens": sum(m.prefix_hit_tokens for m in known),
@@ -115,6 +124,13 @@ def summarize_run(
         "retry_error_within_1_s_pct": _percent(retry.within_1_s) if retry else None,
         "retry_error_median_bound_s": retry.median_bound_s if retry else None,
     }
+
+
+_REFUSED = frozenset({"413", "429", "503"})
+
+
+def _served_prompt_tokens(results: Sequence[Result], kind: str) -> int:
+    return sum(r.prompt_tokens for r in results if r.planned.kind == kind and r.outcome == "ok")
 
 
 RETRY_KEYS = (
@@ -155,9 +171,12 @@ def format_table(report: Mapping[str, Mapping[str, Any]]) -> str:
         "long_requests",
         "long_served",
         "long_queued",
+        "long_refused",
         "long_ttft_p50_ms",
         "long_ttft_p99_ms",
         "prefix_hit_tokens",
+        "short_prompt_tokens",
+        "long_prompt_tokens",
     )
     for key in keys:
         rows.append((key, [_cell(report[r].get(key)) for r in runs]))
