@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import multiprocessing
@@ -97,6 +98,7 @@ async def serve(
     await server.start()
     for service in ("", EXT_PROC_SERVICE):
         await health.set(service, health_pb2.HealthCheckResponse.SERVING)
+    freeze_startup_heap()
     log.info("gate listening on %s (config %s)", config.server.listen, config.source)
 
     await stop.wait()
@@ -110,6 +112,20 @@ async def serve(
         await view.stop()
     pipeline.close()
     log.info("gate stopped")
+
+
+def freeze_startup_heap() -> None:
+    """Keep the objects of start-up (modules, protobuf classes, tokenizer and estimator tables, metric
+    instruments: some 50,000) out of every later garbage collection.
+
+    grpc.aio leaves a few objects per stream in reference cycles, so the collector runs every twenty
+    or so requests, and every 15-25 s at 400 req/s a full collection. Over the whole start-up heap a
+    full collection held the event loop for 40-46 ms of CPU (measured with gc.callbacks in the gate
+    under `bench gate`'s load): every request that arrived meanwhile waited, the p99 tail over the
+    trivial server, which has a small heap. Frozen, a full collection took 1-2 ms.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def _view(config: Config, settings: HeadroomSettings) -> HeadroomView | None:
