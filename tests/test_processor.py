@@ -530,3 +530,14 @@ def test_internal_errors_are_exported_under_their_prometheus_names() -> None:
         r'kvgate_queue_internal_errors_total\{[^}]*route="/v1/batches"[^}]*\} 1\.0',
     ):
         assert re.search(f"^{sample}$", done.stdout, re.M), sample
+
+
+def test_a_body_in_pieces_is_read_as_the_same_body_whole() -> None:
+    for data in (
+        chat("héllo " * 3000, max_tokens=2000),
+        chat("hi") + b"}",
+        b'{"messages": [], "user": "\xff"}',
+    ):
+        whole = drive(make_processor(), [headers(), body(data)])[-1]
+        pieces = drive(make_processor(), [headers(), body(data[:7], end=False), body(data[7:])])[-1]
+        assert pieces == whole

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
+import random
 import zlib
 from typing import Any
 
@@ -561,3 +562,19 @@ def test_the_typed_path_reads_every_well_formed_request_and_as_the_standard_path
     shape = typed_shape(api, raw, ParseLimits())
     assert shape is not None
     assert shape == parse_document(api, json.loads(raw))
+
+
+def test_a_body_compressed_past_one_input_slice_inflates_whole() -> None:
+    noise = random.Random(0).randbytes(700_000).hex()  # compresses to about half: several input slices
+    data = json.dumps({"messages": [{"role": "user", "content": noise}]})
+    for packed, encoding in (
+        (gzip.compress(data.encode(), 1), "gzip"),
+        (zlib.compress(data.encode(), 1), "deflate"),
+    ):
+        assert len(packed) > 600_000  # more than two of decompress's slices
+        assert decompress(packed, encoding, 1 << 24) == data.encode()
+        assert decompress(packed + b"trailing", encoding, 1 << 24) == data.encode()
+        with pytest.raises(InvalidRequestError, match="truncated"):
+            decompress(packed[: len(packed) // 2], encoding, 1 << 24)
+        with pytest.raises(BodyTooLargeError):
+            decompress(packed, encoding, len(data) - 1)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from kvgate.config import Config, ModelConfig
 from kvgate.errors import RequestError
@@ -39,6 +40,7 @@ from kvgate.policy.route import (
 )
 from kvgate.request import (
     Api,
+    Body,
     ParseLimits,
     RequestShape,
     api_for_path,
@@ -244,7 +246,7 @@ class Pipeline:
             return self.passthrough(head)
         return None
 
-    async def on_body(self, head: RequestHead, body: bytes) -> Outcome:
+    async def on_body(self, head: RequestHead, body: Body) -> Outcome:
         if head.api is None:
             return Outcome(self.passthrough(head))
         try:
@@ -286,12 +288,17 @@ class Pipeline:
         return Outcome(admitted.decision, shape, estimate, admitted.ticket)
 
     def _affinity(
-        self, head: RequestHead, body: bytes, shape: RequestShape, estimate: TokenEstimate, entry: ModelConfig
+        self, head: RequestHead, body: Body, shape: RequestShape, estimate: TokenEstimate, entry: ModelConfig
     ) -> Affinity | None:
         """A long request's prompt as prefix blocks, to place it where its prefix is (placement:)."""
         placement = self._config.placement
         # Compressed bodies are not searched for tool definitions, which would come first in the prompt.
-        if not placement.prefix_affinity or head.content_encoding or renders_definitions_first(body):
+        if (
+            not placement.prefix_affinity
+            or head.content_encoding
+            # Only `in` is asked of it, which a bytearray answers as bytes do.
+            or renders_definitions_first(cast(bytes, body))
+        ):
             return None
         text_tokens = estimate.prompt_tokens - self._estimators[entry].fixed_prompt_tokens(shape)
         chain = prefix_chain(
@@ -303,7 +310,7 @@ class Pipeline:
         assert self._admission is not None
         await self._admission.release(ticket)
 
-    async def _understand(self, api: Api, head: RequestHead, body: bytes) -> RequestShape | Refusal | None:
+    async def _understand(self, api: Api, head: RequestHead, body: Body) -> RequestShape | Refusal | None:
         """The request's shape; None when the body is not JSON and did not claim to be."""
         limits = self._config.request
         if len(body) > limits.max_body_bytes:
@@ -328,7 +335,7 @@ class Pipeline:
 
 
 def _shape_or_none(
-    api: Api, head: RequestHead, body: bytes, max_decompressed: int, limits: ParseLimits
+    api: Api, head: RequestHead, body: Body, max_decompressed: int, limits: ParseLimits
 ) -> RequestShape | None:
     """Parse the body; None when it is not JSON and did not claim to be (pass it through untouched)."""
     data = decompress(body, head.content_encoding, max_decompressed)

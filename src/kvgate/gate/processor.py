@@ -48,7 +48,7 @@ from kvgate.names import HEADER_PREFIX, META_PREFIX_HIT_TOKENS, META_RESERVED_TO
 from kvgate.policy import Decision, Reason, Refusal
 from kvgate.policy.refusals import INTERNAL_ERROR, refusal_for
 from kvgate.policy.route import NO_ROUTE_POLICY, RoutePolicy
-from kvgate.request import Api
+from kvgate.request import Api, Body
 from kvgate.telemetry import DecisionSpans, GateMetrics
 
 log = logging.getLogger(__name__)
@@ -267,7 +267,12 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
     async def _decide_on_body(
         self, head: RequestHead, stream: _Stream, last_piece: bytes
     ) -> ProcessingResponse:
-        body = bytes(stream.body) + last_piece if stream.body else last_piece
+        body: Body = last_piece
+        if stream.body:
+            # A body that came in pieces: the last one joins the others in their buffer, which is
+            # read as it is (no copy of the whole to make bytes of it).
+            stream.body += last_piece
+            body = stream.body
         started_ns = time.time_ns()
         started = time.perf_counter()
         outcome = await self._pipeline.on_body(head, body)

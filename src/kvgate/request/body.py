@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import zlib
+from typing import overload
 
 from kvgate.errors import BodyTooLargeError, InvalidRequestError, UnsupportedEncodingError
 
 _CHUNK = 256 * 1024
+
+# A request body as the gate holds it: one message's bytes, or the pieces of a streamed body gathered
+# in one buffer (not copied again to make bytes of them).
+Body = bytes | bytearray
 
 
 def is_json_content_type(content_type: str | None) -> bool:
@@ -16,7 +21,11 @@ def is_json_content_type(content_type: str | None) -> bool:
     return media == "application/json" or media.endswith("+json")
 
 
-def decompress(body: bytes, content_encoding: str | None, max_bytes: int) -> bytes:
+@overload
+def decompress(body: bytes, content_encoding: str | None, max_bytes: int) -> bytes: ...
+@overload
+def decompress(body: Body, content_encoding: str | None, max_bytes: int) -> Body: ...
+def decompress(body: Body, content_encoding: str | None, max_bytes: int) -> Body:
     """Undo `Content-Encoding`, never producing more than `max_bytes` (a zip bomb gets 413)."""
     encoding = (content_encoding or "identity").strip().lower()
     if encoding == "identity":
@@ -32,15 +41,21 @@ def decompress(body: bytes, content_encoding: str | None, max_bytes: int) -> byt
     inflater = zlib.decompressobj(wbits)
     parts: list[bytes] = []
     produced = 0
-    data = body
+    compressed = memoryview(body)
     try:
-        while data:
-            chunk = inflater.decompress(data, _CHUNK)
-            produced += len(chunk)
-            if produced > max_bytes:
-                raise _too_big(max_bytes)
-            parts.append(chunk)
-            data = inflater.unconsumed_tail
+        # The input goes in by slices: what zlib has not consumed yet comes back as a copy
+        # (unconsumed_tail), so handing it the whole body would copy the rest of it at every step.
+        for start in range(0, len(compressed), _CHUNK):
+            data: memoryview | bytes = compressed[start : start + _CHUNK]
+            while data and not inflater.eof:
+                chunk = inflater.decompress(data, _CHUNK)
+                produced += len(chunk)
+                if produced > max_bytes:
+                    raise _too_big(max_bytes)
+                parts.append(chunk)
+                data = inflater.unconsumed_tail
+            if inflater.eof:
+                break
         tail = inflater.flush()
     except zlib.error as exc:
         raise InvalidRequestError(f"The {encoding} body could not be decompressed: {exc}.") from exc

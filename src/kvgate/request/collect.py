@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 from kvgate.errors import InvalidRequestError
+from kvgate.request.body import Body
 
 _IMAGE_PART_TYPES = frozenset({"image_url", "input_image", "image"})
 # msgspec's decoder: the same values as json.loads for every body both accept, in half the time.
@@ -51,7 +52,7 @@ def _depth_exceeds(value: Any, limit: int) -> bool:
     return False
 
 
-def load_json(body: bytes | bytearray) -> dict[str, Any]:
+def load_json(body: Body) -> dict[str, Any]:
     """Decode a JSON object body, mapping every failure to a 400 that says what was wrong.
 
     msgspec decodes; a body it refuses is decoded again by json.loads, whose answer (a document, or
@@ -66,7 +67,7 @@ def load_json(body: bytes | bytearray) -> dict[str, Any]:
     return document
 
 
-def _standard_load(body: bytes | bytearray) -> Any:
+def _standard_load(body: Body) -> Any:
     try:
         return json.loads(body)
     except UnicodeDecodeError as exc:

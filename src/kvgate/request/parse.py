@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvgate.errors import InvalidRequestError
+from kvgate.request.body import Body
 from kvgate.request.collect import Collector, ParseLimits, load_json
 from kvgate.request.shape import Api, RequestShape
 from kvgate.request.typed import typed_shape
@@ -139,7 +140,7 @@ _PARSERS: dict[Api, Callable[[dict[str, Any], ParseLimits], RequestShape]] = {
 _DEFAULT_LIMITS = ParseLimits()
 
 
-def parse_body(api: Api, body: bytes | bytearray, limits: ParseLimits = _DEFAULT_LIMITS) -> RequestShape:
+def parse_body(api: Api, body: Body, limits: ParseLimits = _DEFAULT_LIMITS) -> RequestShape:
     """Parse a JSON body of the given API. Raises InvalidRequestError for anything malformed.
 
     The typed fast path (kvgate.request.typed) reads what it can; the rest, malformed bodies among

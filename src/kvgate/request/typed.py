@@ -25,6 +25,7 @@ import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 from kvgate.errors import InvalidRequestError
+from kvgate.request.body import Body
 from kvgate.request.collect import Collector, ParseLimits, is_image
 from kvgate.request.shape import Api, RequestShape
 
@@ -228,7 +229,7 @@ class _Reader:
         self._decode = msgspec.json.Decoder(kind).decode
         self._walk: Callable[[Any, Collector], RequestShape] = walk
 
-    def read(self, body: bytes | bytearray, limits: ParseLimits) -> RequestShape:
+    def read(self, body: Body, limits: ParseLimits) -> RequestShape:
         return self._walk(self._decode(body), Collector(limits))
 
 
@@ -241,7 +242,7 @@ _READERS = {
 }
 
 
-def typed_shape(api: Api, body: bytes | bytearray, limits: ParseLimits) -> RequestShape | None:
+def typed_shape(api: Api, body: Body, limits: ParseLimits) -> RequestShape | None:
     """The body's shape read through the structs, or None where the standard path must read it."""
     if not body.isascii():
         return None
