@@ -63,10 +63,11 @@ class Node:
         self.state.observe_engine(read_engine_page(PAGE))
         self.seq = 0
 
-    def ask(self, request_id: str, chain: PrefixChain = DOC) -> int:
-        """Reserve for a request of `chain`; the tokens the agent expects the engine to find cached."""
+    def ask(self, request_id: str, chain: PrefixChain = DOC, output: int = 0) -> int:
+        """Reserve for a request of `chain` (a prompt of 2,000 - `output` tokens); the tokens the agent
+        expects the engine to find cached."""
         self.state.observe_engine(read_engine_page(PAGE))
-        outcome = self.state.reserve(request_id, 2_000, 0, prefix=chain)
+        outcome = self.state.reserve(request_id, 2_000, 0, prefix=chain, output_tokens=output)
         assert outcome.granted, outcome
         return outcome.cached_tokens
 
@@ -267,6 +268,14 @@ def test_blocks_a_request_never_stored_are_forgotten_when_it_ends() -> None:
     node.events(stored(0, ENGINE[:5], None, session="a"))  # the prompt was shorter than estimated
     node.end("a")
     assert node.ask("b") == 2 * 256
+
+
+def test_the_block_holding_the_prompt_s_last_token_is_never_found() -> None:
+    node = Node()
+    assert node.ask("a", output=1_000) == 0  # a 1,000-token prompt: engine blocks 0..6 can be hits
+    node.events(stored(0, ENGINE, None, session="a"))  # block 7 holds its last tokens and its output
+    node.end("a")
+    assert node.ask("b") == 3 * 256
 
 
 def test_missed_batches_turn_knowledge_back_into_guesses() -> None:

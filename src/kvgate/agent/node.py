@@ -183,7 +183,7 @@ class NodeState:
             self._grants.append(now)
             self._audit.expect(now, result.cached_tokens)
             if self.prefix_events is not None and chain is not None and chain.blocks:
-                self.prefix_events.granted(request_id, chain, now)
+                self.prefix_events.granted(request_id, chain, now, tokens - output_tokens)
         return result
 
     def release(self, request_id: str) -> ReleaseOutcome:

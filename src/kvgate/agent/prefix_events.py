@@ -49,6 +49,7 @@ class _Grant:
     base: int | None  # the engine block under its leading blocks found cached when granted
     base_depth: int  # that block's depth; -1 without one
     anchored: int  # leading blocks of its chain anchored
+    prompt_tokens: int  # the prompt's estimate: blocks past its last whole one are never found
     leaf: int | None = None  # the latest engine block its request stored
     ended_at: float | None = None
 
@@ -83,13 +84,16 @@ class PrefixEvents:
         self._last_break = ""  # the latest break in the feed, for operators
         self._sequence = Sequencer()
 
-    def granted(self, request_id: str, chain: PrefixChain, now: float) -> None:
-        """A reservation carrying `chain` was granted: its request's stores will be looked for."""
+    def granted(self, request_id: str, chain: PrefixChain, now: float, prompt_tokens: int) -> None:
+        """A reservation carrying `chain` was granted for a prompt of about `prompt_tokens`: its
+        request's stores will be looked for."""
         count, base = self._prefixes.confirmed_blocks(chain)
         depth = self.cache.depth(base) if base is not None else None
         if base is not None and depth is None:
             count, base = 0, None
-        self._grants[request_id] = _Grant(request_id, chain, now, base, -1 if depth is None else depth, count)
+        self._grants[request_id] = _Grant(
+            request_id, chain, now, base, -1 if depth is None else depth, count, prompt_tokens
+        )
         while len(self._grants) > MAX_GRANTS:
             self._drop(next(iter(self._grants.values())))
 
@@ -195,10 +199,15 @@ class PrefixEvents:
         if leaf_depth is None:
             return
         blocks = grant.chain.blocks
+        # A lookup never finds the block holding the prompt's last token (vLLM computes that token
+        # again: kv_cache_manager.py get_computed_blocks, max_cache_hit_length = num_tokens - 1); the
+        # blocks after it hold output.
+        tokens = self.cache.block_tokens or grant.chain.block_tokens
+        deepest = min(leaf_depth, (grant.prompt_tokens - 1) // tokens - 1)
         changed = False
         while grant.anchored < len(blocks):
             depth = self._end_block(grant.chain, grant.anchored)
-            engine_block = self.cache.ancestor(leaf, depth) if depth <= leaf_depth else None
+            engine_block = self.cache.ancestor(leaf, depth) if depth <= deepest else None
             if engine_block is None:
                 break
             block = blocks[grant.anchored]
