@@ -1,5 +1,6 @@
-"""Shared fixtures: real tokenizer files, recording upstream pools; and the check, at the end of the
-run, that no process the tests started is still alive."""
+"""Shared fixtures: real tokenizer files, recording upstream pools, the real engines (the
+engines_fixtures plugin); and the check, at the end of the run, that no process the tests started is
+still alive."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ import pytest
 from kvgate.harness.upstreams import Upstreams
 from kvgate.localports import free_port
 
+# Real vLLM and llama-server for the tests marked `engines`, started once per run.
+pytest_plugins = ["engines_fixtures"]
+
 TOKENIZER_DIR = Path(mistral_common.__file__).parent / "data"
 # How long processes told to stop get to go before the ones still alive count as left behind.
 LEFTOVER_GRACE_S = 10.0
@@ -23,6 +27,12 @@ LEFTOVER_GRACE_S = 10.0
 def pytest_configure(config: pytest.Config) -> None:
     # Every process the run starts inherits the mark, which is how it is found at the end.
     os.environ[leftovers.MARK] = uuid.uuid4().hex
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked `engines` run last, together: the engines they share start once, late, and stop
+    with the run instead of idling beside every other test."""
+    items.sort(key=lambda item: item.get_closest_marker("engines") is not None)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
