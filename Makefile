@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast bench soak lint format proto clean image engines peers
+.PHONY: setup demo test test-fast test-engines bench soak lint format proto clean image engines peers
 
 setup: $(STAMP)
 
@@ -22,6 +22,10 @@ test: setup
 
 test-fast: setup
 	$(BIN)/python -m pytest -m "not slow"
+
+# Only the end-to-end tests against the real engines (`make test` runs them too once they are installed).
+test-engines: setup engines
+	$(BIN)/python -m pytest -m engines
 
 bench: setup
 	$(BIN)/python -m bench

@@ -13,6 +13,7 @@ import leftovers
 import mistral_common
 import pytest
 
+from kvgate.harness.engines import NoEngines, locate_engines
 from kvgate.harness.upstreams import Upstreams
 from kvgate.localports import free_port
 
@@ -33,6 +34,49 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests marked `engines` run last, together: the engines they share start once, late, and stop
     with the run instead of idling beside every other test."""
     items.sort(key=lambda item: item.get_closest_marker("engines") is not None)
+
+
+# --- one line at the start and one at the end: whether the tests against real engines ran ---------
+
+_engines_run = {"passed": 0, "failed": 0, "skipped": 0, "seconds": 0.0}
+
+
+def _engines_install_line() -> str:
+    found = locate_engines()
+    if isinstance(found, NoEngines):
+        return f"engines: NOT INSTALLED, the tests marked engines are skipped ({found.reason})"
+    return f"engines: the tests marked engines run against real vLLM and llama-server ({found.root.name})"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(_engines_install_line())
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Each engines test's time, engines' start and stop included (its fixtures' setup and teardown)."""
+    if "engines" not in report.keywords:
+        return
+    _engines_run["seconds"] += report.duration
+    if report.when == "call" or (report.when == "setup" and not report.passed):
+        _engines_run[report.outcome] += 1
+    elif report.when == "teardown" and report.failed:
+        _engines_run["failed"] += 1
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    run = _engines_run
+    if not run["passed"] + run["failed"] + run["skipped"]:
+        return
+    minutes, seconds = divmod(round(float(run["seconds"])), 60)
+    terminalreporter.write_line(
+        f"engines: {run['passed']} passed, {run['failed']} failed, {run['skipped']} skipped against real "
+        f"engines in {minutes}m{seconds:02d}s (their start-up included)"
+    )
+    if run["skipped"] and not run["passed"] + run["failed"]:
+        terminalreporter.write_line(_engines_install_line())
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
