@@ -32,6 +32,9 @@ CHAT = "/v1/chat/completions"
 # Reservations hold and release the same way with either shipped set-up; the tests that pin, wait
 # and release run with both.
 ENVOY_FILES = pytest.mark.parametrize("envoy_file", ["envoy.yaml", "envoy-one-trip.yaml"])
+# How long the long pool holds a burst's admitted requests: long enough that each of them is still in
+# flight when the last of the burst is decided, however far apart a loaded machine spreads them.
+HOLD_S = "6"
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +143,7 @@ def test_burst_admits_only_what_fits_and_loses_nothing(
         agent_port = agent.port
         config = gate_config(sp_model_path, [agent_port], max_wait_s=0.3)
         listener = front(stack, tmp_path, pool_ports, config, "g1", envoy_file=envoy_file)
-        replies = burst(listener, long_body, 5, delay="1.5")
+        replies = burst(listener, long_body, 5, delay=HOLD_S)
         agent_metrics = post(agent.metrics_port, "/metrics", None).body.decode()  # type: ignore[arg-type]
     statuses = sorted(r.status for r in replies)
     assert len(replies) == 5, "every request gets an answer"
@@ -190,7 +193,7 @@ def test_async_fallback(
         agent_port = agent.port
         config = gate_config(sp_model_path, [agent_port], max_wait_s=0.2, async_fallback=True)
         listener = front(stack, tmp_path, pool_ports, config, "g1")
-        replies = burst(listener, long_body, 5, delay="1.0")
+        replies = burst(listener, long_body, 5, delay=HOLD_S)
     pools_hit = sorted(r.json()["pool"] for r in replies)
     assert pools_hit == ["async", "async", "long", "long", "long"]
 
@@ -207,7 +210,7 @@ def test_two_gates_cannot_over_admit_together(
         results: list[list[Reply]] = [[], []]
         threads = [
             threading.Thread(
-                target=lambda i=i: results[i].extend(burst(listeners[i], long_body, 3, delay="1.5"))
+                target=lambda i=i: results[i].extend(burst(listeners[i], long_body, 3, delay=HOLD_S))
             )
             for i in range(2)
         ]

@@ -91,7 +91,7 @@ def gate_page(metrics_port: int) -> str:
     return text
 
 
-def wait_until_fresh(metrics_port: int, agents: int, timeout_s: float = 15.0) -> None:
+def wait_until_fresh(metrics_port: int, agents: int, timeout_s: float = 3 * PATIENCE_S) -> None:
     """Until the gate follows every agent (its headroom stream delivered)."""
     deadline = time.monotonic() + timeout_s
     fresh = re.compile(r"^kvgate_node_fresh\{[^}]*\} 1\.0$", re.MULTILINE)
@@ -160,7 +160,7 @@ def run_burst(tmp: Path, mode: str, pool_ports: dict[str, int], agents: list[int
         stack.callback(envoy.stop)
         gate = stack.enter_context(gate_process(config, sub, ports["gate"]))
         assert gate.metrics_port is not None
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 3 * PATIENCE_S
         while post(ports["listener"], "/v1/chat/completions", chat("hello", max_tokens=5)).status != 200:
             assert time.monotonic() < deadline, "the gate never routed a short request"
             time.sleep(0.2)
@@ -183,7 +183,7 @@ def test_forecast_retry_after_completes_more_of_a_burst_and_spreads_its_retries(
         for mode in ("fixed", "forecast"):
             results[mode] = run_burst(tmp_path, mode, pools[0], [a.port for a in agents], sp_model_path)
             for a in agents:  # every reservation of the run released before the next one starts
-                deadline = time.monotonic() + 10
+                deadline = time.monotonic() + 3 * PATIENCE_S
                 while until_healthy(a.port)["reserved"]["tokens"]:
                     assert time.monotonic() < deadline
                     time.sleep(0.2)
