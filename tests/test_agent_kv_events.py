@@ -6,11 +6,13 @@ batches turning knowledge back into guesses; and the ZeroMQ feed with vLLM's rep
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import msgpack
 import pytest
 import zmq
+from fixtures.engines import rules
 from fixtures.engines.pages import Vllm
 from waiting import until, until_async
 
@@ -406,14 +408,15 @@ def test_the_agent_s_loop_follows_the_feed() -> None:
         engine = FakeEngineMetrics(num_gpu_blocks=256, block_size=128)
         port = free_port()
         endpoint = f"tcp://127.0.0.1:{port}"
-        settings = NodeSettings("n", "e:1", period_s=0.02, kv_events=endpoint)
+        settings = NodeSettings("n", "e:1", period_s=0.05, engine_stale_after_s=30.0, kv_events=endpoint)
         feed = KvEventFeed(endpoint, bind=True)
-        agent = Agent(settings, EngineScraper(await engine.start(), 0.01), kv_events=feed)
+        agent = Agent(settings, EngineScraper(await engine.start(), 1.0), kv_events=feed)
         await agent.start("127.0.0.1:0")
         context = zmq.Context()
         pub = context.socket(zmq.PUB)
         pub.connect(endpoint)
         try:
+            await until_async(lambda: agent.state.budget().healthy, "a first scrape")
             assert agent.state.reserve("a", 2_000, 0, prefix=DOC).granted
             payload = vllm_payload(
                 [
@@ -441,3 +444,35 @@ def test_the_agent_s_loop_follows_the_feed() -> None:
             await engine.stop()
 
     asyncio.run(scenario())
+
+
+def live_messages() -> list[tuple[str, list[bytes]]]:
+    path = rules.LIVE / f"{rules.VLLM_VERSION}-kv-events.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [(row["socket"], [bytes.fromhex(frame) for frame in row["frames"]]) for row in rows]
+
+
+def test_the_live_engine_s_messages_decode_and_link_by_session() -> None:
+    """vLLM 0.32.0's own messages (tests/fixtures/engines/live): a 1,208-token document asked twice with
+    X-Session-ID req-1 and req-2, and its replay socket's answer."""
+    published = [decode(frames) for socket, frames in live_messages() if socket == "sub"]
+    assert [b.seq for b in published] == [0, 1, 2] and all(b.ignored == 0 for b in published)
+    (first,), (decoded,), (again,) = (b.events for b in published)
+    assert isinstance(first, Stored) and isinstance(decoded, Stored) and isinstance(again, Stored)
+    # 9 prompt blocks of 128 (1,152 tokens: what vLLM then found), then the block its output filled;
+    # the repeat found the 9 and computed that block again: the same hash, a second copy.
+    assert (len(first.hashes), first.parent, first.block_tokens, first.session) == (9, None, 128, "req-1")
+    assert (decoded.parent, decoded.session) == (first.hashes[-1], "req-1")
+    assert (again.hashes, again.parent, again.session) == (decoded.hashes, first.hashes[-1], "req-2")
+    replayed = [frames for socket, frames in live_messages() if socket == "replay"]
+    assert [len(frames) for frames in replayed] == [4, 4, 4, 4], "(empty, topic, seq, payload)"
+    assert [decode_payload(int.from_bytes(f[2], "big"), f[3]) for f in replayed[:3]] == published
+    assert int.from_bytes(replayed[3][2], "big", signed=True) == -1 and replayed[3][3] == b""
+    node = Node()
+    chain = PrefixChain((41, 42, 43, 44), 256)  # the gate's 4 blocks of the document's first 1,024
+    assert node.ask("req-1", chain, output=2_000 - 1_208) == 0
+    node.events(published[0], published[1])
+    node.end("req-1")
+    assert node.ask("req-2", chain, output=2_000 - 1_208) == 1_024
+    node.events(published[2])
+    assert node.state.prefix_events is not None and len(node.state.prefix_events.cache) == 10
