@@ -227,6 +227,7 @@ def test_a_removed_block_is_forgotten_and_what_follows_it_is_no_longer_found() -
     node = Node()
     served(node)
     node.events(removed(1, ENGINE[5]))  # the engine block under prefix block 2
+    assert node.state.prefix_forgotten == 256, "counted with what the guesses forget"
     assert node.ask("b") == 2 * 256
     summary = node.state.snapshot(0).prefix
     assert summary.indexed_tokens == 4 * 256, "b holds the whole chain again"

@@ -112,7 +112,7 @@ class NodeState:
             if settings.kv_events
             else None
         )
-        self.prefix_forgotten = 0  # idle prefix tokens forgotten by the engine's signals, in all
+        self._forgotten = 0  # idle prefix tokens the guesses forgot (free KV, the hit counters' audit)
         self._engine = _EngineSample(None, float("-inf"), "engine metrics: no sample yet", float("-inf"))
         self._nvml: NvmlReading | None = None
         self._seq = 0
@@ -137,11 +137,18 @@ class NodeState:
         evicts cached blocks only to make room), and its hit counters must not fall short."""
         prefixes = self.ledger.prefixes
         if reading.capacity_tokens is not None and reading.used_tokens is not None:
-            self.prefix_forgotten += prefixes.fit_idle(reading.capacity_tokens - reading.used_tokens)
+            self._forgotten += prefixes.fit_idle(reading.capacity_tokens - reading.used_tokens)
         shortfall = self._audit.observe(
             now, reading.prefix_hits_total, reading.cache_hit_rate, reading.waiting
         )
-        self.prefix_forgotten += prefixes.evict(shortfall)
+        self._forgotten += prefixes.evict(shortfall)
+
+    @property
+    def prefix_forgotten(self) -> int:
+        """Idle prefix tokens forgotten by the engine's signals, in all: its free KV and hit counters,
+        and its KV events where they are followed."""
+        events = self.prefix_events.stats.forgotten_tokens if self.prefix_events is not None else 0
+        return self._forgotten + events
 
     def observe_kv_events(self, batches: list[Batch]) -> None:
         """The engine's KV-event batches received since the last call, in order; called every period,
