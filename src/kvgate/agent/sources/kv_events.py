@@ -73,7 +73,8 @@ class KvEventFeed:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(5.0)
-        self._context.term()
+        if not self._thread.is_alive():  # its sockets are closed: the context can end
+            self._context.term()
 
     def _run(self) -> None:
         try:
@@ -126,7 +127,7 @@ class KvEventFeed:
         try:
             dealer.connect(self.replay)
             dealer.send_multipart([b"", first.to_bytes(8, "big")])
-            while dealer.poll(_REPLAY_WAIT_MS):
+            while not self._stop.is_set() and dealer.poll(_REPLAY_WAIT_MS):
                 frames = dealer.recv_multipart()
                 seq = int.from_bytes(frames[-2], "big", signed=True) if len(frames) >= 2 else END_OF_REPLAY
                 if seq == END_OF_REPLAY:
