@@ -8,9 +8,9 @@ scripts/engine_model.py (built once per seed, then cached beside the install).
 `vllm_process` and `llama_server_process` start an engine on a free port and wait until its /health
 answers 200: a start takes 45-85 s on 2 quiet cores (less with vLLM's compile cache warm), and over 5
 minutes when several engines start together beside other work (seen: 5.4 minutes at load 15-20), so
-the wait (15 minutes) is generous and never the thing that fails a slow machine; an engine that dies first raises ChildError
-with its log's tail. An engine runs in a process group of its own (vLLM's API server has an engine
-core child) and stopping it signals the whole group, SIGKILL after a grace period.
+the wait (15 minutes) is generous and never the thing that fails a slow machine; an engine that dies
+first raises ChildError with its log's tail. An engine runs in a process group of its own (vLLM's API
+server has an engine core child) and stopping it signals the whole group, SIGKILL after a grace period.
 """
 
 from __future__ import annotations
