@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import signal
 import sys
 from collections.abc import Coroutine
@@ -11,7 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import kvgate
-from kvgate.demo.scenario import RUN_NAMES, RunName, Scenario, builtin_scenario, load_scenario
+from kvgate.demo.scenario import (
+    RUN_NAMES,
+    EngineProfile,
+    RunName,
+    Scenario,
+    builtin_scenario,
+    load_scenario,
+)
 from kvgate.errors import ConfigError
 
 
@@ -48,6 +56,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument(
         "--only", choices=RUN_NAMES, default=None, help="run this one of the scenario's stacks only"
+    )
+    parser.add_argument(
+        "--engine",
+        choices=("sim", "vllm"),
+        default=None,
+        help="the nodes: simulated (sim) or real vLLM engines (vllm; `make engines` installs them, and "
+        "the default scenario becomes src/kvgate/demo/scenarios/real-vllm.yaml); default: what the "
+        "scenario names (its `engine:` section), else sim",
     )
     parser.add_argument(
         "--trace",
@@ -89,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     from kvgate.demo.runner import print_report, run_demo
     from kvgate.harness.processes import ChildError
 
-    scenario = load_scenario(args.scenario or builtin_scenario("trace" if args.trace else "burst"))
+    scenario = with_engine(load_scenario(args.scenario or _default_scenario(args)), args.engine)
     runs = (args.only,) if args.only else scenario.runs
     envoy_config = Path()
     if any(run.startswith("kvgate") for run in runs):
@@ -117,6 +133,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"not run: {name}: {reason}")
     print(f"\nwrote {args.out / 'report.json'}, report.md and report.png")
     return 0
+
+
+def _default_scenario(args: argparse.Namespace) -> Path:
+    if args.trace:
+        return builtin_scenario("trace")
+    return builtin_scenario("real-vllm" if args.engine == "vllm" else "burst")
+
+
+def with_engine(scenario: Scenario, engine: str | None) -> Scenario:
+    """The scenario on the nodes `--engine` names (None: as the scenario says)."""
+    if engine is None:
+        return scenario
+    if engine == "sim":
+        return dataclasses.replace(scenario, engine=None)
+    return dataclasses.replace(scenario, engine=scenario.engine or EngineProfile())
 
 
 def _trace_work(

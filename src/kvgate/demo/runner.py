@@ -25,7 +25,7 @@ from kvgate.demo.report import RunTrace, format_table, summarize_run
 from kvgate.demo.retry_figures import RetryFigures, read_retry_figures
 from kvgate.demo.runs import start_stack
 from kvgate.demo.scenario import Planned, RunName, Scenario, long_shape, plan
-from kvgate.demo.scrape import Sampler, fetch_page, final_metrics
+from kvgate.demo.scrape import Sampler, fetch_page, final_metrics, with_sampled_peaks
 from kvgate.demo.stacks import Stack
 from kvgate.harness.processes import ProcessGroup
 
@@ -123,11 +123,16 @@ async def _run_one(
         )
         no_burst = await _phase(f"{name} {quiet}", stack, scenario, False, progress, sampler=None)
         group.check_alive()
-        sampler = Sampler(stack.nodes)
+        sampler = Sampler(stack.nodes, parse=stack.parse_page)
         burst = await _phase(f"{name} {busy}", stack, scenario, True, progress, sampler=sampler)
-        final = await final_metrics(stack.nodes, wait_s=scenario.node.restart_s + 2.0)
+        final = await final_metrics(stack.nodes, wait_s=scenario.node.restart_s + 2.0, parse=stack.parse_page)
+        final = with_sampled_peaks(final, sampler.timeline)
         retry = await _retry_figures(stack)
-    long_capacity = len(stack.long_pool) * node_capacity_tokens_per_s(scenario.node, *long_shape(scenario))
+    long_capacity = (
+        None  # the simulator's capacity model does not describe a real engine
+        if scenario.engine is not None
+        else len(stack.long_pool) * node_capacity_tokens_per_s(scenario.node, *long_shape(scenario))
+    )
     pools = {node.name: node.pool for node in stack.nodes}
     summary = summarize_run(burst, no_burst, final, pools, long_capacity, retry=retry)
     return RunTrace(summary, burst, sampler.timeline)

@@ -100,6 +100,33 @@ class GateSettings:
     # How long the gate holds a long request that fits no node yet. It must stay well under Envoy's
     # ext_proc message_timeout (5 s in envoy/envoy.yaml), or Envoy gives up on the gate and fails open.
     admission_max_wait_s: float = 3.5
+    # The gate's headroom.stale_after_s and headroom.reserve_timeout_s (None: kvgate's defaults, 0.35 s
+    # and 0.05 s). Engines sharing a few busy CPU cores with everything else answer in hundreds of ms.
+    headroom_stale_after_s: float | None = None
+    reserve_timeout_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AgentSettings:
+    """`kvgate agent` flags for every long node (None: the agent's defaults): --period-ms (100; each
+    scrape is bounded by half of it) and --engine-stale-after-s (1.0)."""
+
+    period_ms: int | None = None
+    engine_stale_after_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineProfile:
+    """Real engines instead of simulated nodes (kvgate.demo.engines; `make engines` installs them):
+    every node of every run is one vLLM serving the tiny model of `model_seed`, its KV pool sized to
+    node.kv_capacity_tokens and its model thread bound to a core of its own (node i of a run: core
+    i modulo the cores there are). The node profile's rates, on_exhaustion and restart_s do not apply:
+    the engine is what it is."""
+
+    kind: Literal["vllm"] = "vllm"
+    model_seed: int = 0
+    # A vLLM start takes 1-5 minutes on 2 busy cores: a generous bound, never what fails a slow machine.
+    start_timeout_s: float = 900.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +178,10 @@ class Scenario:
     documents: Documents | None = None
     sessions: Sessions | None = None
     gate: GateSettings = GateSettings()
+    agent: AgentSettings = AgentSettings()
     timing: Timing = Timing()
+    # null: simulated nodes (`kvgate sim`); set: real engines (`kvgate demo --engine vllm`).
+    engine: EngineProfile | None = None
 
 
 # One message of a planned prompt: its role, the key its text is drawn from (the same key, the same

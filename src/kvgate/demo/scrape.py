@@ -87,6 +87,9 @@ async def scrape(
         return None
 
 
+_DOWN_AFTER_S = 2.0
+
+
 class Sampler:
     """Scrapes every node at a fixed interval while the load runs."""
 
@@ -105,7 +108,9 @@ class Sampler:
 
     async def run(self, start: float) -> None:
         """Sample until cancelled; `start` is the clock value that timelines count from."""
-        timeout = aiohttp.ClientTimeout(total=self._interval * 2)
+        # A node that has not answered in 2 s is down: a real engine under load takes hundreds of ms
+        # to render its page (vLLM on 2 busy cores: 70-550 ms), and is not down for it.
+        timeout = aiohttp.ClientTimeout(total=max(self._interval * 2, _DOWN_AFTER_S))
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
                 now = self._clock() - start

@@ -7,19 +7,21 @@
 - a peer router over the baseline's nodes: kvgate.demo.peers.
 All use the same node profile and the same number of nodes for the interactive and long traffic.
 A stack names the processes of its routing layer (`routing`), whose CPU the demo reports.
+The nodes are one kind of upstream (`NodeKind`): simulated nodes (`kvgate sim`, SimNodes), or, when
+the scenario names an `engine`, real engines (kvgate.demo.engines); the stacks around them are the same.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kvgate.demo.envoy_config import baseline_bootstrap, write_yaml
 from kvgate.demo.scenario import Scenario
-from kvgate.demo.scrape import Node
+from kvgate.demo.scrape import Node, NodeMetrics, parse_sim_metrics
 from kvgate.demo.tokenizer import tokenizer_file
 from kvgate.harness.envoy import render_envoy
 from kvgate.harness.processes import ProcessGroup, find_envoy, kvgate_command, sim_command
@@ -37,6 +39,20 @@ class Stack:
     # The ProcessGroup names of the processes that route (Envoy, the gate, agents, the queue; a peer
     # router): what the routing layer costs is their CPU.
     routing: tuple[str, ...] = ()
+    # How the nodes' /metrics pages read (the simulator's, or a real engine's).
+    parse_page: Callable[[str], NodeMetrics] = parse_sim_metrics
+
+
+class NodeKind(Protocol):
+    """What the nodes of a stack are: how they start and how their /metrics page reads."""
+
+    def parse_page(self, text: str) -> NodeMetrics: ...
+
+    async def start(
+        self, group: ProcessGroup, scenario: Scenario, nodes: list[Node], max_model_len: dict[str, int]
+    ) -> None:
+        """Start one node per `nodes` entry in `group`, under the node's name, on its port."""
+        ...
 
 
 def _sim_command(
@@ -92,17 +108,46 @@ def start_nodes(
         group.start(node.name, argv)
 
 
+class SimNodes:
+    """Simulated nodes (`kvgate sim`), each ready once it listens."""
+
+    def parse_page(self, text: str) -> NodeMetrics:
+        return parse_sim_metrics(text)
+
+    async def start(
+        self, group: ProcessGroup, scenario: Scenario, nodes: list[Node], max_model_len: dict[str, int]
+    ) -> None:
+        start_nodes(group, scenario, nodes, max_model_len)
+
+
+def node_kind(scenario: Scenario) -> NodeKind:
+    """The scenario's nodes: simulated, or the real engines it names."""
+    if scenario.engine is None:
+        return SimNodes()
+    from kvgate.demo.engines import EngineNodes  # the engines' machinery only when a scenario asks
+
+    return EngineNodes(scenario.engine)
+
+
 async def start_baseline(group: ProcessGroup, scenario: Scenario, work_dir: Path) -> Stack:
     count = scenario.layout.baseline_nodes
     ports = iter(free_ports(count + 2))
     nodes = [Node(f"shared-{i}", next(ports), "shared") for i in range(count)]
-    start_nodes(group, scenario, nodes, {"shared": scenario.node.max_model_len})
+    kind = node_kind(scenario)
+    await kind.start(group, scenario, nodes, {"shared": scenario.node.max_model_len})
     listen, admin = next(ports), next(ports)
     bootstrap = baseline_bootstrap(listen, admin, [n.port for n in nodes])
     _start_envoy(group, write_yaml(bootstrap, work_dir / "envoy-baseline.yaml"))
     await wait_all(group, {**{n.name: n.port for n in nodes}, "envoy": listen})
     url = f"http://127.0.0.1:{listen}/v1/chat/completions"
-    return Stack(url, tuple(nodes), tuple(n.name for n in nodes), frozenset(), routing=("envoy",))
+    return Stack(
+        url,
+        tuple(nodes),
+        tuple(n.name for n in nodes),
+        frozenset(),
+        routing=("envoy",),
+        parse_page=kind.parse_page,
+    )
 
 
 def gate_config(
@@ -128,12 +173,28 @@ def gate_config(
             "max_wait_s": scenario.gate.admission_max_wait_s,
             "async_fallback": queue or scenario.layout.async_nodes > 0,
         },
-        "headroom": {"agents": [f"127.0.0.1:{port}" for port in agent_ports]},
+        "headroom": {"agents": [f"127.0.0.1:{port}" for port in agent_ports], **_headroom_timing(scenario)},
         **placement,
     }
 
 
-def _start_agents(group: ProcessGroup, long_nodes: list[Node], ports: Iterator[int]) -> dict[str, int]:
+def _headroom_timing(scenario: Scenario) -> dict[str, float]:
+    """The gate's headroom timing the scenario sets (none: kvgate's defaults)."""
+    gate = scenario.gate
+    timing = {"stale_after_s": gate.headroom_stale_after_s, "reserve_timeout_s": gate.reserve_timeout_s}
+    return {key: value for key, value in timing.items() if value is not None}
+
+
+def _agent_flags(scenario: Scenario) -> list[str]:
+    """The agent flags the scenario sets (none: the agent's defaults)."""
+    agent = scenario.agent
+    flags = {"--period-ms": agent.period_ms, "--engine-stale-after-s": agent.engine_stale_after_s}
+    return [part for flag, value in flags.items() if value is not None for part in (flag, str(value))]
+
+
+def _start_agents(
+    group: ProcessGroup, long_nodes: list[Node], ports: Iterator[int], flags: Sequence[str] = ()
+) -> dict[str, int]:
     """One agent per long-context node, reading that node's /metrics; returns name -> port."""
     agents: dict[str, int] = {}
     for node in long_nodes:
@@ -144,7 +205,7 @@ def _start_agents(group: ProcessGroup, long_nodes: list[Node], ports: Iterator[i
             kvgate_command(
                 "agent", "--listen", f"127.0.0.1:{port}", "--endpoint", node.address,
                 "--engine-metrics", node.metrics_url, "--nvml", "off", "--node-name", node.name,
-                "--metrics-listen", "off",
+                "--metrics-listen", "off", *flags,
             ),
         )  # fmt: skip
     return agents
@@ -171,9 +232,10 @@ async def start_kvgate(
         "long": scenario.node.max_model_len,
         "async": scenario.node.max_model_len,
     }
-    start_nodes(group, scenario, nodes, model_len)
+    kind = node_kind(scenario)
+    await kind.start(group, scenario, nodes, model_len)
     long_nodes = [n for n in nodes if n.pool == "long"]
-    agents = _start_agents(group, long_nodes, ports)
+    agents = _start_agents(group, long_nodes, ports, _agent_flags(scenario))
     gate_port = next(ports)
     gate_yaml = write_yaml(
         gate_config(scenario, gate_port, list(agents.values()), prefix_affinity, queue),
@@ -212,4 +274,5 @@ async def start_kvgate(
         async_nodes,
         f"http://{gate_metrics}/metrics",
         routing,
+        kind.parse_page,
     )
