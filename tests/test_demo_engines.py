@@ -6,18 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
+import sentencepiece
 
 from kvgate.demo import engines as demo_engines
 from kvgate.demo.cli import with_engine
 from kvgate.demo.engines import EngineNodes, parse_vllm_metrics
-from kvgate.demo.load import Result
+from kvgate.demo.load import Result, request_body
 from kvgate.demo.report import format_table, summarize_run
-from kvgate.demo.scenario import EngineProfile, Planned, builtin_scenario, load_scenario
+from kvgate.demo.scenario import EngineProfile, Planned, builtin_scenario, load_scenario, plan
 from kvgate.demo.scrape import Node, NodeMetrics, Sample, with_sampled_peaks
 from kvgate.demo.stacks import SimNodes, node_kind
+from kvgate.demo.tokenizer import tokenizer_file
 from kvgate.harness.engines import NoEngines
 from kvgate.harness.processes import ChildError, ProcessGroup
 
@@ -127,3 +130,15 @@ def test_without_the_engines_installed_the_demo_says_what_to_run(
     assert scenario.engine is not None
     with ProcessGroup(tmp_path) as group, pytest.raises(ChildError, match="make engines"):
         asyncio.run(EngineNodes(scenario.engine).start(group, scenario, [Node("shared-0", 1, "shared")], {}))
+
+
+def test_under_the_scenarios_tokenizer_each_prompt_is_exact_and_its_own() -> None:
+    scenario = load_scenario(builtin_scenario("real-vllm"))
+    assert scenario.tokenizer is not None
+    counter = sentencepiece.SentencePieceProcessor(model_file=str(tokenizer_file(scenario.tokenizer)))
+    planned = plan(scenario, scenario.timing.burst_phase_s, with_bursts=True)
+    longs = [p for p in planned if p.kind == "long"][:2]
+    short = next(p for p in planned if p.kind == "short")
+    texts = [json.loads(request_body(scenario, p))["messages"][0]["content"] for p in (*longs, short)]
+    assert [len(counter.encode(text)) for text in texts] == [8000, 8000, short.prompt_tokens]
+    assert texts[0][:200] != texts[1][:200], "two requests of the burst share a prefix"
