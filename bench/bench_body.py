@@ -33,6 +33,7 @@ import uvloop
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 
 from bench.bench_gate import (
+    GC_LOG,
     PATH,
     ROOT,
     Servicer,
@@ -42,6 +43,7 @@ from bench.bench_gate import (
     gate_config_text,
     running_stack,
 )
+from bench.gc_watch import summary as gc_summary
 from bench.loadgen import Connection, http_request, percentile
 from bench.trivial_extproc import TrivialProcessor
 from kvgate.harness.processes import find_envoy
@@ -197,19 +199,17 @@ def main() -> None:
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         inproc = pool.submit(inprocess_costs, sizes).result()
     results = []
-    with (
-        tempfile.TemporaryDirectory(prefix="kvgate-bench-") as tmp,
-        running_stack(Path(tmp), gate_config_text(MAX_TOTAL_TOKENS)) as (by_key, _pids),
-    ):
-        for key in VARIANTS:
-            check_routing(by_key[key], chat_body())
-        ports = {key: by_key[key].port for key in VARIANTS}
-        for size, count in SIZES.items():
-            latencies = uvloop.run(_measure(ports, size, count))
-            results.append(SizeResult(size, latencies, inproc[size]))
-            print(
-                f"  {size_label(size)}: {count} requests per variant, load average {os.getloadavg()[0]:.2f}"
-            )
+    with tempfile.TemporaryDirectory(prefix="kvgate-bench-") as tmp:
+        with running_stack(Path(tmp), gate_config_text(MAX_TOTAL_TOKENS)) as (by_key, _pids):
+            for key in VARIANTS:
+                check_routing(by_key[key], chat_body())
+            ports = {key: by_key[key].port for key in VARIANTS}
+            for size, count in SIZES.items():
+                latencies = uvloop.run(_measure(ports, size, count))
+                results.append(SizeResult(size, latencies, inproc[size]))
+                load_now = os.getloadavg()[0]
+                print(f"  {size_label(size)}: {count} requests per variant, load average {load_now:.2f}")
+        print(f"  the gate's garbage collections while serving (CPU): {gc_summary(Path(tmp) / GC_LOG)}")
     rows = table(results)
     print("\n".join(rows))
     lines = verdicts(results)

@@ -42,11 +42,12 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     ProcessingResponse,
 )
 
+from bench.gc_watch import summary as gc_summary
 from bench.loadgen import LoadResult, http_request, percentile, run_load, serve_upstreams
 from bench.trivial_extproc import TrivialProcessor
 from kvgate.gate.processor import ATTRIBUTES_NAMESPACE, header_attribute
 from kvgate.harness.envoy import LOCAL_PORTS, render_envoy
-from kvgate.harness.processes import ProcessGroup, find_envoy, kvgate_command, wait_for_port
+from kvgate.harness.processes import ProcessGroup, find_envoy, wait_for_port
 from kvgate.localports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,6 +67,7 @@ BUSY_LOAD = 1.0
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 ONE_TRIP_YAML = ROOT / "envoy" / "envoy-one-trip.yaml"
 GATE_VARIANTS = ("a", "b", "c", "b1", "c1")
+GC_LOG = "gate-gc.json"
 
 
 def chat_body(size: int = 2048) -> bytes:
@@ -213,7 +215,9 @@ def running_stack(
         # Metrics stay on, as `kvgate gate` runs by default, on a free port.
         gate_argv = ["--config", str(tmp / "kvgate.yaml"), "--listen", f"127.0.0.1:{ports['gate']}"]
         gate_argv += ["--metrics-listen", f"127.0.0.1:{ports['metrics']}"]
-        gate = group.start("gate", kvgate_command("gate", *gate_argv))
+        # Every collection timed once it serves (bench/gc_watch.py), read by gc_summary().
+        watch = [sys.executable, "-m", "bench.gc_watch", str(tmp / GC_LOG)]
+        gate = group.start("gate", [*watch, "gate", *gate_argv])
         trivial_argv = ["-m", "bench.trivial_extproc", "--listen", f"127.0.0.1:{ports['trivial']}"]
         trivial = group.start("trivial", [sys.executable, *trivial_argv])
         envoy_argv = ["-c", str(envoy_config(ports, tmp)), "--disable-hot-restart", "--log-level", "warning"]
@@ -491,18 +495,18 @@ def main() -> None:
     release = version.split("version:")[-1].split("/")[1] if "/" in version else "?"
     print(f"Envoy {release}, {len(body)}-byte chat bodies, open loop, keep-alive, {os.cpu_count()} cores")
     _warn_if_busy()
-    with (
-        tempfile.TemporaryDirectory(prefix="kvgate-bench-") as tmp,
-        running_stack(Path(tmp)) as (by_key, pids),
-    ):
-        variants = [by_key[key] for key in GATE_VARIANTS]
-        for variant in variants:
-            check_routing(variant, body)
-        print(
-            f"gate pid {variants[2].ext_proc_pid}, trivial ext_proc pid {variants[1].ext_proc_pid}",
-            flush=True,
-        )
-        uvloop.run(_run(variants, pids, http_request(PATH, body)))
+    with tempfile.TemporaryDirectory(prefix="kvgate-bench-") as tmp:
+        with running_stack(Path(tmp)) as (by_key, pids):
+            variants = [by_key[key] for key in GATE_VARIANTS]
+            for variant in variants:
+                check_routing(variant, body)
+            print(
+                f"gate pid {variants[2].ext_proc_pid}, trivial ext_proc pid {variants[1].ext_proc_pid}",
+                flush=True,
+            )
+            uvloop.run(_run(variants, pids, http_request(PATH, body)))
+        # Written by the gate as it exits.
+        print(f"the gate's garbage collections while serving (CPU): {gc_summary(Path(tmp) / GC_LOG)}")
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         costs = pool.submit(servicer_costs, body).result()
     print(
