@@ -120,6 +120,11 @@ def _class_cell(name: str, stat: str) -> Callable[[Mapping[str, Any]], object]:
     return get
 
 
+def _load(run: Mapping[str, Any]) -> object:
+    load = run.get("load_average_1m")
+    return None if not load else " / ".join(f"{value:.1f}" for value in load)
+
+
 def _rows(bound: int) -> list[tuple[str, Callable[[Mapping[str, Any]], object]]]:
     def key(name: str) -> Callable[[Mapping[str, Any]], object]:
         return lambda run: run.get(name)
@@ -145,6 +150,7 @@ def _rows(bound: int) -> list[tuple[str, Callable[[Mapping[str, Any]], object]]]
         ("goodput_tokens_per_s", key("goodput_tokens_per_s")),
         ("routing_cpu_ms_per_request", key("routing_cpu_ms_per_request")),
         ("nodes_stalled_pct", key("nodes_stalled_pct")),
+        ("load average, start / end", _load),
     ]
     return rows
 
