@@ -295,6 +295,25 @@ def test_any_message_sequence_gets_a_defined_answer(sequence: list[ProcessingReq
             json.loads(answer.immediate_response.body)
 
 
+def test_a_piece_after_a_refused_gzip_body_is_still_collected() -> None:
+    """A body the gate could not inflate is refused; a stray piece after it (no Envoy sends one, the
+    fuzz above did) must not find the pieces' buffer pinned by the refusal's traceback."""
+    sequence = [
+        headers(**{"content-type": "application/json", "content-encoding": "gzip"}),
+        body(b"\x00", end=False),
+        body(b"", end=True),
+        body(b"\x00", end=False),
+    ]
+    answers = drive(make_processor(), sequence)
+    assert [a.WhichOneof("response") for a in answers] == [
+        "request_headers",
+        "request_body",
+        "immediate_response",
+        "request_body",
+    ]
+    assert set_headers(answers[2])["x-kvgate-reason"] == "invalid_request"
+
+
 def test_the_gateways_own_overload_is_a_retryable_503_not_a_client_error() -> None:
     config = Config()
     processor = ExternalProcessor(

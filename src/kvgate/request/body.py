@@ -42,11 +42,12 @@ def decompress(body: Body, content_encoding: str | None, max_bytes: int) -> Body
     parts: list[bytes] = []
     produced = 0
     compressed = memoryview(body)
+    data: memoryview | bytes = b""
     try:
         # The input goes in by slices: what zlib has not consumed yet comes back as a copy
         # (unconsumed_tail), so handing it the whole body would copy the rest of it at every step.
         for start in range(0, len(compressed), _CHUNK):
-            data: memoryview | bytes = compressed[start : start + _CHUNK]
+            data = compressed[start : start + _CHUNK]
             while data and not inflater.eof:
                 chunk = inflater.decompress(data, _CHUNK)
                 produced += len(chunk)
@@ -59,6 +60,11 @@ def decompress(body: Body, content_encoding: str | None, max_bytes: int) -> Body
         tail = inflater.flush()
     except zlib.error as exc:
         raise InvalidRequestError(f"The {encoding} body could not be decompressed: {exc}.") from exc
+    finally:
+        # A refusal's traceback keeps this frame: a view left in it would pin the caller's buffer,
+        # which a body that comes in pieces grows.
+        data = b""
+        compressed.release()
     if produced + len(tail) > max_bytes:
         raise _too_big(max_bytes)
     if not inflater.eof:
