@@ -39,6 +39,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 CHAT = "/v1/chat/completions"
 ENGINE_TOKENS = 26_000  # --kv-capacity-tokens, 1,625 blocks of 16
+BLOCK_TOKENS = 16
 # An idle SGLang first writes its usage gauges this long after it started (kvgate.sim.sglang_page).
 SGLANG_IDLE_WRITE_S = 30.0
 SIM_FLAGS = (
@@ -131,8 +132,11 @@ def burst_through(stack: ExitStack, tmp_path: Path, sp_model_path: Path, pool_po
 
     seen_vllm, seen_sglang = (until_healthy(a.port) for a in agents)
     assert (seen_vllm["engine"]["kind"], seen_vllm["engine"]["engines"]) == ("vllm", ["engine 0", "engine 1"])
-    assert seen_vllm["capacity"]["tokens"] == 2 * ENGINE_TOKENS
-    assert seen_vllm["capacity"]["rule"] == f"kv_cache_size_tokens {ENGINE_TOKENS} x 2 engines"
+    # Each vLLM engine keeps one block of its pool as its null block (kvgate.agent.sources.engines.vllm).
+    assert seen_vllm["capacity"]["tokens"] == 2 * (ENGINE_TOKENS - BLOCK_TOKENS)
+    assert seen_vllm["capacity"]["rule"] == (
+        f"kv_cache_size_tokens {ENGINE_TOKENS} x 1624 of 1625 blocks (one is vLLM's null block) x 2 engines"
+    )
     assert (seen_sglang["engine"]["kind"], seen_sglang["engine"]["engines"]) == ("sglang", ["tp 0-3, pp 0"])
     assert seen_sglang["capacity"]["tokens"] == ENGINE_TOKENS
     # A fresh SGLang has published no usage yet: healthy, used 0, and it says so; until its first

@@ -464,7 +464,11 @@ async def _reservation_only(address: str, llama: RunningLlama, prompts: Prompts)
         assert not (await client.reserve("a", 13_000, 60, "test", 10)).granted, "over what is left"
         assert (await client.reserve("a", 10_000, 60, "test", 10)).granted
         reserved = asyncio.create_task(asyncio.to_thread(_stream, llama, prompts.words(1_500), stop))
-        both = await headroom(client, lambda h: h.running == 2, "both requests on the engine")
+        # Until the grant is ARRIVAL_S old the agent cannot tell the reserved request among the
+        # engine's two, and charges it twice (the safe side); then once.
+        both = await headroom(
+            client, lambda h: h.running == 2 and h.unreserved_tokens == 4_096, "the reserved request arrived"
+        )
         assert both.used_tokens == 10_000 + 4_096 and both.headroom_tokens == 2_288
         refused = await client.reserve("b", 3_000, 60, "test", 10)
         assert not refused.granted and refused.reason == ReserveReason.INSUFFICIENT_HEADROOM
