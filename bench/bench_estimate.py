@@ -1,8 +1,10 @@
 """Token estimation against the exact tokenizers, measured in the same run.
 
 1. Fast-estimate error per tokenizer (sentencepiece v1 and v3, tekken) and per kind of text on the
-   held-out corpus, at 4k-32k tokens, against the targets (mean <= 4%, worst <= 15%); and without a
-   tokenizer (the generic calibrations) against each tokenizer family.
+   held-out corpus, at 4k-32k tokens, against the targets (mean <= 4%, worst <= 15%), and at 200-4k
+   tokens; without a tokenizer (the generic calibrations) against each tokenizer family; and how often
+   the band misses the exact count of trap texts (blobs, data URLs, emoji, number tables, runs of any
+   character, held-out text; pieces of 16 bytes to 46 KB, put together as the property tests do).
 2. Class errors in auto mode (fast, exact only near a threshold) on held-out requests whose totals
    sit just under and just over each threshold; and without a tokenizer, requests on the unsafe side.
 3. Decision cost in auto mode against always counting exactly, on two request mixes.
@@ -18,6 +20,7 @@ kvgate (put its src first on PYTHONPATH) on the same requests.
 from __future__ import annotations
 
 import asyncio
+import base64
 import functools
 import math
 import random
@@ -54,6 +57,11 @@ TARGET_MEAN = 0.04
 TARGET_WORST = 0.15
 PIECE_TOKENS = (4500, 9000, 18000, 30000)
 MIN_TOKENS, MAX_TOKENS = 4000, 32000
+# Short pieces: side by side, at most SHORT_PIECES of each size per kind.
+SHORT_PIECE_TOKENS = (300, 1000, 3000)
+SHORT_MIN_TOKENS, SHORT_MAX_TOKENS = 200, 4000
+SHORT_PIECES = 40
+TRAP_TEXTS = 600
 CASE_SIZES = (500, 4000, 16000, 32000)
 # Where a case's exact total lands relative to a threshold.
 OFFSETS = (-0.08, -0.03, -0.01, -0.002, 0.002, 0.01, 0.03, 0.08)
@@ -80,28 +88,30 @@ def _shape(texts: tuple[str, ...], budget: int | None = None) -> RequestShape:
     return RequestShape(Api.CHAT, None, texts, messages=len(texts), output_budget=budget)
 
 
-def pieces(kind: str, count: Callable[[str], int]) -> Iterator[tuple[str, int]]:
-    """Held-out pieces of 4k-32k tokens (cut at the kind's mean characters per token, half overlapping)
-    with their exact counts."""
+def pieces(kind: str, count: Callable[[str], int], short: bool = False) -> Iterator[tuple[str, int]]:
+    """Held-out pieces of 4k-32k tokens (cut at the kind's mean characters per token, half overlapping),
+    or short ones of 200-4k tokens (side by side), with their exact counts."""
     body = text(kind)
     ratio = len(body) / count(body)
-    for size in PIECE_TOKENS:
+    low, high = (SHORT_MIN_TOKENS, SHORT_MAX_TOKENS) if short else (MIN_TOKENS, MAX_TOKENS)
+    for size in SHORT_PIECE_TOKENS if short else PIECE_TOKENS:
         length = round(size * ratio)
-        for start in range(0, len(body) - length + 1, max(length // 2, 1)):
+        starts = range(0, len(body) - length + 1, length if short else max(length // 2, 1))
+        for start in starts[:SHORT_PIECES] if short else starts:
             piece = body[start : start + length]
             exact = count(piece)
-            if MIN_TOKENS <= exact <= MAX_TOKENS:
+            if low <= exact <= high:
                 yield piece, exact
 
 
 def error_table(
-    fast: FastEstimator, count: Callable[[str], int]
+    fast: FastEstimator, count: Callable[[str], int], short: bool = False
 ) -> list[tuple[str, list[float], int, float]]:
     """Per kind: the relative errors, how many exact counts fell outside the band, its mean half-width."""
     rows = []
     for kind in KINDS:
         errors, outside, widths = [], 0, []
-        for piece, exact in pieces(kind, count):
+        for piece, exact in pieces(kind, count, short):
             band = fast.estimate(piece)
             errors.append((band.tokens - exact) / exact)
             outside += not band.low <= exact <= band.high
@@ -138,9 +148,77 @@ def fast_errors() -> None:
         fast = FastEstimator(calibration.for_tokenizer(TokenizerFile.open(path)))
         rows = error_table(fast, counter_for(path))
         print_errors(f"fast estimate vs exact, {name}, held-out pieces of 4k-32k tokens:", rows, True)
+        rows = error_table(fast, counter_for(path), short=True)
+        print_errors(f"fast estimate vs exact, {name}, held-out pieces of 200-4k tokens:", rows, False)
     for name in ("sentencepiece v3", "tekken 240718"):
         rows = error_table(generic, counter_for(TOKENIZERS[name]))
         print_errors(f"no tokenizer (generic calibrations) vs exact {name}:", rows, False)
+
+
+def _trap_blob(size: int) -> str:
+    return base64.b64encode(bytes(i * 7 % 251 for i in range(size * 3 // 4))).decode()[:size]
+
+
+def _trap_table(size: int) -> str:
+    row = "  ".join(f"{(i * 7919) % 10**7:>9}" for i in range(8)) + "\n"
+    return (row * (size // len(row) + 1))[:size]
+
+
+def _trap_character(rng: random.Random) -> str:
+    """Any character: ASCII (whitespace and controls too), 2-, 3- or 4-byte, as likely as each other."""
+    low, high = rng.choice([(0, 0x80), (0x80, 0x800), (0x800, 0x10000), (0x10000, 0x110000)])
+    code = rng.randrange(low, high)
+    return "\ufffd" if 0xD800 <= code < 0xE000 else chr(code)
+
+
+def trap_texts(rng: random.Random, count: int) -> Iterator[str]:
+    """Texts of 1-5 pieces of 16 bytes to 46 KB (log-uniform): base64, a data URL, emoji, a number
+    table, a run of one character, held-out text of a kind (the property tests' traps)."""
+    traps: dict[str, Callable[[int], str]] = {
+        "base64": _trap_blob,
+        "data url": lambda size: "data:image/png;base64," + _trap_blob(size),
+        "emoji": lambda size: "".join(chr(0x1F300 + i * 37 % 0x350) for i in range(size // 4)),
+        "table": _trap_table,
+    }
+    for _ in range(count):
+        parts = []
+        for _ in range(rng.randint(1, 5)):
+            size = round(2 ** rng.uniform(4, 15.5))
+            choice = rng.choice([*traps, "run", "text"])
+            if choice == "run":
+                parts.append(_trap_character(rng) * size)
+            elif choice == "text":
+                start = rng.randrange(100000)
+                parts.append(text(rng.choice(KINDS))[start : start + size])
+            else:
+                parts.append(traps[choice](size))
+        yield "".join(parts)
+
+
+def trap_misses(name: str, fast: FastEstimator, count: Callable[[str], int]) -> None:
+    above, below, short, reach = 0, 0, 0, []
+    for body in trap_texts(random.Random(5), TRAP_TEXTS):
+        exact = count(body)
+        band = fast.estimate(body)
+        above += exact > band.high
+        below += exact < band.low
+        short = max(short, exact - band.high)
+        reach.append((band.high - exact) / max(exact, 1))
+    print(
+        f"  {name:40} {TRAP_TEXTS} texts  above the high {above:>3} (by {short:>4} tokens at most)  "
+        f"below the low {below:>3}  median high {statistics.median(reach):+.0%} of the count"
+    )
+
+
+def trap_bands() -> None:
+    print("band on trap texts (exact counts above the high make a long request look short):")
+    for name, path in TOKENIZERS.items():
+        trap_misses(
+            name, FastEstimator(calibration.for_tokenizer(TokenizerFile.open(path))), counter_for(path)
+        )
+    generic = FastEstimator(*calibration.generic())
+    for name in ("sentencepiece v3", "tekken 240718"):
+        trap_misses(f"no tokenizer vs {name}", generic, counter_for(TOKENIZERS[name]))
 
 
 def cases(count: Callable[[str], int]) -> Iterator[tuple[str, int, tuple[str, ...]]]:
@@ -351,6 +429,7 @@ def main() -> None:
     print(f"thresholds {LIMITS}; default output budget {MODEL.default_output_tokens}")
     fast_read_costs()
     fast_errors()
+    trap_bands()
     class_errors_all()
     for path in (TOKENIZER, TOKENIZERS["tekken 240718"]):
         costs(path)

@@ -9,6 +9,7 @@ once (`generic`): its band spans them all.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ SUFFIX = ".calibration.json"
 # Version of the feature set; a calibration of another version must be fitted again.
 FORMAT = 2
 _FEATURE_INDEX = {name: i for i, name in enumerate(FEATURES)}
+ASCII_CODES = 0x80
 _Table = np.ndarray[tuple[int], np.dtype[np.float64]]
 
 
@@ -76,6 +78,9 @@ class Calibration:
     # |relative error| of held-back pieces of 4k tokens and more, for people reading the JSON.
     mean_error: float
     worst_error: float
+    # Per ASCII character (by its code): the most tokens per byte a run of it takes, from
+    # `features.STRAY_RUN_BYTES` on. Empty (a calibration from before): max_tokens_per_byte for all.
+    run_max: tuple[float, ...] = ()
 
     def band_for(self, tokens: float) -> Band:
         chosen = self.bands[0]
@@ -83,6 +88,16 @@ class Calibration:
             if tokens >= band.min_tokens:
                 chosen = band
         return chosen
+
+    def stray_max(self, runs: Sequence[tuple[int, float]], other_bytes: float, strays: float) -> float:
+        """The most tokens `strays` stray runs and blobs can take: runs of ASCII characters ((code,
+        bytes)) at their runs' most per byte, other runs and blobs at a vocabulary's most, a token
+        more each where it meets its neighbours."""
+        per_byte = self.run_max or (self.max_tokens_per_byte,) * ASCII_CODES
+        most = other_bytes * self.max_tokens_per_byte + strays
+        for code, count in runs:
+            most += count * per_byte[code]
+        return most
 
     def weight_vector(self) -> _Table:
         vector = np.zeros(len(FEATURES))
@@ -126,6 +141,7 @@ class Calibration:
         document: dict[str, Any] = {"format": FORMAT, **asdict(self)}
         document["weights"] = dict(self.weights)
         document["uncertainty"] = dict(self.uncertainty)
+        document["run_max"] = {chr(code): value for code, value in enumerate(self.run_max)}
         return json.dumps(document, indent=1) + "\n"
 
     @classmethod
@@ -145,6 +161,12 @@ class Calibration:
             document["weights"] = tuple((str(k), float(v)) for k, v in document["weights"].items())
             document["uncertainty"] = tuple((str(k), float(v)) for k, v in document["uncertainty"].items())
             document["bands"] = tuple(Band(**band) for band in document["bands"])
+            run_max = document.pop("run_max", {})
+            if run_max and set(run_max) != {chr(code) for code in range(ASCII_CODES)}:
+                raise ConfigError(f"{source}: run_max must name every ASCII character")
+            document["run_max"] = (
+                tuple(float(run_max[chr(code)]) for code in range(ASCII_CODES)) if run_max else ()
+            )
             names = {f.name for f in fields(cls)}
             unknown = set(document) - names
             if unknown:

@@ -22,7 +22,12 @@ being their mean (one `take` per calibration).
 Trap windows (see `features`) and emoji are uncertain by nature: the band spans everything they could
 cost (from a vocabulary's longest piece per byte up to a token per byte; from the fewest to the most
 tokens any emoji takes), so a trap can send a request to an exact count, never make a too-long
-request look short, nor a long one look too long.
+request look short, nor a long one look too long. A trap no window holds (a stray run or blob:
+shorter than a window, or sharing one with other text) is read as ordinary text, whose weights price
+base64 about 30% low and some runs of one character at a fraction of their count (255 "J": 48 tokens
+for 255); the high takes it at its most instead (a run of an ASCII character at the most its
+tokenizer spends on such runs, anything else at a token per byte), and so it takes the text between
+a trap window and an ordinary one of a sampled text.
 """
 
 from __future__ import annotations
@@ -123,25 +128,34 @@ class FastEstimator:
 
     def band(self, features: Sample, texts: int = 1) -> TextBand:
         """The band of `texts` texts whose pairs, read together, are `features`."""
-        return self._envelope(self._sums(features.index, features.scale), texts, features, features.stretches)
+        sums = self._sums(features.index, features.scale)
+        strays = self._sums(features.stray_index, features.scale) if features.strays else None
+        return self._envelope(sums, texts, features, features.stretches, strays)
 
     def _sums(self, index: PairIndex, scale: float) -> list[complex]:
         """Per calibration: its tokens (real part) and width (imaginary part) summed over `index`."""
         return [complex(table.take(index).sum()) * scale for table in self._coded]
 
     def _envelope(
-        self, sums: list[complex], texts: int, features: Sample, stretches: Sequence[float]
+        self,
+        sums: list[complex],
+        texts: int,
+        features: Sample,
+        stretches: Sequence[float],
+        strays: list[complex] | None = None,
     ) -> TextBand:
         """The band over every calibration, from each one's weighted pair sum and width (plus the runs
-        of whitespace, in plain Python: a few products cost less than a numpy call)."""
+        of whitespace, in plain Python: a few products cost less than a numpy call) and what its
+        stray runs and blobs were priced at."""
         if any(stretches):
             runs = self._stretch_values
             sums = [_plus_runs(total, stretches, values) for total, values in zip(sums, runs, strict=True)]
+        priced = [total.real for total in strays] if strays else [0.0] * len(sums)
         if len(sums) == 1:
-            return _band(self.calibration, sums[0].real, sums[0].imag, texts, features)
+            return _band(self.calibration, sums[0].real, sums[0].imag, texts, features, stray_price=priced[0])
         bands = [
-            _band(c, total.real, total.imag, texts, features)
-            for c, total in zip(self.calibrations, sums, strict=True)
+            _band(c, total.real, total.imag, texts, features, stray_price=stray)
+            for c, total, stray in zip(self.calibrations, sums, priced, strict=True)
         ]
         low = min(b.low for b in bands)
         high = max(b.high for b in bands)
@@ -161,9 +175,12 @@ def _estimator_for(calibrations: tuple[Calibration, ...]) -> FastEstimator:
     return FastEstimator(*calibrations)
 
 
-def _band(c: Calibration, weighted: float, width: float, texts: int, features: Sample) -> TextBand:
-    """The band from the weighted pair sum and its width; `features` gives the sizes, emoji and
-    trap bytes (its pairs are not read)."""
+def _band(
+    c: Calibration, weighted: float, width: float, texts: int, features: Sample, *, stray_price: float = 0.0
+) -> TextBand:
+    """The band from the weighted pair sum and its width; `features` gives the sizes, emoji, trap
+    bytes and stray runs and blobs (its pairs are not read), which the weights priced at
+    `stray_price`."""
     emoji = features.fourbyte
     linear = c.per_text * texts + weighted
     regular = linear - emoji * c.fourbyte_mean
@@ -183,6 +200,11 @@ def _band(c: Calibration, weighted: float, width: float, texts: int, features: S
         + emoji * c.fourbyte_min
         + features.trap_bytes / c.max_piece_bytes
     )
+    if features.strays:
+        # The weights priced stray runs and blobs as ordinary text: the high takes them at their most.
+        most = c.stray_max(features.stray_runs, features.stray_bytes, features.strays)
+        high += max(0.0, most - stray_price)
+    high += features.unsure_bytes * c.max_tokens_per_byte
     if features.max_size > features.min_size:
         # The size was estimated from windows of a long non-ASCII text: one gap between two
         # windows may hide characters wider than the windows showed.

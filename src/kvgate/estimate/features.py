@@ -28,7 +28,8 @@ windows, so the cost is the same for 100 KB and 100 MB (a long non-ASCII text is
 characters, so it is not even encoded whole). A window that looks like a trap (base64, hex: ASCII with
 almost no whitespace or JSON punctuation and many digits and capitals; or a run of one character) is
 left out of the counts and only its size is reported: no weight fitted on real text says what such a
-stretch costs, so the estimator gives it a wide band.
+stretch costs, so the estimator gives it a wide band. Runs and blobs no trap window holds are found
+byte by byte (`stray_stretches`) and stay in the counts; the band's high takes them at their most.
 """
 
 from __future__ import annotations
@@ -158,6 +159,15 @@ ENCODE_CHARS = 32768
 TRAP_BYTES_PER_SPACE = 40
 TRAP_BYTES_PER_DELIMITER = 32
 TRAP_DIGIT_SHARE = 4
+# Runs and blobs no trap window covers (shorter than a window, sharing one with other text, or in the
+# partial window at the end) are read with the rest of the text, and the band's high takes them at
+# what they could cost: a stretch repeating one character (or a short pattern) from STRAY_RUN_BYTES
+# on, spaces and tabs excepted (their runs have features of their own); a stretch of base64's and
+# hex's alphabet from STRAY_BLOB_BYTES on, a quarter or more of it digits and capitals. Shorter ones
+# cost at most about a token per byte more than their weights say, which the band's absolute part
+# covers.
+STRAY_RUN_BYTES = 24
+STRAY_BLOB_BYTES = 32
 UTF8_MAX_BYTES = 4
 
 _Sliceable = TypeVar("_Sliceable", str, bytes)
@@ -189,6 +199,18 @@ _BLOB_CODES = bytes(
     else 0
     for byte in range(256)
 )
+# A run repeats with the period of its character (1 to 4 bytes), so every byte equals the one
+# _RUN_LAG bytes before it. Spaces and tabs, compared as NUL, equal nothing but a NUL.
+_RUN_LAG = 12
+_SPACE_TAB_AS_NUL = bytes(0 if byte in b" \t" else byte for byte in range(256))
+_RUN_MARKS = b"\x01" * (STRAY_RUN_BYTES - _RUN_LAG)
+# "a" for the bytes of base64's and hex's alphabets, " " for the rest.
+_ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/="
+_ALPHABET_MARKS = bytes(ord("a") if byte in _ALPHABET else ord(" ") for byte in range(256))
+_BLOB_MARKS = b"a" * STRAY_BLOB_BYTES
+_NOT_DIGIT_UPPER = bytes(byte for byte in range(256) if not _DIGIT_UPPER_ONES[byte])
+# A stray stretch: (start, end, the ASCII byte a run repeats, or -1 for a blob or any other run).
+Stray = tuple[int, int, int]
 
 
 NO_PAIRS: PairIndex = np.zeros(0, dtype=np.uint16)
@@ -209,6 +231,14 @@ class Sample:
     scale: float = 1.0
     fourbyte: float = 0.0  # 4-byte characters (emoji, rare ideographs) outside trap windows
     stretches: tuple[float, ...] = (0.0,) * len(STRETCHES)  # counts of STRETCHES outside trap windows
+    # Stray runs and blobs (see STRAY_RUN_BYTES), read with the rest: their pairs (also in `index`),
+    # the bytes of runs of each ASCII character, (byte, bytes), the bytes of the others, how many.
+    stray_index: PairIndex = field(default_factory=lambda: NO_PAIRS)
+    stray_runs: tuple[tuple[int, float], ...] = ()
+    stray_bytes: float = 0.0
+    strays: float = 0.0
+    # Bytes of a sampled text whose kind no window showed: between a trap window and an ordinary one.
+    unsure_bytes: float = 0.0
 
     @property
     def trap_bytes(self) -> float:
@@ -295,9 +325,8 @@ def fourbyte_count(data: bytes) -> int:
 def _sample(data: bytes, size: float, min_size: int, max_size: int) -> Sample:
     index = code_pair_index(data)
     trap_kind = _trap_kinds(data)
-    blob_bytes = run_bytes = 0
-    fourbyte = fourbyte_count(data)
-    stretches = stretch_counts(data)
+    blob_bytes = run_bytes = unsure_bytes = 0
+    read = data
     if trap_kind.any():
         # The partial window at the end goes with the last whole one: a run or a blob that reaches the
         # end of the text must not have its last bytes priced at ordinary-text weights.
@@ -312,12 +341,25 @@ def _sample(data: bytes, size: float, min_size: int, max_size: int) -> Sample:
         run_bytes = int(np.count_nonzero(trap_kind == _RUN)) * WINDOW_BYTES + (
             tail if tail_kind == _RUN else 0
         )
-        kept = np.frombuffer(data, dtype=np.uint8)[regular]
-        fourbyte = int(
-            np.count_nonzero(kept >= FOURBYTE_LEADS[0]) - np.count_nonzero(kept >= FOURBYTE_LEADS[-1] + 1)
-        )
-        stretches = stretch_counts(kept.tobytes())
+        read = np.frombuffer(data, dtype=np.uint8)[regular].tobytes()
+        if len(data) < size:
+            # Sampled: where a trap window and an ordinary one meet, the text between them (what a
+            # window stands for) may be either.
+            ordinary = trap_kind == 0
+            unsure_bytes = int(np.count_nonzero(ordinary[1:] != ordinary[:-1])) * WINDOW_BYTES
     scale = size / len(data)
+    strays = stray_stretches(read)
+    stray_index, stray_bytes = NO_PAIRS, 0
+    stray_runs: dict[int, int] = {}
+    if strays:
+        stray = np.zeros(len(index), dtype=bool)
+        for start, end, character in strays:
+            stray[start:end] = True
+            if character < 0:
+                stray_bytes += end - start
+            else:
+                stray_runs[character] = stray_runs.get(character, 0) + end - start
+        stray_index = index[stray]
     return Sample(
         size,
         min_size,
@@ -326,15 +368,72 @@ def _sample(data: bytes, size: float, min_size: int, max_size: int) -> Sample:
         run_bytes * scale,
         index,
         scale,
-        fourbyte * scale,
-        tuple(count * scale for count in stretches),
+        fourbyte_count(read) * scale,
+        tuple(count * scale for count in stretch_counts(read)),
+        stray_index,
+        tuple((character, count * scale) for character, count in sorted(stray_runs.items())),
+        stray_bytes * scale,
+        len(strays) * scale,
+        unsure_bytes * scale,
     )
 
 
 def is_plain(data: bytes) -> bool:
-    """Whether the estimator may read `data`'s pairs directly: short enough to read whole, and no
-    trap window (which `sample` prices apart)."""
-    return len(data) <= FULL_SCAN_BYTES and not _has_trap(data)
+    """Whether the estimator may read `data`'s pairs directly: short enough to read whole, no trap
+    window (which `sample` prices apart) and no stray run or blob (which widen the band)."""
+    return len(data) <= FULL_SCAN_BYTES and not _has_trap(data) and not stray_stretches(data)
+
+
+def stray_stretches(data: bytes) -> list[Stray]:
+    """The stray runs and blobs of `data` (see STRAY_RUN_BYTES): a few passes over the bytes (two
+    translations, one numpy comparison, finds), then one step per stretch. A run inside a blob is the
+    blob's."""
+    blobs = _blobs(data)
+    runs = _runs(data)
+    if blobs and runs:
+        runs = [run for run in runs if not any(start <= run[0] < end for start, end, _ in blobs)]
+    return blobs + runs
+
+
+def _runs(data: bytes) -> list[Stray]:
+    """Stretches that repeat one character, or a pattern of up to UTF8_MAX_BYTES bytes: periodic with
+    _RUN_LAG first (one numpy comparison), then with the shortest period that holds throughout (a
+    longer pattern, such as a JSON list of the same word, is left to the weights)."""
+    found: list[Stray] = []
+    if len(data) < STRAY_RUN_BYTES:
+        return found
+    later = np.frombuffer(data.translate(_SPACE_TAB_AS_NUL), dtype=np.uint8)[_RUN_LAG:]
+    marks = (later == np.frombuffer(data, dtype=np.uint8)[:-_RUN_LAG]).tobytes()
+    start = marks.find(_RUN_MARKS)
+    while start >= 0:
+        end = marks.find(b"\x00", start)
+        end = len(marks) if end < 0 else end
+        stretch = data[start : end + _RUN_LAG]
+        period = next((p for p in range(1, UTF8_MAX_BYTES + 1) if stretch[p:] == stretch[:-p]), 0)
+        if period:
+            one_ascii = period == 1 and stretch[0] < 0x80
+            found.append((start, end + _RUN_LAG, stretch[0] if one_ascii else -1))
+        start = marks.find(_RUN_MARKS, end)
+    return found
+
+
+def _blobs(data: bytes) -> list[Stray]:
+    """Stretches of base64's and hex's alphabet a quarter or more digits and capitals (a run of one
+    character among them is a run)."""
+    found: list[Stray] = []
+    if len(data) < STRAY_BLOB_BYTES:
+        return found
+    marks = data.translate(_ALPHABET_MARKS)
+    start = marks.find(_BLOB_MARKS)
+    while start >= 0:
+        end = marks.find(b" ", start)
+        end = len(marks) if end < 0 else end
+        stretch = data[start:end]
+        single = stretch.count(stretch[0]) == len(stretch)  # a run of one character: see `_runs`
+        if not single and len(stretch.translate(None, _NOT_DIGIT_UPPER)) * TRAP_DIGIT_SHARE >= len(stretch):
+            found.append((start, end, -1))
+        start = marks.find(_BLOB_MARKS, end)
+    return found
 
 
 def _trap_kinds(data: bytes) -> _Counts:

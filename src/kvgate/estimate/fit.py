@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from kvgate.estimate.band import banded
-from kvgate.estimate.calibration import Band, Calibration
+from kvgate.estimate.calibration import ASCII_CODES, Band, Calibration
 from kvgate.estimate.exact import TokenCounter, TokenizerFile, count_chunk
 from kvgate.estimate.fast import FastEstimator
 from kvgate.estimate.features import (
@@ -30,6 +30,8 @@ from kvgate.estimate.features import (
     FEATURES,
     FOURBYTE_LEADS,
     PAIR_FEATURES,
+    STRAY_RUN_BYTES,
+    WINDOW_BYTES,
     Sample,
     sample,
 )
@@ -103,6 +105,18 @@ def run_density(counter: TokenCounter) -> float:
     """Mean tokens per byte of long runs of characters that get repeated in real text."""
     runs = [character * 4096 for character in RUN_CHARACTERS]
     return sum(counter.count(run) / len(run.encode("utf-8")) for run in runs) / len(runs)
+
+
+def run_max(counter: TokenCounter) -> tuple[float, ...]:
+    """Per ASCII character: the most tokens per byte a run of it takes from STRAY_RUN_BYTES on. Runs of
+    STRAY_RUN_BYTES to twice that give the most: a run's last, partial piece weighs most in a short
+    run, and they meet every remainder of a piece of up to STRAY_RUN_BYTES characters. A long run is
+    measured too."""
+    lengths = [*range(STRAY_RUN_BYTES, 2 * STRAY_RUN_BYTES), 2 * WINDOW_BYTES]
+    return tuple(
+        round(max(count_chunk(counter, chr(code) * n, first=False, last=True) / n for n in lengths), 6)
+        for code in range(ASCII_CODES)
+    )
 
 
 def trap_density(counter: TokenCounter) -> float:
@@ -183,6 +197,7 @@ def fit(tokenizer: TokenizerFile, counter: TokenCounter, texts: Sequence[str]) -
         fourbyte_min=fewest,
         fourbyte_mean=round(mean, 6),
         fourbyte_max=most,
+        run_max=run_max(counter),
         uncertainty=(),
         unseen_width=0.0,
         bands=(Band(0, 1.0, 1.0),),
