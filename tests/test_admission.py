@@ -214,6 +214,39 @@ def test_a_reserve_that_fails_on_one_node_is_tried_on_the_next() -> None:
     run(scenario)
 
 
+def test_a_reserve_granted_but_unanswered_is_given_back() -> None:
+    """The agent granted, the answer came too late: the gate placed the request elsewhere, and gives
+    the first node's room back (docs/benchmarks.md "Real traffic": such grants held whole long
+    requests' KV until their leases ended)."""
+
+    async def scenario() -> None:
+        source, _, admission = setup(("a", 40000), ("b", 30000))
+        source.fail_reserves("a", granted=True)
+        admitted = await admit(admission, 10000, "r1")
+        assert admitted.ticket is not None and admitted.ticket.agent == "b"
+        await until(lambda: ("a", "r1") in source.released)
+        assert source.reserved_tokens("a") == 0
+        assert source.reserved_tokens("b") == 10000
+
+    run(scenario)
+
+
+def test_a_release_that_gets_no_answer_is_tried_again() -> None:
+    async def scenario() -> None:
+        source, _, admission = setup(("a", 40000))
+        admitted = await admit(admission, 10000, "r1")
+        assert admitted.ticket is not None
+        source.disconnect("a")
+        releasing = asyncio.create_task(admission.release(admitted.ticket))
+        await asyncio.sleep(0)  # its first try fails
+        assert source.reserved_tokens("a") == 10000
+        source.reconnect("a")
+        await releasing
+        assert source.reserved_tokens("a") == 0
+
+    run(scenario)
+
+
 def test_a_release_after_the_agent_restarted_is_harmless() -> None:
     async def scenario() -> None:
         source, _, admission = setup(("a", 40000))
@@ -326,7 +359,8 @@ class SlowAgentView:
         self.reserving.set()
         await asyncio.sleep(3600)
 
-    async def release(self, node: str, request_id: str) -> ReleaseOutcome:
+    async def release(self, node: str, request_id: str, *, unanswered: bool = False) -> ReleaseOutcome:
+        assert unanswered, "the Reserve never answered: the agent may see the Release first"
         self.released.append(request_id)
         return ReleaseOutcome(released=False, headroom_tokens=30000, reserved_tokens=0)
 

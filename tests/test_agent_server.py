@@ -27,7 +27,7 @@ from kvgate.agent.sources.scrape import EngineScraper
 from kvgate.errors import HeadroomError
 from kvgate.headroom import wire
 from kvgate.headroom.client import AgentClient
-from kvgate.headroom.snapshot import GpuReading, NodeHeadroom
+from kvgate.headroom.snapshot import GpuReading, NodeHeadroom, ReserveReason
 from kvgate.headroom.wire import HeadroomEncoder, headroom_from_proto
 
 
@@ -121,6 +121,22 @@ def test_five_12k_requests_on_a_40k_node_admit_three_and_drain_to_zero() -> None
             finally:
                 await c.close()
             assert agent.state.ledger.count == 0
+
+    run(scenario)
+
+
+def test_a_release_for_an_unanswered_reserve_refuses_that_reserve_when_it_arrives_late() -> None:
+    async def scenario() -> None:
+        settings = NodeSettings("n1", "127.0.0.1:8000", capacity_tokens=40_000)
+        async with running_agent(settings) as (_, address):
+            c = client(address)
+            try:
+                assert not (await c.release("late", 5.0, unanswered=True)).released
+                late = await c.reserve("late", 12_000, 60, "g", 5.0)
+                assert not late.granted and late.reason == ReserveReason.RELEASED_FIRST
+                assert late.reserved_tokens == 0
+            finally:
+                await c.close()
 
     run(scenario)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvgate.agent.capacity import ModelShape, kv_bytes_per_token, static_capacity_tokens
-from kvgate.agent.ledger import Budget, ReservationLedger
+from kvgate.agent.ledger import EARLY_RELEASE_S, EARLY_RELEASES_KEPT, Budget, ReservationLedger
 from kvgate.agent.node import NodeSettings, NodeState
 from kvgate.agent.sources.engines import EngineKind, EngineReading, PageState
 from kvgate.agent.status import status_json, status_text
@@ -125,6 +125,30 @@ def test_ledger_release_frees_and_is_idempotent() -> None:
     assert ledger.release("a")
     assert not ledger.release("a")
     assert ledger.reserve("b", 20_000, 0, budget()).granted
+
+
+def test_a_release_that_overtakes_its_reserve_refuses_the_reserve_once_for_a_while() -> None:
+    clock = Clock()
+    ledger = ReservationLedger(clock, 60, 600)
+    assert not ledger.release("late", unanswered_reserve=True), "the Reserve got no answer: released unseen"
+    refused = ledger.reserve("late", 10_000, 0, budget())
+    assert not refused.granted and refused.reason is ReserveReason.RELEASED_FIRST
+    assert ledger.reserved_tokens == 0
+    assert ledger.reserve("late", 10_000, 0, budget()).granted, "remembered for one Reserve only"
+    ledger.release("late")
+    ledger.release("twice")
+    assert ledger.reserve("twice", 10_000, 0, budget()).granted, "a plain Release that found nothing"
+    ledger.release("gone", unanswered_reserve=True)
+    clock.now += EARLY_RELEASE_S
+    assert ledger.reserve("gone", 10_000, 0, budget()).granted, "and for EARLY_RELEASE_S"
+
+
+def test_the_ledger_remembers_a_bounded_number_of_early_releases() -> None:
+    ledger = ReservationLedger(Clock(), 60, 600)
+    for i in range(EARLY_RELEASES_KEPT + 1):
+        ledger.release(f"r{i}", unanswered_reserve=True)
+    assert ledger.reserve("r0", 1_000, 0, budget()).granted, "the oldest was forgotten"
+    assert not ledger.reserve(f"r{EARLY_RELEASES_KEPT}", 1_000, 0, budget()).granted
 
 
 def test_ledger_reserve_is_idempotent_per_request_id() -> None:

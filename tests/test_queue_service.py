@@ -175,6 +175,20 @@ def test_held_request_is_answered_with_the_engines_answer_once_a_node_has_room(t
     run(scenario)
 
 
+def test_a_reserve_granted_but_unanswered_is_given_back_and_the_job_runs_on_the_next(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with queue(tmp_path) as q:
+            q.source.fail_reserves("node-a", granted=True)
+            held = asyncio.ensure_future(q.post(8000, x_request_id="req-late"))
+            (call,) = await q.engines.wait_calls(1)
+            assert [node for node, _ in q.source.released] == ["node-a"], "the lost grant was given back"
+            assert q.source.reserved_tokens("node-a") == 8000, "and the job runs on a grant of its own"
+            q.engines.answer(call)
+            assert (await held).status == 200
+
+    run(scenario)
+
+
 def test_deferred_request_gets_202_a_job_url_and_its_answer_when_done(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with queue(tmp_path) as q:

@@ -49,5 +49,10 @@ class HeadroomError(KvgateError):
     """An agent could not be reached or answered something unusable."""
 
 
+class AgentCallError(HeadroomError):
+    """A call to an agent went out and got no usable answer (deadline, connection, the agent's own
+    error): unlike an agent the caller does not know, the agent may have acted on it."""
+
+
 class StoreError(KvgateError):
     """The queue's store could not be read or written (unreachable, locked, corrupt)."""

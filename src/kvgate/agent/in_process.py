@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from kvgate.agent.ledger import Budget, ReservationLedger
 from kvgate.agent.releases import expected_releases
-from kvgate.errors import HeadroomError
+from kvgate.errors import AgentCallError, HeadroomError
 from kvgate.headroom.snapshot import (
     CapacitySource,
     NodeHeadroom,
@@ -87,6 +87,7 @@ class _Node:
     connected: bool = True
     silent: bool = False
     failing_reserves: int = 0
+    granting_unanswered: bool = False
     decode_tokens_per_s: float | None = None
 
     def budget(self) -> Budget:
@@ -162,16 +163,22 @@ class FakeHeadroom:
         self._nodes[name].connected = False
         self._notify()
 
+    def reconnect(self, name: str) -> None:
+        self._nodes[name].connected = True
+        self._notify()
+
     def restart_agent(self, name: str) -> None:
         """The agent process starts again: its reservations are forgotten."""
         node = self._nodes[name]
         node.ledger = self._new_ledger()
         self.update(name)
 
-    def fail_reserves(self, name: str, times: int = 1) -> None:
-        """The next `times` Reserve calls to this node get no answer (HeadroomError), as when its
-        agent is unreachable."""
+    def fail_reserves(self, name: str, times: int = 1, *, granted: bool = False) -> None:
+        """The next `times` Reserve calls to this node get no answer (AgentCallError), as when its
+        agent is unreachable; with `granted`, as when the agent granted them and the answer was lost
+        (too late for the caller's deadline)."""
         self._nodes[name].failing_reserves = times
+        self._nodes[name].granting_unanswered = granted
 
     def evict_prefixes(self, name: str, tokens: int | None = None) -> None:
         """The node's engine evicts idle prefix blocks (all of them, or `tokens` of them, least recently
@@ -223,16 +230,19 @@ class FakeHeadroom:
         state = self._answering(node)
         if state.failing_reserves > 0:
             state.failing_reserves -= 1
-            raise HeadroomError(f"agent {node} did not answer Reserve")
+            if state.granting_unanswered:
+                state.ledger.reserve(request_id, tokens, self._lease_s, state.budget(), prefix=prefix)
+                self._notify()
+            raise AgentCallError(f"agent {node}: Reserve failed: DEADLINE_EXCEEDED: no answer in time")
         outcome = state.ledger.reserve(
             request_id, tokens, self._lease_s, state.budget(), prefix=prefix, output_tokens=output_tokens
         )
         await asyncio.sleep(0)  # an answer arrives on a later turn of the loop, as over gRPC
         return outcome
 
-    async def release(self, node: str, request_id: str) -> ReleaseOutcome:
+    async def release(self, node: str, request_id: str, *, unanswered: bool = False) -> ReleaseOutcome:
         state = self._answering(node)
-        released = state.ledger.release(request_id)
+        released = state.ledger.release(request_id, unanswered_reserve=unanswered)
         self.released.append((node, request_id))
         self._notify()
         return state.ledger.release_answer(released, state.budget())
@@ -242,7 +252,7 @@ class FakeHeadroom:
         if node is None:
             raise HeadroomError(f"no agent {name} in the headroom view")
         if not node.connected:
-            raise HeadroomError(f"agent {name} is unreachable")
+            raise AgentCallError(f"agent {name} is unreachable")
         return node
 
     def _headroom(self, node: _Node) -> NodeHeadroom:

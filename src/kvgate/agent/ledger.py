@@ -10,6 +10,10 @@ A reservation may carry its prompt's prefix chain: the blocks that live reservat
 one copy in the engine's prefix cache, so they are charged once (kvgate.agent.prefix_blocks). The
 reserved tokens are then each reservation's own part (its tokens less its chain) plus every held block
 once.
+
+A caller that got no answer to a Reserve releases it unseen (kvgate.headroom.giveback), saying so.
+When that Release finds nothing, it overtook its Reserve: the ledger remembers it for a while
+(`EARLY_RELEASE_S`) and refuses the Reserve on arrival instead of holding room until its lease ends.
 """
 
 from __future__ import annotations
@@ -27,6 +31,11 @@ from kvgate.headroom.snapshot import (
     ReserveReason,
     headroom_tokens,
 )
+
+# How long, and for how many request ids at most, a Release of an unanswered Reserve that found
+# nothing is remembered.
+EARLY_RELEASE_S = 30.0
+EARLY_RELEASES_KEPT = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +82,7 @@ class ReservationLedger:
         # No lease ends before this (renewals may leave it early, never late): until then `expire`,
         # called on every snapshot and reservation, has nothing to scan for.
         self._next_expiry = math.inf
+        self._released_early: dict[str, float] = {}  # request_id -> until, oldest first
 
     @property
     def reserved_tokens(self) -> int:
@@ -148,6 +158,8 @@ class ReservationLedger:
                 return self._result(False, ReserveReason.REQUEST_ID_CONFLICT, budget, 0.0)
             self._hold(dataclasses.replace(existing, expires_at=self._clock() + lease, holder=holder))
             return self._result(True, ReserveReason.ALREADY_RESERVED, budget, lease)
+        if self._released_early.pop(request_id, -math.inf) > self._clock():
+            return self._result(False, ReserveReason.RELEASED_FIRST, budget, 0.0)
         if not budget.healthy:
             return self._result(False, ReserveReason.UNHEALTHY, budget, 0.0)
         if budget.capacity_tokens <= 0:
@@ -166,10 +178,26 @@ class ReservationLedger:
         self._asked += tokens
         return self._result(True, ReserveReason.GRANTED, budget, lease, charged=own + held, cached=cached)
 
-    def release(self, request_id: str) -> bool:
-        """End the reservation; False when it was already gone (released twice, or expired)."""
+    def release(self, request_id: str, *, unanswered_reserve: bool = False) -> bool:
+        """End the reservation; False when it was already gone (released twice, or expired) or, for
+        the Release of an `unanswered_reserve`, not here yet (its Reserve is then refused on arrival)."""
         self.expire()
-        return self._drop(request_id)
+        if self._drop(request_id):
+            return True
+        if unanswered_reserve:
+            self._remember_early_release(request_id)
+        return False
+
+    def _remember_early_release(self, request_id: str) -> None:
+        now = self._clock()
+        early = self._released_early
+        early.pop(request_id, None)
+        while early:
+            oldest = next(iter(early))
+            if early[oldest] > now and len(early) < EARLY_RELEASES_KEPT:
+                break
+            del early[oldest]
+        early[request_id] = now + EARLY_RELEASE_S
 
     def release_answer(self, released: bool, budget: Budget) -> ReleaseOutcome:
         """The answer to a Release: whether it ended a reservation, and the node's figures after it

@@ -193,8 +193,8 @@ class NodeState:
                 self.prefix_events.granted(request_id, chain, now, tokens - output_tokens)
         return result
 
-    def release(self, request_id: str) -> ReleaseOutcome:
-        released = self.ledger.release(request_id)
+    def release(self, request_id: str, *, unanswered_reserve: bool = False) -> ReleaseOutcome:
+        released = self.ledger.release(request_id, unanswered_reserve=unanswered_reserve)
         return self.ledger.release_answer(released, self.budget())
 
     def snapshot(self, sample_time_unix_ns: int) -> NodeHeadroom:

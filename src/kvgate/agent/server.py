@@ -256,7 +256,7 @@ class _AgentServicer(pb_grpc.AgentServicer):
     async def Release(
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseResponse:
-        outcome = self._agent.state.release(request.request_id)
+        outcome = self._agent.state.release(request.request_id, unanswered_reserve=request.unanswered_reserve)
         if outcome.released:
             self._agent.metrics.released()
         return release_to_proto(outcome)

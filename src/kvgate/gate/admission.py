@@ -28,6 +28,8 @@ from typing import Protocol
 from kvgate.config import AdmissionConfig, ModelConfig
 from kvgate.errors import HeadroomError
 from kvgate.gate.waitqueue import MONOTONIC, Clock, WaitQueue
+from kvgate.headroom import giveback
+from kvgate.headroom.giveback import unanswered
 from kvgate.headroom.snapshot import NodeView, PrefixChain, ReleaseOutcome, ReserveOutcome
 from kvgate.policy import Decision, Reason, Refusal, Route
 from kvgate.policy.nodes import Affinity, choose_nodes
@@ -60,7 +62,7 @@ class HeadroomSource(Protocol):
         output budget, 0 when unknown) tells the agent when the reservation is expected to end."""
         ...
 
-    async def release(self, node: str, request_id: str) -> ReleaseOutcome: ...
+    async def release(self, node: str, request_id: str, *, unanswered: bool = False) -> ReleaseOutcome: ...
 
     async def wait_update(self, timeout_s: float) -> bool: ...
 
@@ -253,32 +255,32 @@ class Admission:
         except asyncio.CancelledError:
             # The stream went away mid-Reserve (client abort, Envoy timeout): the agent may have granted
             # already, so give it back now rather than hold the capacity until the lease runs out.
-            self._release_later(agent, request_id)
+            self._release_later(agent, request_id, unanswered=True)
             raise
         except HeadroomError as error:
             log.warning("reserve on %s failed: %s", agent, error)
             self._metrics.reservation("error")
+            if unanswered(error):
+                # The agent may have granted it all the same: nothing else would ever release it.
+                # Awaited, so that a later try of this request on this node cannot be the one released.
+                await self._release(agent, request_id, unanswered=True)
             return None
         self._metrics.reservation("granted" if outcome.granted else "refused")
         if not outcome.granted:
             return None
         return Ticket(agent, request_id, tokens, outcome)
 
-    def _release_later(self, agent: str, request_id: str) -> None:
-        task = asyncio.create_task(self._release(agent, request_id))
+    def _release_later(self, agent: str, request_id: str, *, unanswered: bool = False) -> None:
+        task = asyncio.create_task(self._release(agent, request_id, unanswered=unanswered))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
     async def release(self, ticket: Ticket) -> None:
         await self._release(ticket.agent, ticket.request_id)
 
-    async def _release(self, agent: str, request_id: str) -> None:
+    async def _release(self, agent: str, request_id: str, *, unanswered: bool = False) -> None:
         assert self._long is not None, "a reservation exists only where a long pool granted it"
-        try:
-            await self._long.release(agent, request_id)
-        except HeadroomError as error:
-            # The lease expires on the agent: the capacity comes back late, not never.
-            log.warning("release of %s on %s failed: %s", request_id, agent, error)
+        await giveback.release(self._long, agent, request_id, unanswered=unanswered)
         self._queue.pulse()
 
     async def _pump_updates(self, source: HeadroomSource) -> None:

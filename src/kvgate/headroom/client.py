@@ -11,7 +11,7 @@ import grpc
 
 from kvgate._proto.headroom.v1 import headroom_pb2 as pb
 from kvgate._proto.headroom.v1 import headroom_pb2_grpc as pb_grpc
-from kvgate.errors import HeadroomError
+from kvgate.errors import AgentCallError
 from kvgate.headroom.credentials import ChannelSecurity, open_channel
 from kvgate.headroom.snapshot import NO_PREFIXES, NodeHeadroom, PrefixChain, ReleaseOutcome, ReserveOutcome
 from kvgate.headroom.wire import headroom_from_proto, release_from_proto, reserve_from_proto, reserve_request
@@ -89,10 +89,10 @@ class AgentClient:
             raise _error(self.address, "Reserve", exc) from exc
         return reserve_from_proto(response)
 
-    async def release(self, request_id: str, timeout_s: float) -> ReleaseOutcome:
+    async def release(self, request_id: str, timeout_s: float, *, unanswered: bool = False) -> ReleaseOutcome:
         try:
             response: pb.ReleaseResponse = await self._stub.Release(
-                pb.ReleaseRequest(request_id=request_id), timeout=timeout_s
+                pb.ReleaseRequest(request_id=request_id, unanswered_reserve=unanswered), timeout=timeout_s
             )
         except grpc.aio.AioRpcError as exc:
             raise _error(self.address, "Release", exc) from exc
@@ -102,5 +102,5 @@ class AgentClient:
         await self._channel.close()
 
 
-def _error(address: str, method: str, exc: grpc.aio.AioRpcError) -> HeadroomError:
-    return HeadroomError(f"agent {address}: {method} failed: {exc.code().name}: {exc.details()}")
+def _error(address: str, method: str, exc: grpc.aio.AioRpcError) -> AgentCallError:
+    return AgentCallError(f"agent {address}: {method} failed: {exc.code().name}: {exc.details()}")

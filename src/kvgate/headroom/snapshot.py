@@ -187,6 +187,9 @@ class ReserveReason(StrEnum):
     UNHEALTHY = "unhealthy"
     NO_CAPACITY = "no_capacity"
     REQUEST_ID_CONFLICT = "request_id_conflict"  # the same request_id with a different token count
+    # Its Release came first: the caller got no answer in time and gave the grant back unseen
+    # (kvgate.headroom.giveback), so this Reserve, arriving late, must not hold room for good.
+    RELEASED_FIRST = "released_first"
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,8 +10,9 @@ agent with them.
 
 Failure channels: `reserve` returns a ReserveOutcome for every answer the agent gives, refusals
 included; it raises HeadroomError when it gets no answer (agent unknown, unreachable, or slower than
-`reserve_timeout_s`). `release` raises HeadroomError the same way; the reservation's lease is the
-safety net behind a lost release.
+`reserve_timeout_s`: AgentCallError, when the call went out). `release` raises the same way;
+kvgate.headroom.giveback tries it again, and gives back a Reserve that got no answer; the
+reservation's lease is the last net.
 """
 
 from __future__ import annotations
@@ -143,9 +144,12 @@ class HeadroomView:
             self._merge_prefix(link, prefix)
         return outcome
 
-    async def release(self, node: str, request_id: str) -> ReleaseOutcome:
+    async def release(self, node: str, request_id: str, *, unanswered: bool = False) -> ReleaseOutcome:
+        """Give back `request_id`'s reservation; `unanswered`: the Reserve got no answer (giveback)."""
         link = self._link(node)
-        outcome = await link.client.release(request_id, self.settings.reserve_timeout_s)
+        outcome = await link.client.release(
+            request_id, self.settings.reserve_timeout_s, unanswered=unanswered
+        )
         self._merge(link, outcome.headroom_tokens, outcome.reserved_tokens)
         return outcome
 

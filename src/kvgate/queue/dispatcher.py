@@ -21,13 +21,13 @@ from collections.abc import Callable
 from typing import Protocol
 
 from kvgate.errors import HeadroomError, StoreError
+from kvgate.headroom import giveback
 from kvgate.headroom.snapshot import NodeView, ReleaseOutcome, ReserveOutcome
 from kvgate.policy.nodes import StalePolicy, choose_nodes
 from kvgate.queue import placement
 from kvgate.queue.fairness import FairQueue
 from kvgate.queue.jobs import Job, JobError, Waiting
 from kvgate.queue.placement import Fit
-from kvgate.queue.runner import release
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class HeadroomSource(Protocol):
 
     async def reserve(self, node: str, request_id: str, tokens: int) -> ReserveOutcome: ...
 
-    async def release(self, node: str, request_id: str) -> ReleaseOutcome: ...
+    async def release(self, node: str, request_id: str, *, unanswered: bool = False) -> ReleaseOutcome: ...
 
     async def wait_update(self, timeout_s: float) -> bool: ...
 
@@ -182,8 +182,11 @@ class Dispatcher:
             outcome = await self._source.reserve(agent, reservation, tokens)
         except HeadroomError as error:
             log.warning("reserve on %s failed: %s", agent, error)
+            if giveback.unanswered(error):
+                # The agent may have granted it all the same: nothing else would ever release it.
+                await self._release(agent, reservation, unanswered=True)
             return False
         return outcome.granted
 
-    async def _release(self, agent: str, reservation: str) -> None:
-        await release(self._source, agent, reservation)
+    async def _release(self, agent: str, reservation: str, *, unanswered: bool = False) -> None:
+        await giveback.release(self._source, agent, reservation, unanswered=unanswered)

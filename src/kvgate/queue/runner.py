@@ -30,6 +30,7 @@ from typing import Protocol
 
 from kvgate.config.queue import QueueSettings
 from kvgate.errors import HeadroomError, StoreError
+from kvgate.headroom import giveback
 from kvgate.headroom.snapshot import ReleaseOutcome, ReserveOutcome
 from kvgate.names import JOB_ID_HEADER
 from kvgate.queue.engines import EngineFailure
@@ -64,25 +65,7 @@ class RunStore(Protocol):
 class Reservations(Protocol):
     async def reserve(self, node: str, request_id: str, tokens: int) -> ReserveOutcome: ...
 
-    async def release(self, node: str, request_id: str) -> ReleaseOutcome: ...
-
-
-# Pauses between the tries of a Release that got no answer: a lost one holds a node's room until the
-# reservation's lease (queue.reservation_lease_s) ends, which a burst would feel.
-RELEASE_RETRIES_S = (0.05, 0.25, 1.0)
-
-
-async def release(reservations: Reservations, agent: str, reservation: str) -> None:
-    """Release, trying again a few times when the agent gives no answer; then its lease is the net."""
-    for pause in (*RELEASE_RETRIES_S, None):
-        try:
-            await reservations.release(agent, reservation)
-            return
-        except HeadroomError as error:
-            if pause is None:
-                log.warning("release of %s on %s failed, left to its lease: %s", reservation, agent, error)
-                return
-            await asyncio.sleep(pause)
+    async def release(self, node: str, request_id: str, *, unanswered: bool = False) -> ReleaseOutcome: ...
 
 
 class Abort(enum.Enum):
@@ -215,7 +198,7 @@ class Runner:
                 await self._store.requeue(entry.job, self._owner)
 
     async def _release(self, entry: _Running) -> None:
-        await release(self._reservations, entry.agent, entry.reservation)
+        await giveback.release(self._reservations, entry.agent, entry.reservation)
 
     async def keep_claims(self) -> None:
         """Forever: renew claims and reservations, and abort what could not be renewed in time."""

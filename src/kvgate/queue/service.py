@@ -22,6 +22,7 @@ from aiohttp import web
 
 from kvgate.config import Config
 from kvgate.errors import StoreError
+from kvgate.headroom import giveback
 from kvgate.headroom.credentials import ChannelSecurity
 from kvgate.headroom.snapshot import NodeView
 from kvgate.headroom.view import HeadroomView
@@ -36,7 +37,7 @@ from kvgate.queue.jobs import Job
 from kvgate.queue.live import LiveRuns, Signals
 from kvgate.queue.metrics import QueueMetrics
 from kvgate.queue.refusals import QueueRefusals
-from kvgate.queue.runner import Abort, Engines, Runner, release
+from kvgate.queue.runner import Abort, Engines, Runner
 from kvgate.queue.settle import Settler
 from kvgate.queue.store import CANCEL, DONE, NEW, JobStore, QueueStats
 from kvgate.queue.stores import open_database
@@ -236,7 +237,7 @@ class QueueService:
         assert self._source is not None
         for job in jobs:
             if job.node is not None and job.reservation is not None:
-                await release(self._source, job.node, job.reservation)
+                await giveback.release(self._source, job.node, job.reservation)
 
     async def _housekeeping(self) -> None:
         settings = self.config.queue

@@ -158,10 +158,12 @@ class ReserveResponse(_message.Message):
     def __init__(self, granted: _Optional[bool] = ..., reason: _Optional[str] = ..., headroom_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., lease_s: _Optional[float] = ..., charged_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., reservations: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "unanswered_reserve")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    UNANSWERED_RESERVE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    unanswered_reserve: bool
+    def __init__(self, request_id: _Optional[str] = ..., unanswered_reserve: _Optional[bool] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released", "headroom_tokens", "reserved_tokens")
