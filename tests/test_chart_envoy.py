@@ -284,16 +284,15 @@ def test_one_trip_bootstrap_sends_the_body_alone_and_routes_on_metadata(helm: He
         {"filter": "kvgate", "path": [{"key": "endpoint"}], "value": {"present_match": True}},
     ]
     added = {
-        h["header"]["key"]: h["header"]["value"] for h in manager["route_config"]["request_headers_to_add"]
+        h["header"]["key"]: (h["header"]["value"], h["append_action"])
+        for h in manager["route_config"]["request_headers_to_add"]
     }
     assert added == {
-        "x-kvgate-pool": "%DYNAMIC_METADATA(kvgate:pool)%",
-        "x-kvgate-endpoint": "%DYNAMIC_METADATA(kvgate:endpoint)%",
-        "x-kvgate-tokens": "%DYNAMIC_METADATA(kvgate:tokens)%",
-        "x-kvgate-reason": "%DYNAMIC_METADATA(kvgate:reason)%",
-    }
-    assert {h["append_action"] for h in manager["route_config"]["request_headers_to_add"]} == {
-        "OVERWRITE_IF_EXISTS_OR_ADD"
+        "x-kvgate-pool": ("%DYNAMIC_METADATA(kvgate:pool)%", "OVERWRITE_IF_EXISTS_OR_ADD"),
+        "x-kvgate-endpoint": ("%DYNAMIC_METADATA(kvgate:endpoint)%", "OVERWRITE_IF_EXISTS_OR_ADD"),
+        "x-kvgate-tokens": ("%DYNAMIC_METADATA(kvgate:tokens)%", "OVERWRITE_IF_EXISTS_OR_ADD"),
+        "x-kvgate-reason": ("%DYNAMIC_METADATA(kvgate:reason)%", "OVERWRITE_IF_EXISTS_OR_ADD"),
+        "x-session-id": ("%DYNAMIC_METADATA(kvgate:session)%", "ADD_IF_ABSENT"),
     }
 
 

@@ -14,6 +14,12 @@ POOL_HEADER = "x-kvgate-pool"
 TOKENS_HEADER = "x-kvgate-tokens"
 REASON_HEADER = "x-kvgate-reason"
 ENDPOINT_HEADER = "x-kvgate-endpoint"
+# vLLM publishes a request's X-Session-ID with each KV-cache block it stores (vllm 0.32,
+# vllm/entrypoints/generate/base/serving.py _get_session_id; v1/core/block_pool.py
+# _build_block_stored_event): the gate sends the request id in it on a request it reserved for, so
+# the node's agent ties the engine's blocks to the reservation (kvgate.agent.prefix_events). A
+# client's own X-Session-ID is kept.
+SESSION_HEADER = "x-session-id"
 # The headers the gate itself decides; a client's header of the same name is overwritten, never trusted.
 ROUTING_HEADERS = (POOL_HEADER, ENDPOINT_HEADER, TOKENS_HEADER, REASON_HEADER)
 
@@ -50,6 +56,7 @@ META_PROMPT_TOKENS = "prompt_tokens"
 META_MODEL = "model"
 META_RESERVED_TOKENS = "reserved_tokens"  # what the agent charged (less than tokens with a shared prefix)
 META_PREFIX_HIT_TOKENS = "prefix_hit_tokens"  # prompt tokens the node is expected to hold cached
+META_SESSION = "session"  # a reserved request's id, for SESSION_HEADER in the one-round-trip set-up
 
 # The upstream header each routing metadata key becomes in the one-round-trip set-up.
 HEADER_FOR_METADATA = {

@@ -63,6 +63,11 @@ static_resources:
                         value: {{ printf "%%DYNAMIC_METADATA(%s:%s)%%" $namespace (trimPrefix "x-kvgate-" $header) | quote }}
                       append_action: OVERWRITE_IF_EXISTS_OR_ADD
                     {{- end }}
+                    # A reserved request's id for the engine's KV events; the client's own is kept.
+                    - header:
+                        key: x-session-id
+                        value: {{ printf "%%DYNAMIC_METADATA(%s:session)%%" $namespace | quote }}
+                      append_action: ADD_IF_ABSENT
                   {{- end }}
                   {{- if $layout.hosts }}
                   # Policy hosts are named without a port; clients send one in Host when it is not 80/443.

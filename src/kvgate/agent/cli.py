@@ -44,8 +44,9 @@ gates about are the ones the engine says it holds. Pair it with vLLM's
   --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
                        "endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558"}'
 and --engine-kv-events tcp://127.0.0.1:5557 --engine-kv-events-replay tcp://127.0.0.1:5558 (vLLM
-connects to an endpoint without '*'; the agent binds it). Gates that send X-Session-ID: <request id>
-let the agent tell whose blocks the engine stored (docs/engines.md).
+connects to an endpoint without '*'; the agent binds it). The gate sends X-Session-ID: <request id>
+with each request it reserved for (unless the client sent its own), which tells the agent whose
+blocks the engine stored (docs/engines.md).
 """
 
 

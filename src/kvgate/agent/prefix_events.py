@@ -19,8 +19,9 @@ Which reservation a store belongs to:
   decode blocks);
 - otherwise, by arrival: the oldest reservation not yet linked whose prompt the store can begin (no
   cached prefix and no parent beyond its first block, or a parent on its cached prefix's chain).
-  Requests that reach the engine without a reservation can be mistaken for one: the gate should send
-  X-Session-ID.
+  Requests that reach the engine without a reservation can be mistaken for one: the gate sends
+  X-Session-ID on the requests it reserved for (kvgate.names.SESSION_HEADER), so this is the fallback
+  for a client that sent its own, or an older gate.
 What the events cannot say (a reservation never linked, a block not anchored, a chain unconfirmed
 after missed batches) stays with the agent's guesses (kvgate.agent.prefix_blocks).
 Memory is bounded: the engine cache by its `max_blocks`, reservations followed by MAX_GRANTS (an

@@ -121,8 +121,10 @@ from kvgate.gate.processor import request_attributes
 from kvgate.names import (
     ENDPOINT_HEADER,
     HEADER_FOR_METADATA,
+    META_SESSION,
     POOL_HEADER,
     REASON_HEADER,
+    SESSION_HEADER,
     TOKENS_HEADER,
 )
 
@@ -276,13 +278,17 @@ def virtual_hosts(settings: EnvoySettings) -> list[VirtualHost]:
 
 def _headers_from_metadata(settings: EnvoySettings) -> list[HeaderValueOption]:
     """One round trip: the gate's decision, from its metadata, as upstream headers (the pinned cluster
-    reads x-kvgate-endpoint). Absent metadata formats empty, and an empty header is not added."""
+    reads x-kvgate-endpoint), and a reserved request's session (the client's own kept). Absent
+    metadata formats empty, and an empty header is not added."""
+    actions = HeaderValueOptionHeaderAppendAction
+    pairs = [(header, key, actions.OVERWRITE_IF_EXISTS_OR_ADD) for header, key in GATE_HEADERS.items()]
+    pairs.append((SESSION_HEADER, META_SESSION, actions.ADD_IF_ABSENT))
     return [
         HeaderValueOption(
             header=HeaderValue(key=header, value=f"%DYNAMIC_METADATA({settings.metadata_namespace}:{key})%"),
-            append_action=HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD,
+            append_action=action,
         )
-        for header, key in GATE_HEADERS.items()
+        for header, key, action in pairs
     ]
 
 

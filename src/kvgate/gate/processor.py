@@ -302,14 +302,20 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
             # What the node's agent charged, and what it expects the engine to find cached.
             extra[META_RESERVED_TOKENS] = outcome.ticket.charged_tokens
             extra[META_PREFIX_HIT_TOKENS] = outcome.ticket.cached_tokens
-        return self._answer_body(decision, head, stream, extra)
+        session = outcome.ticket.request_id if outcome.ticket is not None else None
+        return self._answer_body(decision, head, stream, extra, session)
 
     def _answer_body(
-        self, decision: Decision, head: RequestHead, stream: _Stream, extra: dict[str, str | float]
+        self,
+        decision: Decision,
+        head: RequestHead,
+        stream: _Stream,
+        extra: dict[str, str | float],
+        session: str | None = None,
     ) -> ProcessingResponse:
         if isinstance(decision, Refusal):
             return self._refuse(decision, head.api)
-        return responses.route_after_body(decision, stream.forged, extra, self._namespace)
+        return responses.route_after_body(decision, stream.forged, extra, self._namespace, session)
 
 
 def _request_id(message: ProcessingRequest, stream: _Stream) -> str:

@@ -26,16 +26,19 @@ from kvgate.names import (
     META_ENDPOINT,
     META_POOL,
     META_REASON,
+    META_SESSION,
     META_TOKENS,
     POOL_HEADER,
     REASON_HEADER,
     ROUTING_HEADERS,
+    SESSION_HEADER,
     TOKENS_HEADER,
 )
 from kvgate.policy.decision import Reason, Route
 from kvgate.policy.refusals import HttpAnswer
 
 _OVERWRITE = HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
+_ADD_IF_ABSENT = HeaderValueOption.HeaderAppendAction.ADD_IF_ABSENT
 _SKIP_BODY = ProcessingMode(request_body_mode=ProcessingMode.BodySendMode.NONE)
 
 
@@ -98,10 +101,21 @@ def _routed(
 
 
 def route_after_body(
-    route: Route, forged: Iterable[str], extra: dict[str, str | float], namespace: str
+    route: Route,
+    forged: Iterable[str],
+    extra: dict[str, str | float],
+    namespace: str,
+    session: str | None = None,
 ) -> ProcessingResponse:
-    """Answer the body message: set the routing headers and make Envoy pick the route again."""
-    return _routed(route, forged, extra, namespace, after_body=True)
+    """Answer the body message: set the routing headers and make Envoy pick the route again; with a
+    `session` (the request id of a reserved request), X-Session-ID unless the client sent one."""
+    response = _routed(route, forged, extra, namespace, after_body=True)
+    if session is not None:
+        response.dynamic_metadata.fields[namespace].struct_value.fields[META_SESSION].string_value = session
+        added = response.request_body.response.header_mutation.set_headers.add(append_action=_ADD_IF_ABSENT)
+        added.header.key = SESSION_HEADER
+        added.header.raw_value = session.encode()
+    return response
 
 
 def route_after_headers(
