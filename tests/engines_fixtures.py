@@ -52,12 +52,8 @@ EAGER = ("--enforce-eager",)
 
 
 @dataclass(frozen=True)
-class RunningVllm:
+class RunningEngine:
     service: EngineService
-    options: VllmOptions
-    version: str  # "vllm-0.32.0"
-    kv_events: str | None = None  # where its KV-event publisher connects: bind a SUB socket here
-    kv_events_replay: str | None = None  # its replay endpoint (a ROUTER it binds)
 
     @property
     def port(self) -> int:
@@ -74,23 +70,17 @@ class RunningVllm:
 
 
 @dataclass(frozen=True)
-class RunningLlama:
-    service: EngineService
+class RunningVllm(RunningEngine):
+    options: VllmOptions
+    version: str  # "vllm-0.32.0"
+    kv_events: str | None = None  # where its KV-event publisher connects: bind a SUB socket here
+    kv_events_replay: str | None = None  # its replay endpoint (a ROUTER it binds)
+
+
+@dataclass(frozen=True)
+class RunningLlama(RunningEngine):
     options: LlamaServerOptions
     version: str  # "llama-server-11434.0.0"
-
-    @property
-    def port(self) -> int:
-        assert self.service.port is not None
-        return self.service.port
-
-    @property
-    def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def metrics_url(self) -> str:
-        return f"http://{self.endpoint}/metrics"
 
 
 @dataclass(frozen=True)
