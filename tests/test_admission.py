@@ -231,6 +231,19 @@ def test_a_reserve_granted_but_unanswered_is_given_back() -> None:
     run(scenario)
 
 
+def test_a_request_does_not_ask_again_an_agent_whose_give_back_is_in_flight() -> None:
+    async def scenario() -> None:
+        source, clock, admission = setup(("a", 40000), max_wait_s=1.0)
+        source.fail_reserves("a", granted=True)
+        admitting = asyncio.create_task(admit(admission, 10000, "r1"))
+        await until(lambda: ("a", "r1") in source.released)
+        clock.advance(1.0)
+        assert refused(await admitting) is Reason.NO_CAPACITY
+        assert source.reserved_tokens("a") == 0, "the give-back did not meet a second grant"
+
+    run(scenario)
+
+
 def test_a_release_that_gets_no_answer_is_tried_again() -> None:
     async def scenario() -> None:
         source, _, admission = setup(("a", 40000))

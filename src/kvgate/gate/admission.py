@@ -96,6 +96,9 @@ class _Ask:
     max_wait_s: float
     affinity: Affinity | None
     output_tokens: int
+    # Agents whose Reserve went unanswered: their give-back is in flight, so this request does not
+    # ask them again (the give-back could release the new grant).
+    unanswered_by: set[str] = dataclasses.field(default_factory=set)
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +232,8 @@ class Admission:
                         return Admitted(no_healthy_node(route))
                     prefix = affinity.chain if affinity is not None else None
                     for node in choice.candidates:
+                        if node.agent in ask.unanswered_by:
+                            continue
                         ticket = await self._try_reserve(source, node.agent, route.tokens, ask, prefix)
                         if ticket is not None and node.headroom is not None:
                             if prefix is not None:
@@ -262,8 +267,8 @@ class Admission:
             self._metrics.reservation("error")
             if unanswered(error):
                 # The agent may have granted it all the same: nothing else would ever release it.
-                # Awaited, so that a later try of this request on this node cannot be the one released.
-                await self._release(agent, request_id, unanswered=True)
+                ask.unanswered_by.add(agent)
+                self._release_later(agent, request_id, unanswered=True)
             return None
         self._metrics.reservation("granted" if outcome.granted else "refused")
         if not outcome.granted:
