@@ -25,6 +25,7 @@ IO_MODULES: dict[str, dict[str, str]] = {
     "headroom": {
         "client": "the gate's gRPC client of an agent",
         "credentials": "TLS files and gRPC channel credentials",
+        "giveback": "tries a Release again after a pause (asyncio)",
         "protogen": "runs grpcio-tools",
         "resolve": "DNS",
         "view": "the gate's Subscribe streams, Reserve and Release",

@@ -5,6 +5,7 @@ Pure (no gRPC, no I/O; the policy and the queue may import these):
 Adapters:
     wire, protogen              protobuf conversion and code generation (the wire contract)
     client, view, resolve       the gate's subscriptions, Reserve and Release
+    giveback                    a Release tried again, and an unanswered Reserve given back
     credentials                 TLS credentials for the agents' listeners and the gate's channels
 
 The agent process itself lives in kvgate.agent; nothing here imports it.
