@@ -156,8 +156,9 @@ def read_prefer(header: str | None) -> ClientHints:
     wait_s = None
     respond_async = False
     for preference in header.split(","):
-        name, _, value = preference.split(";", 1)[0].strip().partition("=")
-        name = name.strip().lower()
+        # RFC 7240's whitespace is SP and HTAB (OWS, RFC 9110 5.6.3): "wait=0\r" is not a wait.
+        name, _, value = preference.split(";", 1)[0].strip(" \t").partition("=")
+        name = name.strip(" \t").lower()
         if name == "respond-async":
             respond_async = True
         elif name == "wait":
