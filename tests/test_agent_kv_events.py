@@ -393,6 +393,10 @@ def test_the_feed_drops_the_oldest_when_the_loop_falls_behind() -> None:
     try:
         seen: list[Batch] = []
         until(lambda: publish(pub, 0, (1,)) or seen.extend(feed.drain()) or seen, "the first batch")
+        # Batch 0 went out until one arrived: more may still be on the way. One marker, sent once on
+        # the now-connected socket, comes after them all (ZeroMQ keeps a connection's order).
+        publish(pub, 100, (100,))
+        until(lambda: any(b.seq == 100 for b in feed.drain()), "the marker after the first batches")
         base = feed.received
         for seq in range(1, 6):
             publish(pub, seq, (seq,))

@@ -400,7 +400,12 @@ async def _forecast(address: str, vllm: RunningVllm, prompts: Prompts) -> tuple[
         expected = await headroom(client, lambda h: h.releases, "a forecast")
         forecast_at = expected.sample_time_unix_ns / 1e9 + expected.releases[0].after_s
         request = asyncio.create_task(asyncio.to_thread(chat, vllm.port, prompts.words(500), 300))
-        await until_async(lambda: family(page(vllm), "vllm:kv_cache_usage_perc") > 0, "the request to run")
+        # On busy cores the engine may take long to start it, and a page may render only after it ended.
+        await until_async(
+            lambda: request.done() or family(page(vllm), "vllm:kv_cache_usage_perc") > 0,
+            "the request to run",
+            timeout_s=ENGINE_TIMEOUT_S,
+        )
         await until_async(
             lambda: family(page(vllm), "vllm:kv_cache_usage_perc") == 0,
             "the request's blocks freed",
