@@ -76,6 +76,12 @@ class RunningVllm(RunningEngine):
     kv_events: str | None = None  # where its KV-event publisher connects: bind a SUB socket here
     kv_events_replay: str | None = None  # its replay endpoint (a ROUTER it binds)
 
+    @property
+    def kv_event_flags(self) -> tuple[str, ...]:
+        """`kvgate agent`'s flags to follow this engine's KV events (it must publish them)."""
+        assert self.kv_events is not None and self.kv_events_replay is not None
+        return ("--engine-kv-events", self.kv_events, "--engine-kv-events-replay", self.kv_events_replay)
+
 
 @dataclass(frozen=True)
 class RunningLlama(RunningEngine):

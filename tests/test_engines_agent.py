@@ -271,13 +271,7 @@ def _lags(
 def test_the_prefix_index_with_and_without_events_against_vllm_s_hits(
     vllm_long: RunningVllm, tmp_path: Path, sp_model_path: Path
 ) -> None:
-    assert vllm_long.kv_events is not None and vllm_long.kv_events_replay is not None
-    events = (
-        "--engine-kv-events",
-        vllm_long.kv_events,
-        "--engine-kv-events-replay",
-        vllm_long.kv_events_replay,
-    )
+    events = vllm_long.kv_event_flags
     base = ("--engine-metrics", vllm_long.metrics_url, "--safety-ratio", "1.0")
     with (
         agent(tmp_path, "with-events", vllm_long.endpoint, *base, *events) as followed,

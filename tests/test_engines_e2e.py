@@ -188,15 +188,8 @@ def gated(
 ) -> Iterator[Gated]:
     tmp = tmp_path_factory.mktemp("engines-e2e")
     with ExitStack() as stack:
-        assert vllm_long.kv_events is not None and vllm_long.kv_events_replay is not None
         # The agent follows the engine's own KV-cache events: its prefix index is vLLM's cache.
-        events = (
-            "--engine-kv-events",
-            vllm_long.kv_events,
-            "--engine-kv-events-replay",
-            vllm_long.kv_events_replay,
-        )
-        agent = _engine_agent(stack, tmp, "agent-long", vllm_long, *events)
+        agent = _engine_agent(stack, tmp, "agent-long", vllm_long, *vllm_long.kv_event_flags)
         config = _gate_config([agent])
         (tmp / "queue.yaml").write_text(config, encoding="utf-8")
         queue_port = free_port()
