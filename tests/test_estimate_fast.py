@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 from corpus.cases import KINDS, text
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvgate.errors import ConfigError
 from kvgate.estimate import calibration
@@ -25,6 +27,8 @@ from kvgate.estimate.features import (
     WINDOW_BYTES,
     WINDOWS,
     Sample,
+    _has_trap,
+    is_plain,
     sample,
     stray_stretches,
 )
@@ -296,3 +300,22 @@ def test_a_sampled_text_takes_the_bytes_between_trap_and_ordinary_windows_at_the
     assert features.unsure_bytes > 0
     band = fast.estimate(piece)
     assert band.low <= counter.count(piece) <= band.high
+
+
+_SCREEN_PIECES = st.one_of(
+    st.text(alphabet=" \t\nab=Jé😀", max_size=80),
+    st.sampled_from(["J", "ab", "\r\n", "é", " a", "\x00", "A1"]).flatmap(
+        lambda unit: st.integers(1, 90).map(lambda count: unit * count)
+    ),
+    st.binary(min_size=1, max_size=200).map(lambda raw: base64.b64encode(raw).decode()),
+    st.sampled_from(KINDS).map(lambda kind: text(kind)[:400]),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_SCREEN_PIECES, max_size=40).map("".join))
+def test_the_plain_screen_never_changes_the_answer(joined: str) -> None:
+    """`is_plain` lets most texts through after one find; whatever the text, its answer is the full
+    test's: no trap window and no stray run or blob."""
+    data = joined.encode("utf-8", "surrogatepass")[:FULL_SCAN_BYTES]
+    assert is_plain(data) == (not _has_trap(data) and not stray_stretches(data))

@@ -209,6 +209,17 @@ _ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/="
 _ALPHABET_MARKS = bytes(ord("a") if byte in _ALPHABET else ord(" ") for byte in range(256))
 _BLOB_MARKS = b"a" * STRAY_BLOB_BYTES
 _NOT_DIGIT_UPPER = bytes(byte for byte in range(256) if not _DIGIT_UPPER_ONES[byte])
+# What every stray and every blob window holds, so a text without it has none (`is_plain`): this many
+# bytes in a row, none a space or a tab. A stray blob is STRAY_BLOB_BYTES of base64's alphabet; a
+# stray run repeats its character with a period of up to UTF8_MAX_BYTES, and `_runs` compares spaces
+# and tabs with NUL, so none is in one; a blob window has fewer than WINDOW_BYTES /
+# TRAP_BYTES_PER_SPACE bytes up to a space, and the others, split by them, leave a stretch of
+# _BLOB_WINDOW_STRETCH at least.
+_BLOB_WINDOW_SPACES = -(-WINDOW_BYTES // TRAP_BYTES_PER_SPACE) - 1
+_BLOB_WINDOW_STRETCH = -(-(WINDOW_BYTES - _BLOB_WINDOW_SPACES) // (_BLOB_WINDOW_SPACES + 1))
+_SCREEN_BYTES = min(STRAY_RUN_BYTES, STRAY_BLOB_BYTES, _BLOB_WINDOW_STRETCH)
+_SPACE_TAB_SPLITS = bytes(ord(" ") if byte in b" \t" else ord("x") for byte in range(256))
+_SCREEN_STRETCH = b"x" * _SCREEN_BYTES
 # A stray stretch: (start, end, the ASCII byte a run repeats, or -1 for a blob or any other run).
 Stray = tuple[int, int, int]
 
@@ -302,7 +313,8 @@ def stretch_counts(data: bytes) -> tuple[int, ...]:
     """How many times each of STRETCHES fits in `data` without overlap (a longer run is only looked
     for where a shorter one was found: most texts have neither)."""
     spaces = data.count(_SPACES_4)
-    tabs = data.count(_TABS_2)
+    # A tab is found by memchr, much faster than a count of two: most texts have none.
+    tabs = data.count(_TABS_2) if b"\t" in data else 0
     if not spaces and not tabs:
         return _NO_STRETCHES
     eight = data.count(_SPACES_8) if spaces else 0
@@ -380,8 +392,25 @@ def _sample(data: bytes, size: float, min_size: int, max_size: int) -> Sample:
 
 def is_plain(data: bytes) -> bool:
     """Whether the estimator may read `data`'s pairs directly: short enough to read whole, no trap
-    window (which `sample` prices apart) and no stray run or blob (which widen the band)."""
-    return len(data) <= FULL_SCAN_BYTES and not _has_trap(data) and not stray_stretches(data)
+    window (which `sample` prices apart) and no stray run or blob (which widen the band).
+
+    Most texts are screened in one translation and one find: every stray and every blob window holds
+    _SCREEN_BYTES bytes in a row without a space or a tab (see _SCREEN_BYTES), so a text without such
+    a stretch can only hold run windows, which the probes alone tell."""
+    if len(data) > FULL_SCAN_BYTES:
+        return False
+    if _SCREEN_STRETCH not in data.translate(_SPACE_TAB_SPLITS):
+        return not _has_run_window(data)
+    return not _has_trap(data) and not stray_stretches(data)
+
+
+def _has_run_window(data: bytes) -> bool:
+    """Whether a whole window of `data` is a run (the first test of `_trap_windows_small`)."""
+    for start in range(0, len(data) - WINDOW_BYTES + 1, WINDOW_BYTES):
+        probes = data[start : start + WINDOW_BYTES : _PROBE_STEP]
+        if probes.count(probes[len(probes) // 2]) * 4 >= len(probes) * 3:
+            return True
+    return False
 
 
 def stray_stretches(data: bytes) -> list[Stray]:
