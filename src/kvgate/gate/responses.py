@@ -7,7 +7,7 @@ Envoy types stay in the gate package: the policy hands over plain Route values a
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
@@ -77,7 +77,7 @@ def _route_template(
 
 def _routed(
     route: Route,
-    forged: Iterable[str],
+    forged: Sequence[str],
     extra: dict[str, str | float],
     namespace: str,
     after_body: bool,
@@ -89,7 +89,8 @@ def _routed(
     tokens = common.header_mutation.set_headers.add(append_action=_OVERWRITE)
     tokens.header.key = TOKENS_HEADER
     tokens.header.raw_value = str(route.tokens).encode()
-    common.header_mutation.remove_headers.extend(name for name in forged if name not in _OURS)
+    if forged:
+        common.header_mutation.remove_headers.extend(name for name in forged if name not in _OURS)
     fields = response.dynamic_metadata.fields[namespace].struct_value.fields
     fields[META_TOKENS].number_value = route.tokens
     for key, value in extra.items():
@@ -102,7 +103,7 @@ def _routed(
 
 def route_after_body(
     route: Route,
-    forged: Iterable[str],
+    forged: Sequence[str],
     extra: dict[str, str | float],
     namespace: str,
     session: str | None = None,
@@ -119,7 +120,7 @@ def route_after_body(
 
 
 def route_after_headers(
-    route: Route, forged: Iterable[str], skip_body: bool, namespace: str
+    route: Route, forged: Sequence[str], skip_body: bool, namespace: str
 ) -> ProcessingResponse:
     """Answer the headers message of a request that needs no body inspection."""
     response = _routed(route, forged, {}, namespace, after_body=False)
