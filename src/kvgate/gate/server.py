@@ -17,6 +17,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from kvgate.allocator import keep_big_buffers
 from kvgate.config import Config
 from kvgate.config.headroom import HeadroomSettings
 from kvgate.gate.admission import Admission
@@ -139,6 +140,7 @@ def _view(config: Config, settings: HeadroomSettings) -> HeadroomView | None:
 
 
 def run_worker(config: Config, metrics_listen: str | None, otlp_endpoint: str | None) -> None:
+    keep_big_buffers()
     uvloop.run(serve(config, metrics_listen, otlp_endpoint))
 
 
