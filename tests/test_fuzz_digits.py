@@ -109,3 +109,12 @@ def test_a_superscript_port_is_a_config_error_not_a_crash() -> None:
     with pytest.raises(ConfigError, match="--listen"):
         parse_listen("127.0.0.1:8²")
     assert parse_listen("[::1]:0") == ("::1", 0)
+
+
+def test_an_unbracketed_ipv6_host_is_a_config_error() -> None:
+    """Hypothesis found "agent::1" read as host "agent:" and port 1."""
+    with pytest.raises(ConfigError, match=r"headroom.agents\[0\].*IPv6 host in brackets"):
+        split_host_port("agent::1", "headroom.agents[0]")
+    with pytest.raises(ConfigError, match="IPv6 host in brackets"):
+        split_host_port("::1:8080")
+    assert split_host_port("[::1]:8080") == ("::1", 8080)

@@ -11,6 +11,11 @@ def split_host_port(address: str, where: str = "address", allow_port_zero: bool 
     host, sep, port_text = address.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
+    elif ":" in host:
+        # "agent::1" or "::1:80": which colon ends the host is a guess; an IPv6 host comes in brackets.
+        raise ConfigError(
+            f"{where}: expected host:port, with an IPv6 host in brackets ([::1]:80), got {address!r}"
+        )
     port = whole_number(port_text, minimum=0 if allow_port_zero else 1, maximum=65535)
     if not sep or not host or port is None:
         raise ConfigError(f"{where}: expected host:port, got {address!r}")
