@@ -45,7 +45,9 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 from bench.gc_watch import summary as gc_summary
 from bench.loadgen import LoadResult, http_request, percentile, run_load, serve_upstreams
 from bench.trivial_extproc import TrivialProcessor
-from kvgate.gate.processor import ATTRIBUTES_NAMESPACE, header_attribute
+from kvgate.config import Config
+from kvgate.gate.pipeline import Pipeline
+from kvgate.gate.processor import ATTRIBUTES_NAMESPACE, ExternalProcessor, header_attribute
 from kvgate.harness.envoy import LOCAL_PORTS, render_envoy
 from kvgate.harness.processes import ProcessGroup, find_envoy, wait_for_port
 from kvgate.localports import free_port
@@ -347,6 +349,20 @@ def envoy_messages(body: bytes, round_trips: int) -> list[bytes]:
     ]
 
 
+def gate_servicer(config: Config, pipeline: Pipeline) -> ExternalProcessor:
+    """The gate's servicer, built as kvgate.gate.server.serve builds it, without agents (in process,
+    with the gate's metrics on)."""
+    from kvgate.telemetry import DecisionSpans, GateMetrics
+
+    return ExternalProcessor(
+        pipeline,
+        config.admission.priority_header,
+        GateMetrics(),
+        DecisionSpans(),
+        config.server.metadata_namespace,
+    )
+
+
 class Servicer(Protocol):
     """What the in-process measurement needs of an ext_proc servicer."""
 
@@ -383,9 +399,8 @@ def servicer_costs(body: bytes) -> dict[str, float]:
     process-wide OpenTelemetry provider.
     """
     from kvgate.config import parse_config
-    from kvgate.gate.pipeline import Pipeline, estimator_factory
-    from kvgate.gate.processor import ExternalProcessor
-    from kvgate.telemetry import DecisionSpans, GateMetrics, start_prometheus
+    from kvgate.gate.pipeline import estimator_factory
+    from kvgate.telemetry import start_prometheus
 
     start_prometheus(f"127.0.0.1:{free_port()}")
 
@@ -393,15 +408,10 @@ def servicer_costs(body: bytes) -> dict[str, float]:
         config = parse_config(gate_config_text())
         pipeline = Pipeline(config, estimator_factory())
         try:
-            # Built as kvgate.gate.server.serve builds it, without agents.
-            gate = ExternalProcessor(
-                pipeline,
-                config.admission.priority_header,
-                GateMetrics(),
-                DecisionSpans(),
-                config.server.metadata_namespace,
-            )
-            servers: dict[str, Servicer] = {"gate": gate, "trivial": TrivialProcessor()}
+            servers: dict[str, Servicer] = {
+                "gate": gate_servicer(config, pipeline),
+                "trivial": TrivialProcessor(),
+            }
             costs = {}
             for trips, suffix in ((2, ""), (1, "1")):
                 messages = envoy_messages(body, trips)

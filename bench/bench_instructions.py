@@ -28,7 +28,7 @@ from pathlib import Path
 import uvloop
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
 
-from bench.bench_gate import ROOT, Servicer, chat_body, envoy_messages, gate_config_text
+from bench.bench_gate import ROOT, Servicer, chat_body, envoy_messages, gate_config_text, gate_servicer
 
 WARM_UP = 30
 REQUESTS = 200
@@ -42,8 +42,6 @@ def serve_requests(server_name: str, trips: int, count: int) -> None:
     from bench.trivial_extproc import TrivialProcessor
     from kvgate.config import parse_config
     from kvgate.gate.pipeline import Pipeline, estimator_factory
-    from kvgate.gate.processor import ExternalProcessor
-    from kvgate.telemetry import DecisionSpans, GateMetrics
 
     async def run() -> None:
         config = parse_config(gate_config_text())
@@ -53,13 +51,7 @@ def serve_requests(server_name: str, trips: int, count: int) -> None:
         try:
             server: Servicer = TrivialProcessor()
             if pipeline is not None:
-                server = ExternalProcessor(
-                    pipeline,
-                    config.admission.priority_header,
-                    GateMetrics(),
-                    DecisionSpans(),
-                    config.server.metadata_namespace,
-                )
+                server = gate_servicer(config, pipeline)
             messages = envoy_messages(chat_body(), trips)
 
             async def stream() -> AsyncIterator[ProcessingRequest]:

@@ -17,7 +17,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
-from bench.bench_gate import Servicer, chat_body, envoy_messages, gate_config_text
+from bench.bench_gate import Servicer, chat_body, envoy_messages, gate_config_text, gate_servicer
 
 CALLS = 300
 EVICT_BYTES = 32 * 1024 * 1024
@@ -42,22 +42,15 @@ def stage_costs() -> list[tuple[str, float, float]]:
     from kvgate.config import parse_config
     from kvgate.gate import responses
     from kvgate.gate.pipeline import Pipeline, estimator_factory
-    from kvgate.gate.processor import ExternalProcessor, head_from_attributes
+    from kvgate.gate.processor import head_from_attributes
     from kvgate.policy import decide, thresholds
     from kvgate.request import parse_body
-    from kvgate.telemetry import DecisionSpans, GateMetrics
 
     config = parse_config(gate_config_text())
     pipeline = Pipeline(config, estimator_factory())
     loop = asyncio.new_event_loop()
     try:
-        gate = ExternalProcessor(
-            pipeline,
-            config.admission.priority_header,
-            GateMetrics(),
-            DecisionSpans(),
-            config.server.metadata_namespace,
-        )
+        gate = gate_servicer(config, pipeline)
         body = chat_body()
         raw = envoy_messages(body, 1)[0]
         message = ProcessingRequest.FromString(raw)
