@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 from kvgate.request.shape import Api
 
 # Suffix match so that prefixed mounts (`/openai/v1/chat/completions`) are recognised too.
@@ -16,8 +14,6 @@ _SUFFIXES: tuple[tuple[str, Api], ...] = (
 )
 
 
-# Paths repeat (a gateway serves a handful); a client's query strings are bounded out by the size.
-@functools.lru_cache(maxsize=1024)
 def api_for_path(path: str) -> Api | None:
     """The API a request path addresses, or None for paths the gate does not interpret."""
     path = path.split("?", 1)[0].rstrip("/")
