@@ -405,12 +405,15 @@ def is_plain(data: bytes) -> bool:
 
 
 def _has_run_window(data: bytes) -> bool:
-    """Whether a whole window of `data` is a run (the first test of `_trap_windows_small`)."""
-    for start in range(0, len(data) - WINDOW_BYTES + 1, WINDOW_BYTES):
-        probes = data[start : start + WINDOW_BYTES : _PROBE_STEP]
-        if probes.count(probes[len(probes) // 2]) * 4 >= len(probes) * 3:
-            return True
-    return False
+    """Whether a whole window of `data` is a run."""
+    starts = range(0, len(data) - WINDOW_BYTES + 1, WINDOW_BYTES)
+    return any(_is_run_window(data, start) for start in starts)
+
+
+def _is_run_window(data: bytes, start: int) -> bool:
+    """Whether the window of `data` from `start` repeats one character (see `_trap_windows`)."""
+    probes = data[start : start + WINDOW_BYTES : _PROBE_STEP]
+    return probes.count(probes[len(probes) // 2]) * 4 >= len(probes) * 3
 
 
 def stray_stretches(data: bytes) -> list[Stray]:
@@ -489,9 +492,7 @@ def _trap_windows_small(data: bytes) -> list[int]:
     kinds = []
     for start in range(0, len(data) - WINDOW_BYTES + 1, WINDOW_BYTES):
         end = start + WINDOW_BYTES
-        probes = data[start:end:_PROBE_STEP]
-        middle = probes[len(probes) // 2]
-        if probes.count(middle) * 4 >= len(probes) * 3:
+        if _is_run_window(data, start):
             kinds.append(_RUN)
             continue
         if whitespace.count(1, start, end) * TRAP_BYTES_PER_SPACE >= WINDOW_BYTES:

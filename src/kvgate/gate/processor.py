@@ -105,7 +105,7 @@ def _headers_by_attribute(priority_header: str) -> tuple[tuple[str, str], ...]:
 def request_attributes(priority_header: str) -> tuple[str, ...]:
     """What Envoy must send with the body for the one-round-trip set-up: every header the gate
     reads. Absent headers are simply missing from what Envoy sends."""
-    return tuple(_attribute(header) for header in headers_read(priority_header))
+    return tuple(attribute for _, attribute in _headers_by_attribute(priority_header))
 
 
 def read_head(
