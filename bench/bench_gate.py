@@ -51,6 +51,7 @@ from kvgate.gate.processor import ATTRIBUTES_NAMESPACE, ExternalProcessor, heade
 from kvgate.harness.envoy import LOCAL_PORTS, render_envoy
 from kvgate.harness.processes import ProcessGroup, find_envoy, wait_for_port
 from kvgate.localports import free_port
+from kvgate.telemetry import DecisionSpans, GateMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
 ENVOY_YAML = ROOT / "envoy" / "envoy.yaml"
@@ -352,8 +353,6 @@ def envoy_messages(body: bytes, round_trips: int) -> list[bytes]:
 def gate_servicer(config: Config, pipeline: Pipeline) -> ExternalProcessor:
     """The gate's servicer, built as kvgate.gate.server.serve builds it, without agents (in process,
     with the gate's metrics on)."""
-    from kvgate.telemetry import DecisionSpans, GateMetrics
-
     return ExternalProcessor(
         pipeline,
         config.admission.priority_header,

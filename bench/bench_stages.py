@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
@@ -23,16 +23,24 @@ CALLS = 300
 EVICT_BYTES = 32 * 1024 * 1024
 
 
-def _median_us(stage: Callable[[], object], evict: np.ndarray | None) -> float:
+async def _median_us(stage: Callable[[], Awaitable[object]], evict: np.ndarray | None) -> float:
+    """The median µs of CALLS awaits of `stage`, each after a write over `evict` when one is given."""
     times = []
     for _ in range(CALLS):
         if evict is not None:
             evict += 1
         started = time.perf_counter()
-        stage()
+        await stage()
         times.append(time.perf_counter() - started)
     times.sort()
     return times[CALLS // 2] * 1e6
+
+
+def _awaitable(call: Callable[[], object]) -> Callable[[], Awaitable[object]]:
+    async def stage() -> object:
+        return call()
+
+    return stage
 
 
 def stage_costs() -> list[tuple[str, float, float]]:
@@ -54,7 +62,8 @@ def stage_costs() -> list[tuple[str, float, float]]:
         body = chat_body()
         raw = envoy_messages(body, 1)[0]
         message = ProcessingRequest.FromString(raw)
-        head = head_from_attributes(message, config.admission.priority_header)
+        priority = config.admission.priority_header
+        head = head_from_attributes(message, priority)
         assert head is not None and head.api is not None
         api = head.api
         shape = parse_body(api, body)
@@ -64,42 +73,36 @@ def stage_costs() -> list[tuple[str, float, float]]:
         route = decide(estimate.prompt_tokens, estimate.output_tokens, model)
         extra: dict[str, str | float] = {"method": "fast", "prompt_tokens": estimate.prompt_tokens}
 
-        def through(server: Servicer, evict: np.ndarray | None) -> float:
-            """The median µs of a whole Process, timed inside the event loop."""
-
+        def through(server: Servicer) -> Callable[[], Awaitable[object]]:
             async def stream() -> AsyncIterator[ProcessingRequest]:
                 yield ProcessingRequest.FromString(raw)
 
-            async def timed() -> float:
-                times = []
-                for _ in range(CALLS):
-                    if evict is not None:
-                        evict[:] += 1
-                    started = time.perf_counter()
-                    async for response in server.Process(stream(), None):
-                        response.SerializeToString()
-                    times.append(time.perf_counter() - started)
-                times.sort()
-                return times[CALLS // 2] * 1e6
+            async def stage() -> None:
+                async for response in server.Process(stream(), None):
+                    response.SerializeToString()
 
-            return loop.run_until_complete(timed())
+            return stage
 
-        stages: list[tuple[str, Callable[[], object]]] = [
+        calls: list[tuple[str, Callable[[], object]]] = [
             ("parse the gRPC message", lambda: ProcessingRequest.FromString(raw)),
-            ("the request head from its attributes", lambda: head_from_attributes(message, "x-priority")),
+            ("the request head from its attributes", lambda: head_from_attributes(message, priority)),
             ("parse the body (msgspec, typed)", lambda: parse_body(api, body)),
             ("fast estimate and band", lambda: estimator.fast_band(shape)),
             ("decision", lambda: decide(estimate.prompt_tokens, estimate.output_tokens, model)),
             ("the answer (route, metadata)", lambda: responses.route_after_body(route, [], extra, "kvgate")),
         ]
-        costs = []
+        stages = [(name, _awaitable(call)) for name, call in calls]
+        stages += [("the gate's whole Process", through(gate))]
+        stages += [("the trivial server's whole Process", through(TrivialProcessor()))]
         evict = np.zeros(EVICT_BYTES, dtype=np.uint8)
-        for name, stage in stages:
-            costs.append((name, _median_us(stage, None), _median_us(stage, evict)))
-        servers: list[tuple[str, Servicer]] = [("gate", gate), ("trivial server", TrivialProcessor())]
-        for name, server in servers:
-            costs.append((f"the {name}'s whole Process", through(server, None), through(server, evict)))
-        return costs
+
+        async def measure() -> list[tuple[str, float, float]]:
+            return [
+                (name, await _median_us(stage, None), await _median_us(stage, evict))
+                for name, stage in stages
+            ]
+
+        return loop.run_until_complete(measure())
     finally:
         loop.close()
         pipeline.close()
