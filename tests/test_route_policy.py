@@ -28,6 +28,7 @@ POLICIES = {
     "tight": ModelPolicy(4000, 8000),
 }
 MODEL = ModelConfig()
+PRIORITIES = ("high", "normal", "low")
 
 
 def test_route_values_are_read_and_other_metadata_ignored() -> None:
@@ -40,6 +41,7 @@ def test_route_values_are_read_and_other_metadata_ignored() -> None:
             ("x-kvgate-model-policy", "batch"),
         ],
         POLICIES,
+        PRIORITIES,
     )
     assert read.problems == ()
     assert read.policy == RoutePolicy(
@@ -57,6 +59,7 @@ def test_bad_values_are_named_and_ignored() -> None:
             ("x-kvgate-default-output-tokens", "512"),
         ],
         POLICIES,
+        PRIORITIES,
     )
     assert read.policy == RoutePolicy(ModelPolicy(default_output_tokens=512))
     assert read.problems == (
@@ -145,13 +148,13 @@ def test_a_wait_that_is_not_ascii_digits_is_ignored(value: str) -> None:
 def test_digits_of_other_scripts_never_count(value: str) -> None:
     if not value.isascii():
         assert read_prefer(f"wait={value}").wait_s is None
-        read = read_route_policy([("x-kvgate-max-total-tokens", value)], POLICIES)
+        read = read_route_policy([("x-kvgate-max-total-tokens", value)], POLICIES, PRIORITIES)
         assert read.policy == NO_ROUTE_POLICY and len(read.problems) == 1
 
 
 @given(st.sampled_from(ROUTE_POLICY_KEYS), st.text(max_size=30))
 def test_any_route_metadata_value_is_read_or_named_never_raises(key: RouteKey, value: str) -> None:
-    read = read_route_policy([(key.metadata, value)], POLICIES)
+    read = read_route_policy([(key.metadata, value)], POLICIES, PRIORITIES)
     if read.problems:
         assert read.policy == NO_ROUTE_POLICY
         (problem,) = read.problems

@@ -32,8 +32,13 @@ SDK_RETRY_AFTER_MS_HEADER = "retry-after-ms"
 # Set by the async queue on its answers: the job a request became (GET /v1/kvgate/jobs/{id}).
 JOB_ID_HEADER = "x-kvgate-job-id"
 
-# A client's own hints (read, never set, by the gate): its priority, and RFC 7240 preferences.
+# Who the request is from and how much it matters: set only by Envoy, after it authenticated the
+# request (a client's copies are removed at the edge), and forwarded by the gate; an absent tenant
+# is ANONYMOUS_TENANT, charged like any other (kvgate.policy.priority, docs/operations.md).
+TENANT_HEADER = "x-kvgate-tenant"
+ANONYMOUS_TENANT = "anonymous"
 PRIORITY_HEADER = "x-kvgate-priority"
+# A client's own hints (read, never set, by the gate): RFC 7240 preferences.
 PREFER_HEADER = "prefer"
 
 # Per-route policy: gRPC metadata of the ext_proc stream, set by an Envoy route or virtual host
@@ -43,6 +48,7 @@ ROUTE_MAX_TOTAL_TOKENS = "x-kvgate-max-total-tokens"
 ROUTE_DEFAULT_OUTPUT_TOKENS = "x-kvgate-default-output-tokens"
 ROUTE_MODEL_POLICY = "x-kvgate-model-policy"
 ROUTE_ASYNC = "x-kvgate-async"
+ROUTE_MAX_PRIORITY = "x-kvgate-max-priority"
 
 # The dynamic-metadata namespace of the gate's decision, and its keys. Envoy routes on `pool` and
 # `endpoint` in the one-round-trip set-up and access logs read the rest.

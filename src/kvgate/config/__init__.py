@@ -122,6 +122,11 @@ class RequestConfig:
     max_body_bytes: int = field(default=32 * MiB, metadata=at_least(1))
     # Cap on a gzip body once inflated: a zip bomb gets a 413 instead of exhausting memory.
     max_decompressed_bytes: int = field(default=64 * MiB, metadata=at_least(1))
+    # Bytes of large bodies being read (inflated, parsed) off the event loop at once: parsing holds
+    # several times a body's size (8 concurrent 29 MiB bodies of a million content parts took one
+    # worker to 1.49 GiB), so past this a large body is refused with 503 and Retry-After. One body
+    # is always read when no other is, whatever its size.
+    max_bytes_in_flight: int = field(default=96 * MiB, metadata=at_least(1))
     max_messages: int = field(default=10_000, metadata=at_least(1))
     # Nesting allowed in tool schemas, response formats and tool arguments.
     max_json_depth: int = field(default=64, metadata=at_least(2))

@@ -19,6 +19,7 @@ from kvgate.names import (
     ROUTE_ASYNC,
     ROUTE_DEFAULT_OUTPUT_TOKENS,
     ROUTE_INTERACTIVE_MAX_TOKENS,
+    ROUTE_MAX_PRIORITY,
     ROUTE_MAX_TOTAL_TOKENS,
     ROUTE_MODEL_POLICY,
 )
@@ -34,6 +35,7 @@ class Kind(enum.Enum):
     TOKENS = "tokens"  # a whole number of tokens, from `minimum` to MAX_TOKENS
     POLICY = "policy"  # the name of an entry of kvgate.yaml's `policies:`
     ASYNC = "async"  # one of ASYNC_MODES
+    PRIORITY = "priority"  # the name of one of kvgate.yaml's admission.priorities
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +43,8 @@ class RouteKey:
     metadata: str  # the x-kvgate-* gRPC metadata key
     name: str  # the key in route_policies: (snake_case); the chart's is `chart`
     kind: Kind
-    # The ModelPolicy field it sets; None for the key that names a whole policy (model_policy).
+    # The ModelPolicy field it sets; None for the keys that are not a model's limits (model_policy
+    # names a whole policy, max_priority caps the request's priority: kvgate.policy.priority).
     policy_field: str | None
     minimum: int = 0
 
@@ -60,7 +63,7 @@ class RouteKey:
         return {"min": self.minimum, "max": self.maximum}
 
 
-_T, _P, _A = Kind.TOKENS, Kind.POLICY, Kind.ASYNC
+_T, _P, _A, _R = Kind.TOKENS, Kind.POLICY, Kind.ASYNC, Kind.PRIORITY
 
 # In the order Envoy metadata is written (kvgate envoy-config, the chart).
 # fmt: off
@@ -70,9 +73,11 @@ ROUTE_POLICY_KEYS: tuple[RouteKey, ...] = (
     RouteKey(ROUTE_DEFAULT_OUTPUT_TOKENS,  "default_output_tokens",  _T, "default_output_tokens",  0),
     RouteKey(ROUTE_MODEL_POLICY,           "model_policy",           _P, None),
     RouteKey(ROUTE_ASYNC,                  "async",                  _A, "async_mode"),
+    RouteKey(ROUTE_MAX_PRIORITY,           "max_priority",           _R, None),
 )
 # fmt: on
 BY_METADATA = MappingProxyType({key.metadata: key for key in ROUTE_POLICY_KEYS})
+BY_NAME = MappingProxyType({key.name: key for key in ROUTE_POLICY_KEYS})
 _BY_FIELD = {key.policy_field: key for key in ROUTE_POLICY_KEYS if key.policy_field is not None}
 
 

@@ -34,6 +34,8 @@ from kvgate.errors import ConfigError
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$")
 # What path_separated_prefix accepts: a path, no query or fragment, no trailing slash ("/" alone is the
 # whole host: leave the prefix out instead).
+# A priority name as admission.priorities spells them (the gate reads them in lower case).
+_PRIORITY = re.compile(r"^[a-z0-9][-_a-z0-9]{0,62}$")
 _PATH_PREFIX = re.compile(r"^/[^?#]*[^/?#]$")
 
 # (x-kvgate-* key, RoutePolicy attribute), in the order the metadata is written: the route-policy
@@ -58,6 +60,9 @@ class RoutePolicy:
     # The name of an entry of kvgate.yaml's `policies:`.
     model_policy: str | None = None
     async_: AsyncMode | None = None
+    # The highest priority requests on these routes get: a name of kvgate.yaml's admission.priorities,
+    # which the gate checks (it reports and ignores a name it does not know).
+    max_priority: str | None = None
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -70,6 +75,11 @@ class RoutePolicy:
             raise ConfigError(
                 f"path_prefix: {self.path_prefix!r} must start with '/', not end with '/', "
                 "and hold no '?' or '#'"
+            )
+        if self.max_priority is not None and not _PRIORITY.match(self.max_priority):
+            raise ConfigError(
+                f"max_priority: {self.max_priority!r} must be a priority name (a-z, 0-9, '-', '_'), "
+                "one of kvgate.yaml's admission.priorities"
             )
         if not self.values():
             raise ConfigError(

@@ -21,10 +21,11 @@ from kvgate.config import Config, ModelConfig
 from kvgate.errors import RequestError
 from kvgate.estimate import Estimator, PromptCosts, TokenEstimate, Unavailable, build_estimator
 from kvgate.gate.admission import Admission, Ticket
-from kvgate.names import PREFER_HEADER
+from kvgate.names import ANONYMOUS_TENANT, PREFER_HEADER, TENANT_HEADER
 from kvgate.policy import Decision, Reason, Refusal, Route, decide, thresholds
 from kvgate.policy.models import ModelMatcher
 from kvgate.policy.nodes import Affinity
+from kvgate.policy.priority import Priorities, read_priority
 from kvgate.policy.refusals import Refusals, refusal_for
 from kvgate.policy.route import (
     NO_HINTS,
@@ -77,7 +78,9 @@ class RequestHead:
     content_encoding: str | None
     has_body: bool
     declares_json: bool = False  # Content-Type says JSON: a body that does not parse is the client's error
+    # The identity's priority and tenant, as Envoy set them after authentication (kvgate.policy.priority).
     priority: str | None = None
+    tenant: str = ANONYMOUS_TENANT
     request_id: str = ""
     # W3C trace context from Envoy (traceparent / tracestate), empty when the request has none.
     trace_context: tuple[tuple[str, str], ...] = ()
@@ -96,7 +99,6 @@ def request_head(
     header's value (pseudo-headers such as ":path" included) or None when the request lacks it."""
     path = read(":path") or ""
     content_type = read("content-type")
-    priority = read(priority_header)
     return RequestHead(
         path=path,
         method=read(":method") or "",
@@ -105,7 +107,8 @@ def request_head(
         content_encoding=read("content-encoding"),
         has_body=has_body,
         declares_json=is_json_content_type(content_type),
-        priority=priority.strip().lower() if priority is not None else None,
+        priority=read_priority(read(priority_header)),
+        tenant=(read(TENANT_HEADER) or "").strip(" \t") or ANONYMOUS_TENANT,
         # Envoy sets x-request-id on every request; a request id is what reservations are keyed by.
         request_id=read("x-request-id") or uuid.uuid4().hex,
         trace_context=tuple((name, value) for name in _TRACE_HEADERS if (value := read(name)) is not None),
@@ -123,6 +126,7 @@ def headers_read(priority_header: str) -> tuple[str, ...]:
         "content-type",
         "content-encoding",
         priority_header.lower(),
+        TENANT_HEADER,
         PREFER_HEADER,
         *_TRACE_HEADERS,
     )
@@ -180,6 +184,12 @@ class Pipeline:
         self._estimators = {model: estimators(model) for model in (config.default_model, *config.models)}
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvgate-body")
         self._offload_slots = asyncio.Semaphore(offload_slots)
+        self._offloaded_bytes = 0  # of the bodies being read off the loop now (request.max_bytes_in_flight)
+        self._priorities = Priorities(config.admission.priorities, config.admission.default_priority)
+
+    def priority(self, head: RequestHead) -> str:
+        """The priority the request is admitted and forwarded with (kvgate.policy.priority)."""
+        return self._priorities.effective(head.priority, head.route.max_priority)
 
     def exact_counts_pending(self) -> int:
         return sum(e.pending for e in self._distinct_estimators())
@@ -202,7 +212,7 @@ class Pipeline:
             return NO_ROUTE_POLICY
         policy = self._routes.get(pairs)
         if policy is None:
-            read = read_route_policy(pairs, self._config.policies)
+            read = read_route_policy(pairs, self._config.policies, self._config.admission.priorities)
             for problem in read.problems:
                 log.warning("Envoy route policy: ignored %s", problem)
                 self._metrics.route_policy_ignored(problem.split(":", 1)[0])
@@ -283,7 +293,7 @@ class Pipeline:
         admitted = await self._admission.admit(
             decision,
             model,
-            head.priority,
+            self.priority(head),
             head.request_id,
             head.hints.wait_s,
             affinity=affinity,
@@ -321,21 +331,29 @@ class Pipeline:
             return Refusal(Reason.BODY_TOO_LARGE, f"The request body exceeds {limits.max_body_bytes} bytes.")
         if len(body) <= OFFLOAD_BYTES and not head.content_encoding:
             return _shape_or_none(api, head, body, limits.max_decompressed_bytes, self._parse_limits)
-        if self._offload_slots.locked():
+        # A compressed body may inflate to the cap, and is charged so.
+        charge = limits.max_decompressed_bytes if head.content_encoding else len(body)
+        if self._offload_slots.locked() or (
+            self._offloaded_bytes and self._offloaded_bytes + charge > limits.max_bytes_in_flight
+        ):
             return Refusal(
                 Reason.OVERLOADED, "The gateway is busy reading other large requests; retry shortly."
             )
-        async with self._offload_slots:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(
-                self._executor,
-                _shape_or_none,
-                api,
-                head,
-                body,
-                limits.max_decompressed_bytes,
-                self._parse_limits,
-            )
+        self._offloaded_bytes += charge
+        try:
+            async with self._offload_slots:
+                loop = asyncio.get_running_loop()
+                return await loop.run_in_executor(
+                    self._executor,
+                    _shape_or_none,
+                    api,
+                    head,
+                    body,
+                    limits.max_decompressed_bytes,
+                    self._parse_limits,
+                )
+        finally:
+            self._offloaded_bytes -= charge
 
 
 def _shape_or_none(

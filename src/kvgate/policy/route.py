@@ -10,6 +10,9 @@ The gate reads them here:
     x-kvgate-default-output-tokens    a number: the output budget charged when the client names none
     x-kvgate-model-policy             the name of an entry of kvgate.yaml's `policies:`
     x-kvgate-async                    prefer | allow | never: the async pool for long requests
+    x-kvgate-max-priority             a name of admission.priorities: the highest priority a request
+                                      on this route gets, whatever its identity carries
+                                      (kvgate.policy.priority)
 
 The keys, their kinds and bounds are the one table of kvgate.config.routekeys; numbers are read by
 kvgate.digits (ASCII digits only, bounded). Precedence, written once (`effective_model`): Envoy
@@ -31,7 +34,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from kvgate.config import ModelConfig, ModelPolicy
-from kvgate.config.routekeys import ASYNC_MODES, BY_METADATA, Kind
+from kvgate.config.routekeys import ASYNC_MODES, BY_METADATA, BY_NAME, Kind, RouteKey
 from kvgate.digits import NotWhole, read_whole, whole_number
 from kvgate.policy.decision import Reason, Route
 
@@ -47,6 +50,7 @@ class RoutePolicy:
 
     overrides: ModelPolicy = field(default_factory=ModelPolicy)
     model_policy: str | None = None
+    max_priority: str | None = None
 
 
 NO_ROUTE_POLICY = RoutePolicy()
@@ -59,34 +63,51 @@ class RoutePolicyRead:
 
 
 def read_route_policy(
-    metadata: Iterable[tuple[str, str]], policies: Mapping[str, ModelPolicy]
+    metadata: Iterable[tuple[str, str]], policies: Mapping[str, ModelPolicy], priorities: tuple[str, ...]
 ) -> RoutePolicyRead:
     """The route policy from the ext_proc stream's metadata (other metadata is ignored)."""
     values: dict[str, object] = {}
-    model_policy = None
     problems = []
     for name, raw in metadata:
         key = BY_METADATA.get(name)
         if key is None:
             continue
-        value = raw.strip(" \t")
-        if key.policy_field is None:  # x-kvgate-model-policy: names a whole layer
-            if value in policies:
-                model_policy = value
-            else:
-                known = ", ".join(sorted(policies)) or "none"
-                problems.append(f"{name}: no policy {raw!r} in kvgate.yaml's policies (known: {known})")
-        elif key.kind is Kind.TOKENS:
-            number = read_whole(raw, minimum=key.minimum, maximum=key.maximum)
-            if isinstance(number, NotWhole):
-                problems.append(number.describe(name))
-            else:
-                values[key.policy_field] = number
-        elif value in ASYNC_MODES:
-            values[key.policy_field] = value
+        value = _read_value(key, raw, policies, priorities)
+        if isinstance(value, _Problem):
+            problems.append(value.line)
         else:
-            problems.append(f"{name}: {raw!r} is not one of {', '.join(ASYNC_MODES)}")
-    return RoutePolicyRead(RoutePolicy(ModelPolicy(**values), model_policy), tuple(problems))  # type: ignore[arg-type]
+            values[key.name] = value
+    model_policy = values.pop("model_policy", None)
+    max_priority = values.pop("max_priority", None)
+    overrides = ModelPolicy(**{BY_NAME[name].policy_field: value for name, value in values.items()})  # type: ignore[arg-type]
+    return RoutePolicyRead(RoutePolicy(overrides, model_policy, max_priority), tuple(problems))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class _Problem:
+    line: str  # the key, the value, and what is wrong with it
+
+
+def _read_value(
+    key: RouteKey, raw: str, policies: Mapping[str, ModelPolicy], priorities: tuple[str, ...]
+) -> object:
+    """One metadata value as its key's kind reads it, or the _Problem with it."""
+    name, value = key.metadata, raw.strip(" \t")
+    if key.kind is Kind.POLICY:  # x-kvgate-model-policy: names a whole layer
+        if value in policies:
+            return value
+        known = ", ".join(sorted(policies)) or "none"
+        return _Problem(f"{name}: no policy {raw!r} in kvgate.yaml's policies (known: {known})")
+    if key.kind is Kind.PRIORITY:
+        if value.lower() in priorities:
+            return value.lower()
+        return _Problem(f"{name}: {raw!r} is not one of admission.priorities {list(priorities)}")
+    if key.kind is Kind.TOKENS:
+        number = read_whole(raw, minimum=key.minimum, maximum=key.maximum)
+        return _Problem(number.describe(name)) if isinstance(number, NotWhole) else number
+    if value in ASYNC_MODES:
+        return value
+    return _Problem(f"{name}: {raw!r} is not one of {', '.join(ASYNC_MODES)}")
 
 
 def _layered(model: ModelConfig, route: RoutePolicy, policies: Mapping[str, ModelPolicy]) -> ModelConfig:
