@@ -180,7 +180,7 @@ prefer = st.one_of(
 SUBMIT_HEADERS = {
     "prefer": prefer,
     "x-kvgate-priority": st.one_of(st.sampled_from(["high", "low"]), header_text),
-    "x-tenant": header_text,
+    "x-kvgate-tenant": header_text,
     "x-kvgate-tokens": st.one_of(st.sampled_from(["1200", "0", "1000000000"]), header_text),
     "x-request-id": header_text,
     "content-type": st.one_of(st.just("application/json"), header_text),
@@ -244,7 +244,7 @@ def test_every_query_parameter_and_id_gets_a_defined_status(
             ),
         },
     ),
-    st.fixed_dictionaries({}, optional={"x-tenant": header_text, "x-kvgate-priority": header_text}),
+    st.fixed_dictionaries({}, optional={"x-kvgate-tenant": header_text, "x-kvgate-priority": header_text}),
 )
 def test_every_batch_parameter_and_header_gets_a_defined_status(
     port: int, params: dict[str, object], headers: dict[str, str | bytes]
@@ -266,10 +266,10 @@ def test_the_issue_20_inputs_are_answered_not_500(port: int) -> None:
     error = json.loads(listed.body)["error"]
     assert error["code"] == "invalid_request" and error["type"] == "invalid_request_error"
     assert "limit: '²' is not a whole number from 1 to 10000" in error["message"]
-    tenant = send(port, "POST", "/v1/chat/completions", [("x-tenant", b"\xb2\xff")], CHAT)
+    tenant = send(port, "POST", "/v1/chat/completions", [("x-kvgate-tenant", b"\xb2\xff")], CHAT)
     assert (
         tenant.status == 400
-        and "x-tenant header is not UTF-8 text" in json.loads(tenant.body)["error"]["message"]
+        and "x-kvgate-tenant header is not UTF-8 text" in json.loads(tenant.body)["error"]["message"]
     )
 
 

@@ -12,7 +12,7 @@ import aiohttp
 from test_queue_service import CHAT, Queue, next_call, queue, run
 from waiting import until_async
 
-from kvgate.queue.batchfile import output_files, read_lines
+from kvgate.queue.batchfile import count_problem, output_files, read_lines, requests_in
 from kvgate.queue.jobs import Job, JobError, JobResult, JobState
 
 
@@ -28,7 +28,7 @@ def jsonl(*lines: dict[str, Any]) -> bytes:
 def test_a_malformed_input_file_is_refused_with_its_line_numbers() -> None:
     content = jsonl(line("a"), line("a"), line("b", url="/v1/completions"), line("c", method="GET"))
     content += b"not json\n\n" + jsonl({"custom_id": "d", "method": "POST", "url": CHAT, "body": "x"})
-    lines, problems = read_lines(content, CHAT, max_lines=100)
+    lines, problems = read_lines(content.split(b"\n"), CHAT)
     assert [p.line for p in problems] == [2, 3, 4, 5, 7]
     assert [p.code for p in problems] == [
         "duplicate_custom_id",
@@ -38,8 +38,12 @@ def test_a_malformed_input_file_is_refused_with_its_line_numbers() -> None:
         "invalid_body",
     ]
     assert [item.custom_id for item in lines] == ["a"]
-    assert read_lines(b"\n\n", CHAT, 100)[1][0].code == "empty_file"
-    assert read_lines(jsonl(line("a"), line("b")), CHAT, 1)[1][0].code == "too_many_requests"
+    empty = count_problem(requests_in(b"\n \n".split(b"\n")), 100)
+    assert empty is not None and empty.code == "empty_file"
+    two = requests_in(jsonl(line("a"), line("b")).split(b"\n"))
+    assert count_problem(two, 2) is None
+    too_many = count_problem(two, 1)
+    assert too_many is not None and too_many.code == "too_many_requests"
 
 
 def test_output_and_error_files_follow_openais_batch_output_format() -> None:
@@ -70,15 +74,18 @@ def test_output_and_error_files_follow_openais_batch_output_format() -> None:
     assert failed[1]["error"] == {"code": "context_length_exceeded", "message": "too long"}
 
 
-async def upload(q: Queue, content: bytes, purpose: str = "batch") -> aiohttp.ClientResponse:
+async def upload(
+    q: Queue, content: bytes, purpose: str = "batch", headers: dict[str, str] | None = None
+) -> aiohttp.ClientResponse:
     form = aiohttp.FormData()
     form.add_field("purpose", purpose)
     form.add_field("file", content, filename="in.jsonl", content_type="application/jsonl")
-    return await q.client.post(q.server.make_url("/v1/files"), data=form)
+    return await q.client.post(q.server.make_url("/v1/files"), data=form, headers=headers)
 
 
 async def create(q: Queue, content: bytes, **headers: str) -> aiohttp.ClientResponse:
-    uploaded = await (await upload(q, content)).json()
+    """Upload `content` and make it a batch, both with `headers` (the same tenant's)."""
+    uploaded = await (await upload(q, content, headers=headers)).json()
     params = {"input_file_id": uploaded["id"], "endpoint": CHAT, "completion_window": "24h"}
     return await q.client.post(q.server.make_url("/v1/batches"), json=params, headers=headers)
 

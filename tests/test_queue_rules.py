@@ -27,8 +27,10 @@ from kvgate.request.shape import Api
 
 def test_the_queue_section_loads_with_defaults_bounds_and_named_errors() -> None:
     assert parse_config("").queue == QueueSettings()
-    config = parse_config("queue:\n  max_hold_s: 120\n  tenant_header: x-team\n")
-    assert (config.queue.max_hold_s, config.queue.tenant_header) == (120, "x-team")
+    config = parse_config("queue:\n  max_hold_s: 120\n  max_files_per_tenant: 7\n")
+    assert (config.queue.max_hold_s, config.queue.max_files_per_tenant) == (120, 7)
+    with pytest.raises(ConfigError, match=r"queue.tenant_header: unknown key"):
+        parse_config("queue: {tenant_header: x-tenant}\n")  # the tenant is x-kvgate-tenant, Envoy's
     with pytest.raises(ConfigError, match=r"kvgate.yaml:2: queue.max_jobs: must be >= 1, got 0"):
         parse_config("queue:\n  max_jobs: 0\n", "kvgate.yaml")
     with pytest.raises(ConfigError, match=r"queue.max_hold: unknown key"):

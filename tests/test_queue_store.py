@@ -22,6 +22,7 @@ from waiting import until_async
 from kvgate.errors import StoreError
 from kvgate.queue.batches import Batch, BatchStatus, Counts
 from kvgate.queue.batchstore import BatchStore
+from kvgate.queue.filestore import FileStore
 from kvgate.queue.jobs import JobError, JobRequest, JobResult, JobState, NewJob, new_id
 from kvgate.queue.store import CANCEL, DONE, NEW, JobStore, Limits, QueueFull
 from kvgate.queue.stores import open_database
@@ -84,9 +85,9 @@ def test_a_job_is_found_by_id_and_by_request_id_and_a_request_id_names_one_job(o
             first = await added(store, job(request_id="req-1"))
             again = await store.add(job(request_id="req-1"), ROOMY)
             assert not isinstance(again, QueueFull) and again.id == first
-            by_request = await store.get("req-1")
+            by_request = await store.get("req-1", "t")
             assert by_request is not None and by_request.id == first
-            found = await store.get(first)
+            found = await store.get(first, "t")
             assert found is not None and found.state is JobState.QUEUED and found.tokens == 1000
 
     run(scenario)
@@ -139,7 +140,7 @@ def test_a_claimed_job_carries_its_request_and_only_its_owner_records_the_result
             result = JobResult(200, "application/json", b'{"ok": true}')
             assert not await store.finish(claimed, "r2", result)
             assert await store.finish(claimed, "r1", result)
-            done = await store.get(job_id)
+            done = await store.get(job_id, "t")
             assert done is not None and done.state is JobState.SUCCEEDED and done.result == result
             assert not await store.finish(claimed, "r1", result)
 
@@ -152,7 +153,7 @@ def test_an_engine_error_answer_is_kept_and_the_job_failed(opener: Opener) -> No
             claimed = await store.claim(await added(store, job()), "r1", "n", "res", 30)
             assert claimed is not None
             await store.finish(claimed, "r1", JobResult(400, "application/json", b'{"error": {}}'))
-            done = await store.get(claimed.id)
+            done = await store.get(claimed.id, "t")
             assert done is not None and done.state is JobState.FAILED and done.result is not None
 
     run(scenario)
@@ -185,7 +186,7 @@ def test_renewing_keeps_claims_and_names_the_ones_lost(opener: Opener) -> None:
             for job_id in (kept, cancelled):
                 # Leases that end at once: only the renewal below keeps the claim.
                 assert await store.claim(job_id, "r1", "n", f"res-{job_id}", 0) is not None
-            await store.cancel(cancelled, JobError("cancelled", "by test"))
+            await store.cancel(cancelled, "t", JobError("cancelled", "by test"))
             assert await store.renew("r1", [kept, cancelled], 3600) == {cancelled}
             await asyncio.sleep(0.05)  # the database clock moves past the claims' own leases
             assert await store.recover() == []
@@ -197,15 +198,15 @@ def test_cancel_ends_a_waiting_job_and_leaves_an_ended_one_alone(opener: Opener)
     async def scenario() -> None:
         async with opened(opener) as store:
             job_id = await added(store, job())
-            cancelled = await store.cancel(job_id, JobError("cancelled", "by test"))
+            cancelled = await store.cancel(job_id, "t", JobError("cancelled", "by test"))
             assert cancelled is not None and cancelled.state is JobState.CANCELLED
             assert await store.claim(job_id, "r1", "n", "res", 30) is None
             claimed = await store.claim(await added(store, job()), "r1", "n", "res", 30)
             assert claimed is not None
             await store.finish(claimed, "r1", JobResult(200, "text/plain", b"done"))
-            ended = await store.cancel(claimed.id, JobError("cancelled", "too late"))
+            ended = await store.cancel(claimed.id, "t", JobError("cancelled", "too late"))
             assert ended is not None and ended.state is JobState.SUCCEEDED
-            assert await store.cancel("job_unknown", JobError("cancelled", "")) is None
+            assert await store.cancel("job_unknown", "t", JobError("cancelled", "")) is None
 
     run(scenario)
 
@@ -237,7 +238,7 @@ def test_store_events_announce_new_ended_and_cancelled_jobs(opener: Opener) -> N
             assert claimed is not None
             await store.finish(claimed, "r1", JobResult(200, "text/plain", b""))
             second = await added(store, job())
-            await store.cancel(second, JobError("cancelled", "by test"))
+            await store.cancel(second, "t", JobError("cancelled", "by test"))
             wanted = [NEW, DONE + first, NEW, CANCEL + second, DONE + second]
             await until_async(lambda: [e for e in heard if e in wanted] == wanted, f"the events {wanted}")
 
@@ -254,7 +255,7 @@ def test_results_older_than_their_ttl_are_deleted(opener: Opener) -> None:
             assert await store.sweep(result_ttl_s=60) == 0
             await asyncio.sleep(0.2)
             assert await store.sweep(result_ttl_s=0.1) == 1
-            assert await store.get(claimed.id) is None and await store.get(waiting) is not None
+            assert await store.get(claimed.id, "t") is None and await store.get(waiting, "t") is not None
 
     run(scenario)
 
@@ -320,11 +321,11 @@ def test_a_cancelled_batchs_waiting_lines_end_in_the_job_store_and_are_announced
         async with opened(opener) as store:
             heard: list[str] = []
             store.database.subscribe(heard.append)
-            batches = BatchStore(store.database, store)
+            batches = BatchStore(store.database, store, FileStore(store.database))
             batch, lines = batch_of(3)
             assert isinstance(await batches.create(batch, lines, ROOMY), Batch)
             assert await store.claim(lines[0].id, "r1", "n", "res", 30) is not None
-            cancelling = await batches.cancel(batch.id)
+            cancelling = await batches.cancel(batch.id, "t")
             assert cancelling is not None and cancelling.status is BatchStatus.CANCELLING
             states = [line.state for line in await batches.lines(batch.id)]
             assert states == [JobState.RUNNING, JobState.CANCELLED, JobState.CANCELLED], (
@@ -342,7 +343,7 @@ def test_expired_batch_lines_are_announced_ended(opener: Opener) -> None:
         async with opened(opener) as store:
             heard: list[str] = []
             store.database.subscribe(heard.append)
-            batches = BatchStore(store.database, store)
+            batches = BatchStore(store.database, store, FileStore(store.database))
             closed, late = batch_of(2, window_s=-1.0)
             await batches.create(closed, late, ROOMY)
             assert await store.expire() == [closed.id]
@@ -358,7 +359,7 @@ def test_a_batchs_times_and_its_lines_expiry_are_read_on_the_databases_clock(ope
 
     async def scenario() -> None:
         async with opened(opener) as store:
-            batches = BatchStore(store.database, store)
+            batches = BatchStore(store.database, store, FileStore(store.database))
             batch, lines = batch_of(2)
             behind = batch.on_clock(batch.created_at - 10 * 24 * 3600)
             created = await batches.create(behind, lines, ROOMY)
@@ -367,7 +368,7 @@ def test_a_batchs_times_and_its_lines_expiry_are_read_on_the_databases_clock(ope
             assert created.in_progress_at == created.created_at
             assert await store.expire() == []
             assert [line.state for line in await batches.lines(batch.id)] == [JobState.QUEUED] * 2
-            cancelling = await batches.cancel(batch.id)
+            cancelling = await batches.cancel(batch.id, "t")
             assert cancelling is not None and cancelling.cancelling_at is not None
             assert created.created_at <= cancelling.cancelling_at < created.created_at + 3600
 

@@ -21,9 +21,6 @@ class QueueSettings:
     # Jobs queued or running, and tokens queued, past which new work is refused with 429.
     max_jobs: int = field(default=10_000, metadata=at_least(1))
     max_tokens_waiting: int = field(default=100_000_000, metadata=at_least(1))
-    # The header naming the tenant that fair sharing is computed over (set by your auth layer).
-    tenant_header: str = "x-tenant"
-    default_tenant: str = "default"
     # Times a job is sent to an engine before it fails (an engine that drops the connection).
     max_attempts: int = field(default=3, metadata=at_least(1))
     # A replica renews its claim on running jobs every third of this; a replica that stops renewing
@@ -38,6 +35,20 @@ class QueueSettings:
     # The Batch API: largest input file, most lines in one batch (OpenAI's limits).
     max_file_bytes: int = field(default=200 * MiB, metadata=at_least(1))
     max_batch_lines: int = field(default=50_000, metadata=at_least(1))
+    # What one tenant (x-kvgate-tenant) may keep in files at once, uploads and batch outputs alike:
+    # past the count or the concurrent uploads, 429; past the bytes, 413. Batch outputs are always
+    # written (they count against later uploads). The total bounds every tenant together: size it
+    # under the store's disk (the chart's PVC is 10 GiB), leaving room for jobs.
+    max_files_per_tenant: int = field(default=500, metadata=at_least(1))
+    max_file_bytes_per_tenant: int = field(default=1024 * MiB, metadata=at_least(1))
+    max_uploads_per_tenant: int = field(default=2, metadata=at_least(1))
+    max_file_bytes_total: int = field(default=6144 * MiB, metadata=at_least(1))
+    # Files expire this long after their upload unless the upload's `expires_after` asks for less
+    # (OpenAI's default for purpose=batch, and its longest: 30 days). A batch's output and error
+    # files expire `result_ttl_s` after the batch ended, as its jobs' answers do.
+    file_ttl_s: float = field(default=30 * 24 * 3600.0, metadata=at_least(3600))
+    # An upload still unfinished this long after it began is dropped (its slot and bytes freed).
+    upload_timeout_s: float = field(default=900.0, metadata=at_least(1))
     # Longest one engine call may take.
     engine_timeout_s: float = field(default=3600.0, metadata=at_least(1))
 

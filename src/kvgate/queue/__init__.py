@@ -6,8 +6,12 @@ long-pool agent granted its KV reservation, on that node, in priority then tenan
 order. Three client contracts: held (the answer on the same connection), deferred (`Prefer:
 respond-async`: 202 and a job URL), and the OpenAI Batch API.
 
+Every file, batch and job is its tenant's (x-kvgate-tenant, set by Envoy after authentication;
+`anonymous` without one): another tenant's is not found. Files are bounded per tenant and expire.
+
 Pure modules: jobs, fairness, placement, batches, batchfile, refusals, schema. The rest do
-I/O: the store (database, sqlite_db, postgres_db, store, batchstore), the engines and agents (engines,
-runner, dispatcher, live), HTTP (app, batch_http), and the wiring (intake's estimators, settle,
-metrics, service, cli). Its settings are the `queue:` section, kvgate.config.queue.
+I/O: the store (database, sqlite_db, postgres_db, store, batchstore, filestore), the engines and
+agents (engines, runner, dispatcher, live), HTTP (app, files_http, batch_http), and the wiring
+(intake's estimators, settle, metrics, service, cli). Its settings are the `queue:` section,
+kvgate.config.queue.
 """

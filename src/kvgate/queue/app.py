@@ -6,6 +6,10 @@
                                       answer once it ended
     DELETE /v1/kvgate/jobs/{id}       cancel it
 
+A job is its tenant's (x-kvgate-tenant, `anonymous` without one): another tenant's id or request id
+is not found (404), and a request that comes with another tenant's x-request-id becomes a job of its
+own; only a job of the same tenant with that request id is attached to.
+
 Every request is committed to the store before anything is answered. A held request is answered
 with the engine's own status, headers and body (streamed as the engine streams, when the job runs on
 this replica) up to `queue.max_hold_s` after it arrived; then 429 and the job is cancelled, unless the
@@ -56,11 +60,11 @@ _NOT_FORWARDED = frozenset({"content-length", "content-encoding", "transfer-enco
 class JobsStore(Protocol):
     async def add(self, job: NewJob, limits: Limits) -> Job | QueueFull: ...
 
-    async def get(self, key: str) -> Job | None: ...
+    async def get(self, key: str, tenant: str) -> Job | None: ...
 
     async def position(self, job: Job) -> int: ...
 
-    async def cancel(self, key: str, error: JobError) -> Job | None: ...
+    async def cancel(self, key: str, tenant: str, error: JobError) -> Job | None: ...
 
 
 def prefers_async(values: Iterable[str]) -> bool:
@@ -217,8 +221,9 @@ class JobsApp:
         )
 
     async def show(self, request: web.Request) -> web.Response:
+        tenant = self._intake.tenant(request.headers)
         try:
-            job = await self._store.get(request.match_info["key"])
+            job = await self._store.get(request.match_info["key"], tenant)
             if job is None:
                 return respond(self._refusals.not_found(f"job {request.match_info['key']!r}"))
             return web.json_response(await self._described(job), headers={JOB_ID_HEADER: job.id})
@@ -227,9 +232,10 @@ class JobsApp:
 
     async def cancel(self, request: web.Request) -> web.Response:
         key = request.match_info["key"]
+        tenant = self._intake.tenant(request.headers)
         try:
             job = await self._store.cancel(
-                key, JobError("cancelled", f"Cancelled by DELETE {JOBS_PATH}/{key}.")
+                key, tenant, JobError("cancelled", f"Cancelled by DELETE {JOBS_PATH}/{key}.")
             )
         except StoreError:
             return respond(self._refusals.store_unavailable())
@@ -258,7 +264,7 @@ class JobsApp:
                         return answered
                     continue
                 try:
-                    current = await self._store.get(job.id)
+                    current = await self._store.get(job.id, job.tenant)
                 except StoreError:
                     current = job
                 if current is None:
@@ -318,7 +324,7 @@ class JobsApp:
             return web.Response(status=499)
         error = JobError(HOLD_TIMEOUT, f"Held for {self._settings.max_hold_s:g} s without a node free.")
         try:
-            current = await self._store.cancel(job.id, error)
+            current = await self._store.cancel(job.id, job.tenant, error)
         except StoreError:
             return respond(self._refusals.store_unavailable(), job.id)
         self._abort(job.id)

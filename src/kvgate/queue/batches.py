@@ -19,6 +19,17 @@ from kvgate.queue.jobs import Job, JobState
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 # OpenAI accepts only this window (`BatchCreateParams.completion_window: Literal["24h"]`).
 COMPLETION_WINDOWS = {"24h": 24 * 3600.0}
+# A file's `expires_after` (openai 3.57.0 types/file_create_params.py `ExpiresAfter`): anchor
+# `created_at`, seconds "between 3600 (1 hour) and 2592000 (30 days)".
+EXPIRY_ANCHOR = "created_at"
+MIN_EXPIRY_S = 3600
+MAX_EXPIRY_S = 2_592_000
+# A batch's `metadata` (openai 3.57.0 types/shared/metadata.py): "Set of 16 key-value pairs …
+# Keys are strings with a maximum length of 64 characters. Values are strings with a maximum
+# length of 512 characters."
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
 
 
 class BatchStatus(enum.StrEnum):
@@ -95,10 +106,44 @@ class Batch:
 @dataclass(frozen=True, slots=True)
 class StoredFile:
     id: str
+    tenant: str  # its owner: only this tenant lists, reads or deletes it
     purpose: str
     filename: str
     bytes: int
     created_at: float
+    expires_at: float | None
+
+
+def expiry_seconds(anchor: str | None, seconds: str | None, longest_s: float) -> float | str:
+    """How long an upload is kept: its `expires_after` within OpenAI's bounds, and no longer than
+    `longest_s` (queue.file_ttl_s, also what it gets without one); or what is wrong with it."""
+    if anchor is None and seconds is None:
+        return longest_s
+    if anchor != EXPIRY_ANCHOR:
+        return f"expires_after[anchor] must be {EXPIRY_ANCHOR!r}, got {_shown(anchor)}."
+    if seconds is None or not seconds.isascii() or not seconds.isdigit():
+        return f"expires_after[seconds] must be a whole number of seconds, got {_shown(seconds)}."
+    if not MIN_EXPIRY_S <= int(seconds) <= MAX_EXPIRY_S:
+        return f"expires_after[seconds] must be from {MIN_EXPIRY_S} to {MAX_EXPIRY_S}, got {int(seconds)}."
+    return min(float(seconds), longest_s)
+
+
+def metadata_problem(metadata: object) -> str | None:
+    """What is wrong with a batch's `metadata`, by OpenAI's rule; None when nothing is."""
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        return "metadata must be an object of strings."
+    if len(metadata) > MAX_METADATA_PAIRS:
+        return f"metadata holds at most {MAX_METADATA_PAIRS} pairs."
+    if any(len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE for k, v in metadata.items()):
+        return f"metadata keys are at most {MAX_METADATA_KEY} characters, values {MAX_METADATA_VALUE}."
+    return None
+
+
+def _shown(value: str | None) -> str:
+    """A client's value in a message, cut short."""
+    return repr(value if value is None or len(value) <= 40 else value[:40] + "…")
 
 
 def settlement(batch: Batch, lines: Sequence[Job]) -> tuple[BatchStatus, Counts]:
@@ -153,7 +198,7 @@ def file_json(stored: StoredFile) -> dict[str, Any]:
         "filename": stored.filename,
         "purpose": stored.purpose,
         "status": "processed",
-        "expires_at": None,
+        "expires_at": _int(stored.expires_at),
         "status_details": None,
     }
 

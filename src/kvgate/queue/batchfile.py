@@ -2,16 +2,20 @@
 
 Input: one request per line, `{"custom_id", "method": "POST", "url", "body"}`, every `url` the batch's
 endpoint, custom ids unique. A malformed line fails the whole batch at validation, with the line
-number, as OpenAI's does. Output: one line per request that got a 2xx answer; the error file: one per
-request that got any other answer (`response` set) or none (`error` set: refused at admission,
-bigger than every node, expired, cancelled).
+number, as OpenAI's does. The file arrives in chunks (LineSplitter cuts them into lines, never
+holding more than one line and one chunk), and its lines are counted before any is parsed: a file
+with too many fails without being read into memory.
+
+Output: one line per request that got a 2xx answer; the error file: one per request that got any
+other answer (`response` set) or none (`error` set: refused at admission, bigger than every node,
+expired, cancelled).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvgate.queue.jobs import Job, JobState, body_json
@@ -34,40 +38,70 @@ class LineProblem:
         return {"code": self.code, "message": self.message, "param": None, "line": self.line}
 
 
-def read_lines(content: bytes, endpoint: str, max_lines: int) -> tuple[list[BatchLine], list[LineProblem]]:
-    """The requests of an input file, or the problems that make it invalid (first 20)."""
-    lines: list[BatchLine] = []
+@dataclass(slots=True)
+class LineSplitter:
+    """Cuts a file's chunks into its lines at each newline (JSON Lines: jsonlines.org; a `\r` before
+    it is whitespace to JSON). A line split across chunks is joined once, when it ends."""
+
+    _pending: list[bytes] = field(default_factory=list)
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """The lines `chunk` ends."""
+        pieces = chunk.split(b"\n")
+        if len(pieces) == 1:
+            self._pending.append(chunk)
+            return []
+        first = b"".join([*self._pending, pieces[0]])
+        self._pending = [pieces[-1]]
+        return [first, *pieces[1:-1]]
+
+    def end(self) -> list[bytes]:
+        """The last line, when the file does not end with a newline."""
+        last = b"".join(self._pending)
+        self._pending = []
+        return [last] if last else []
+
+
+def requests_in(lines: Iterable[bytes]) -> int:
+    """How many requests these lines hold (lines that are not blank), without parsing any."""
+    return sum(1 for raw in lines if raw.strip())
+
+
+def count_problem(requests: int, max_lines: int) -> LineProblem | None:
+    """Why a file of `requests` lines cannot be a batch (read before any line is parsed)."""
+    if requests == 0:
+        return LineProblem(None, "empty_file", "The input file has no requests.")
+    if requests > max_lines:
+        message = f"The input file has {requests} requests; a batch takes at most {max_lines}."
+        return LineProblem(None, "too_many_requests", message)
+    return None
+
+
+def read_lines(lines: Iterable[bytes], endpoint: str) -> tuple[list[BatchLine], list[LineProblem]]:
+    """The requests of an input file's lines, or the problems that make it invalid (first 20)."""
+    requests: list[BatchLine] = []
     problems: list[LineProblem] = []
     seen: set[str] = set()
-    try:
-        text = content.decode("utf-8")
-    except UnicodeDecodeError:
-        return [], [LineProblem(None, "invalid_file_format", "The input file is not UTF-8 text.")]
-    numbered = [(n, raw) for n, raw in enumerate(text.splitlines(), 1) if raw.strip()]
-    if not numbered:
-        return [], [LineProblem(None, "empty_file", "The input file has no requests.")]
-    if len(numbered) > max_lines:
-        return [], [
-            LineProblem(
-                None,
-                "too_many_requests",
-                f"The input file has {len(numbered)} requests; a batch takes at most {max_lines}.",
-            )
-        ]
-    for number, raw in numbered:
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
         problem = _check(number, raw, endpoint, seen)
         if isinstance(problem, LineProblem):
             problems.append(problem)
             if len(problems) >= 20:
                 break
         else:
-            lines.append(problem)
-    return lines, problems
+            requests.append(problem)
+    return requests, problems
 
 
-def _check(number: int, raw: str, endpoint: str, seen: set[str]) -> BatchLine | LineProblem:
+def _check(number: int, raw: bytes, endpoint: str, seen: set[str]) -> BatchLine | LineProblem:
     try:
-        request = json.loads(raw)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return LineProblem(number, "invalid_file_format", f"Line {number} is not UTF-8 text.")
+    try:
+        request = json.loads(text)
     except ValueError:
         return LineProblem(number, "invalid_json_line", f"Line {number} is not valid JSON.")
     if not isinstance(request, dict):
@@ -76,7 +110,8 @@ def _check(number: int, raw: str, endpoint: str, seen: set[str]) -> BatchLine | 
     if not isinstance(custom_id, str) or not custom_id:
         return LineProblem(number, "missing_required_parameter", f"Line {number} has no custom_id.")
     if custom_id in seen:
-        return LineProblem(number, "duplicate_custom_id", f"Line {number} repeats custom_id {custom_id!r}.")
+        message = f"Line {number} repeats custom_id {_shown(custom_id)}."
+        return LineProblem(number, "duplicate_custom_id", message)
     seen.add(custom_id)
     if str(request.get("method", "")).upper() != "POST":
         return LineProblem(number, "invalid_method", f"Line {number}: method must be POST.")
@@ -84,7 +119,7 @@ def _check(number: int, raw: str, endpoint: str, seen: set[str]) -> BatchLine | 
         return LineProblem(
             number,
             "mismatched_url",
-            f"Line {number}: url {request.get('url')!r} is not the batch's {endpoint}.",
+            f"Line {number}: url {_shown(request.get('url'))} is not the batch's {endpoint}.",
         )
     body = request.get("body")
     if not isinstance(body, dict):
@@ -115,6 +150,12 @@ def output_files(jobs: Iterable[Job]) -> tuple[bytes, bytes]:
         target = output if job.state is JobState.SUCCEEDED else errors
         target.append(json.dumps(record).encode())
     return _jsonl(output), _jsonl(errors)
+
+
+def _shown(value: object) -> str:
+    """A client's value in a problem's message, cut short (the messages are kept with the batch)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:80] + "…"
 
 
 def _jsonl(records: list[bytes]) -> bytes:

@@ -1,10 +1,12 @@
-"""Files and batches in the store, beside the jobs their lines become (written by the JobStore).
+"""Batches in the store, beside the jobs their lines become (written by the JobStore) and the files
+they read and write (the FileStore).
 
 A batch and all its lines are committed in one transaction (within the queue's bounds, or not at
 all). It is settled once none of its lines is queued or running: its output and error files are
 written and its status set in one transaction, by whichever replica gets there first (the status
-update is conditional). A batch's times are read on the database's clock, the one its lines' expiry
-is compared on.
+update is conditional); those files belong to the batch's tenant and expire with its jobs' answers.
+A batch's times are read on the database's clock, the one its lines' expiry is compared on. What a
+client asks (get, list, cancel) is asked within its tenant: another tenant's batch is not found.
 """
 
 from __future__ import annotations
@@ -14,63 +16,27 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from kvgate.queue.batches import OPEN, Batch, BatchStatus, Counts, StoredFile, encode_metadata
-from kvgate.queue.database import Database, Row, Tx, literal, literals
+from kvgate.queue.batches import ENDED, OPEN, Batch, BatchStatus, Counts, StoredFile, encode_metadata
+from kvgate.queue.database import Database, Row, Tx, literal, literals, owned_page
+from kvgate.queue.filestore import FileStore
 from kvgate.queue.jobs import ACTIVE, Job, JobState, NewJob
 from kvgate.queue.store import JOB_COLUMNS, JobStore, Limits, QueueFull, job_from_row
 
-_FILE_COLUMNS = "id, purpose, filename, bytes, created_at"
 _BATCH_COLUMNS = (
     "id, status, endpoint, input_file_id, completion_window, tenant, created_at, expires_at, total, "
     "completed, failed, metadata, errors, output_file_id, error_file_id, in_progress_at, finalizing_at, "
     "completed_at, failed_at, expired_at, cancelling_at, cancelled_at"
 )
 _OPEN_SQL = literals(OPEN)
+_ENDED_SQL = literals(ENDED)
 _ACTIVE_JOBS = literals(ACTIVE)
 
 
 class BatchStore:
-    def __init__(self, database: Database, jobs: JobStore) -> None:
+    def __init__(self, database: Database, jobs: JobStore, files: FileStore) -> None:
         self._database = database
         self._jobs = jobs
-
-    async def put_file(self, stored: StoredFile, content: bytes) -> None:
-        async with self._database.transaction() as tx:
-            await tx.execute(
-                f"INSERT INTO kvgate_files ({_FILE_COLUMNS}, content) VALUES (?, ?, ?, ?, ?, ?)",
-                (stored.id, stored.purpose, stored.filename, stored.bytes, stored.created_at, content),
-            )
-
-    async def file(self, file_id: str) -> StoredFile | None:
-        async with self._database.transaction() as tx:
-            rows = await tx.execute(f"SELECT {_FILE_COLUMNS} FROM kvgate_files WHERE id = ?", (file_id,))
-        return _file(rows[0]) if rows else None
-
-    async def content(self, file_id: str) -> bytes | None:
-        async with self._database.transaction() as tx:
-            rows = await tx.execute("SELECT content FROM kvgate_files WHERE id = ?", (file_id,))
-        return bytes(rows[0][0]) if rows else None
-
-    async def files(
-        self, purpose: str | None, after: str | None, limit: int
-    ) -> tuple[list[StoredFile], bool]:
-        """Newest first, after the cursor `after`; and whether there are more."""
-        where, params = _after("kvgate_files", after)
-        if purpose is not None:
-            where += " AND purpose = ?"
-            params.append(purpose)
-        async with self._database.transaction() as tx:
-            rows = await tx.execute(
-                f"SELECT {_FILE_COLUMNS} FROM kvgate_files WHERE {where} ORDER BY created_at DESC, id DESC "
-                "LIMIT ?",
-                (*params, limit + 1),
-            )
-        return [_file(row) for row in rows[:limit]], len(rows) > limit
-
-    async def delete_file(self, file_id: str) -> bool:
-        async with self._database.transaction() as tx:
-            rows = await tx.execute("DELETE FROM kvgate_files WHERE id = ? RETURNING id", (file_id,))
-        return bool(rows)
+        self._files = files
 
     async def create(self, batch: Batch, lines: Sequence[NewJob], limits: Limits) -> Batch | QueueFull:
         """Commit `batch` and its lines, or the bound they would pass. The batch's times move onto the
@@ -89,9 +55,14 @@ class BatchStore:
             )
         return batch
 
-    async def batch(self, batch_id: str) -> Batch | None:
+    async def batch(self, batch_id: str, tenant: str | None) -> Batch | None:
+        """The batch, if `tenant`'s (None: whoever's, for the queue's own housekeeping)."""
+        where, params = "id = ?", [batch_id]
+        if tenant is not None:
+            where += " AND tenant = ?"
+            params.append(tenant)
         async with self._database.transaction() as tx:
-            rows = await tx.execute(f"SELECT {_BATCH_COLUMNS} FROM kvgate_batches WHERE id = ?", (batch_id,))
+            rows = await tx.execute(f"SELECT {_BATCH_COLUMNS} FROM kvgate_batches WHERE {where}", params)
             if not rows:
                 return None
             found = _batch(rows[0])
@@ -99,8 +70,9 @@ class BatchStore:
                 found = found.with_counts(await self._live_counts(tx, found))
         return found
 
-    async def batches(self, after: str | None, limit: int) -> tuple[list[Batch], bool]:
-        where, params = _after("kvgate_batches", after)
+    async def batches(self, tenant: str, after: str | None, limit: int) -> tuple[list[Batch], bool]:
+        """`tenant`'s batches, newest first, after the cursor `after`; and whether there are more."""
+        where, params = owned_page("kvgate_batches", tenant, after)
         async with self._database.transaction() as tx:
             rows = await tx.execute(
                 f"SELECT {_BATCH_COLUMNS} FROM kvgate_batches WHERE {where} "
@@ -111,18 +83,20 @@ class BatchStore:
             found = [b.with_counts(await self._live_counts(tx, b)) if b.status in OPEN else b for b in found]
         return found, len(rows) > limit
 
-    async def cancel(self, batch_id: str) -> Batch | None:
-        """Stop an open batch: its queued lines are cancelled, running ones finish; settled later."""
+    async def cancel(self, batch_id: str, tenant: str) -> Batch | None:
+        """Stop `tenant`'s open batch: its queued lines are cancelled, running ones finish; settled
+        later. The batch as it is now (None: unknown to this tenant)."""
         async with self._database.transaction() as tx:
             rows = await tx.execute(
                 f"UPDATE kvgate_batches SET status = {literal(BatchStatus.CANCELLING)}, "
                 f"cancelling_at = {self._database.now_sql} "
-                f"WHERE id = ? AND status IN {_OPEN_SQL} AND cancelling_at IS NULL RETURNING id",
-                (batch_id,),
+                f"WHERE id = ? AND tenant = ? AND status IN {_OPEN_SQL} AND cancelling_at IS NULL "
+                "RETURNING id",
+                (batch_id, tenant),
             )
             if rows:
                 await self._jobs.cancel_batch(tx, batch_id)
-        return await self.batch(batch_id)
+        return await self.batch(batch_id, tenant)
 
     async def settled(self) -> list[str]:
         """Open batches none of whose lines is queued or running any more."""
@@ -147,8 +121,11 @@ class BatchStore:
         counts: Counts,
         output: tuple[StoredFile, bytes] | None,
         errors: tuple[StoredFile, bytes] | None,
+        *,
+        files_ttl_s: float,
     ) -> bool:
-        """Settle `batch` with its output and error files; False if another replica settled it first."""
+        """Settle `batch` with its output and error files, which expire `files_ttl_s` after it ended;
+        False if another replica settled it first."""
         ended_column = {
             BatchStatus.COMPLETED: "completed_at",
             BatchStatus.CANCELLED: "cancelled_at",
@@ -174,11 +151,21 @@ class BatchStore:
             if not rows:
                 return False
             for stored, content in (f for f in (output, errors) if f is not None):
-                await tx.execute(
-                    f"INSERT INTO kvgate_files ({_FILE_COLUMNS}, content) VALUES (?, ?, ?, ?, ?, ?)",
-                    (stored.id, stored.purpose, stored.filename, stored.bytes, stored.created_at, content),
-                )
+                stamped = dataclasses.replace(stored, created_at=now, expires_at=now + files_ttl_s)
+                await self._files.put(tx, stamped, content)
         return True
+
+    async def sweep(self, kept_s: float) -> int:
+        """Delete batches that ended more than `kept_s` ago (their lines go with the JobStore's sweep,
+        their files with their own expiry); how many."""
+        async with self._database.transaction() as tx:
+            rows = await tx.execute(
+                f"DELETE FROM kvgate_batches WHERE status IN {_ENDED_SQL} AND coalesce(completed_at, "
+                f"failed_at, expired_at, cancelled_at, created_at) < {self._database.now_sql} - ? "
+                "RETURNING id",
+                (kept_s,),
+            )
+        return len(rows)
 
     async def _now(self, tx: Tx) -> float:
         """The database's clock, read once for times that must agree."""
@@ -193,19 +180,6 @@ class BatchStore:
         completed = by_state.get(JobState.SUCCEEDED, 0)
         ended = sum(n for state, n in by_state.items() if state not in ACTIVE)
         return Counts(batch.counts.total, completed, ended - completed)
-
-
-def _after(table: str, after: str | None) -> tuple[str, list[object]]:
-    if after is None:
-        return "1 = 1", []
-    return (
-        f"(created_at, id) < (SELECT created_at, id FROM {table} WHERE id = ?)",
-        [after],
-    )
-
-
-def _file(row: Row) -> StoredFile:
-    return StoredFile(row[0], row[1], row[2], int(row[3]), float(row[4]))
 
 
 def _batch_row(batch: Batch) -> tuple[object, ...]:

@@ -1,4 +1,12 @@
-"""`kvgate queue`: the async pool's upstream, a durable queue that runs jobs as nodes free up."""
+"""`kvgate queue`: the async pool's upstream, a durable queue that runs jobs as nodes free up.
+
+The store's URL may hold a secret (PostgreSQL's password), so it is read from an environment
+variable (KVGATE_QUEUE_STORE, or the one `--store-env` names) or a file (`--store-file`, e.g. a
+mounted Secret), and shown only redacted. `--store` takes it on the command line only without a
+password: argv is anyone's to read on the machine (/proc/PID/cmdline is world-readable, and the
+container runtime keeps it in the container's config), where a process's environment is readable
+only by its own user and root (/proc/PID/environ, mode 0400).
+"""
 
 from __future__ import annotations
 
@@ -9,12 +17,15 @@ import os
 import secrets
 import signal
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 
 from kvgate.config import Config, load_config
 from kvgate.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+STORE_ENV = "KVGATE_QUEUE_STORE"
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -31,12 +42,20 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         ),
     )
     parser.add_argument("--listen", default="127.0.0.1:8003", help="HOST:PORT to serve HTTP on")
-    parser.add_argument(
+    store = parser.add_mutually_exclusive_group()
+    store.add_argument(
         "--store",
-        required=True,
         metavar="URL",
-        help="sqlite:///PATH (one replica) or postgresql://USER@HOST:PORT/DB (several replicas)",
+        help="sqlite:///PATH (one replica) or postgresql://USER@HOST:PORT/DB (several replicas); a URL "
+        "with a password is refused here: use the environment or --store-file",
     )
+    store.add_argument(
+        "--store-env",
+        metavar="NAME",
+        help=f"the environment variable holding the store URL (default: {STORE_ENV}, read when no "
+        "other --store* flag is given)",
+    )
+    store.add_argument("--store-file", type=Path, metavar="PATH", help="a file holding the store URL")
     parser.add_argument("--config", type=Path, help="the kvgate YAML file: headroom agents, models, queue")
     parser.add_argument(
         "--tokenizer", type=Path, help="tokenizer of the default model entry (estimates batch lines)"
@@ -68,16 +87,47 @@ def resolve_config(args: argparse.Namespace) -> Config:
     return config
 
 
+def store_url(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
+    """The store URL from the one place the flags name; ConfigError (never showing the URL's
+    password) when it is missing, or is given in argv with a password."""
+    from kvgate.queue.stores import holds_password
+
+    if args.store is not None:
+        if holds_password(args.store):
+            raise ConfigError(
+                f"--store: the URL holds a password, and argv is readable by every user of the machine; "
+                f"put the URL in the environment ({STORE_ENV}, or --store-env NAME) or a file (--store-file)"
+            )
+        return str(args.store)
+    if args.store_file is not None:
+        try:
+            url = args.store_file.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"--store-file {args.store_file}: {exc.strerror}") from None
+        if not url:
+            raise ConfigError(f"--store-file {args.store_file} is empty")
+        return str(url)
+    name = args.store_env or STORE_ENV
+    url = environ.get(name, "").strip()
+    if not url:
+        raise ConfigError(
+            f"no store: set {name} to sqlite:///PATH or postgresql://…, or pass --store-file PATH or "
+            "--store URL"
+        )
+    return url
+
+
 def run(args: argparse.Namespace) -> int:
     import uvloop
 
     from kvgate.addresses import split_host_port
 
     config = resolve_config(args)
+    store = store_url(args, os.environ)
     host, port = split_host_port(args.listen, "--listen")
     replica = args.replica_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
     metrics_listen = None if args.metrics_listen == "off" else args.metrics_listen
-    return uvloop.run(_serve(config, args.store, replica, (host, port), metrics_listen))
+    return uvloop.run(_serve(config, store, replica, (host, port), metrics_listen))
 
 
 async def _serve(
@@ -87,6 +137,7 @@ async def _serve(
 
     from kvgate.errors import StoreError
     from kvgate.queue.service import QueueService
+    from kvgate.queue.stores import redacted
     from kvgate.telemetry import start_prometheus
 
     stop = asyncio.Event()
@@ -95,6 +146,7 @@ async def _serve(
         loop.add_signal_handler(signum, stop.set)
     start_prometheus(metrics_listen)
     service = QueueService(config, store, replica)
+    log.info("queue %s opening its store %s", replica, redacted(store))
     try:
         await service.start()
     except StoreError as error:
@@ -104,7 +156,9 @@ async def _serve(
     await runner.setup()
     try:
         await web.TCPSite(runner, address[0], address[1]).start()
-        log.info("queue %s serving on http://%s:%d (store %s)", replica, address[0], address[1], store)
+        log.info(
+            "queue %s serving on http://%s:%d (store %s)", replica, address[0], address[1], redacted(store)
+        )
         stopping = asyncio.ensure_future(stop.wait())
         failing = asyncio.ensure_future(service.failed.wait())
         await asyncio.wait({stopping, failing}, return_when=asyncio.FIRST_COMPLETED)

@@ -46,7 +46,11 @@ class Database(Protocol):
     def subscribe(self, listener: Listener) -> None: ...
 
     async def start(self) -> None:
-        """Connect, create the tables if missing, start listening."""
+        """Connect, create the tables if missing (or bring an older store's up to date: schema.plan),
+        start listening."""
+
+    async def reclaim(self) -> None:
+        """Give back the disk that deleted rows held, where the database does not do it by itself."""
 
     async def close(self) -> None: ...
 
@@ -57,6 +61,18 @@ def literal(value: StrEnum) -> str:
     text = str(value.value)
     assert text.isidentifier(), f"{text!r} is not a plain word"
     return f"'{text}'"
+
+
+def owned_page(table: str, tenant: str, after: str | None) -> tuple[str, list[object]]:
+    """The WHERE clause and its parameters of a list page: `tenant`'s rows, past the cursor `after`
+    (a row id; one of another tenant's ids reads as none, leaving the page empty). `table` is one
+    of the store's own table names, never client input."""
+    if after is None:
+        return "tenant = ?", [tenant]
+    return (
+        f"tenant = ? AND (created_at, id) < (SELECT created_at, id FROM {table} WHERE id = ? AND tenant = ?)",
+        [tenant, after, tenant],
+    )
 
 
 def literals(values: Iterable[StrEnum]) -> str:

@@ -1,11 +1,17 @@
 """What the queue learns of a request before it becomes a job: its tokens, model, stream flag,
 priority and tenant.
 
-A request the gate routed here carries the gate's estimate in `x-kvgate-tokens` (Envoy strips any
-client copy at its edge, so the queue trusts it); the queue still parses the body for the model and
-`stream`. A request without it, and every Batch API line (they never pass the gate), is parsed and
-estimated exactly as the gate does, with the same model entries, and one the gate would refuse with
-413 is refused the same way. Synchronous and CPU-bound: the HTTP layer runs it on a thread.
+Every request, and every Batch API line, is parsed and estimated exactly as the gate does, with the
+same model entries, and one the gate would refuse with 413 is refused the same way. A request the
+gate routed here also carries the gate's estimate in `x-kvgate-tokens` (which may be larger: the
+route's policy is the gate's to apply); the job reserves the larger of the two. The header is never
+trusted to shrink a job: Envoy strips a client's copy at its edge, but a caller that reaches the
+queue directly could send `x-kvgate-tokens: 1` (issue 27). Synchronous and CPU-bound: the HTTP layer
+runs it on a thread.
+
+Tenant and priority are Envoy's (`x-kvgate-tenant`, `x-kvgate-priority`: set after it authenticated
+the request, a client's copies removed at the edge) and forwarded by the gate; an absent tenant is
+`anonymous`, and the priority rank is kvgate.policy.priority's rule, the gate's.
 """
 
 from __future__ import annotations
@@ -19,10 +25,16 @@ from kvgate.config.routekeys import MAX_TOKENS
 from kvgate.digits import whole_number
 from kvgate.errors import InvalidRequestError, RequestError
 from kvgate.estimate import Estimator, PromptCosts, local_estimator
+from kvgate.names import ANONYMOUS_TENANT, TENANT_HEADER
 from kvgate.policy import Reason, Refusal, decide, thresholds
 from kvgate.policy.models import ModelMatcher
+from kvgate.policy.priority import Priorities, read_priority
 from kvgate.policy.refusals import refusal_for
 from kvgate.request import Api, ParseLimits, api_for_path, decompress, parse_body
+
+# A tenant name longer than this is refused (400): it is stored with every job and file, and is a
+# metric label.
+MAX_TENANT_CHARS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,23 +55,26 @@ class Intake:
         # Open every tokenizer now: a missing file stops start-up, not a request.
         for model in (config.default_model, *config.models):
             self._estimator(model)
-        ranks = {name: rank for rank, name in enumerate(config.admission.priorities)}
-        self._ranks = ranks
-        self._default_rank = ranks[config.admission.default_priority]
+        self._priorities = Priorities(config.admission.priorities, config.admission.default_priority)
 
     def priority(self, headers: Mapping[str, str]) -> int:
-        value = headers.get(self._config.admission.priority_header, "").strip().lower()
-        return self._ranks.get(value, self._default_rank)
+        """The rank of the priority the gate forwarded (the default's when there is none)."""
+        return self._priorities.rank(read_priority(headers.get(self._config.admission.priority_header)))
 
     def tenant(self, headers: Mapping[str, str]) -> str:
-        """The tenant header's value, or the default tenant; InvalidRequestError when it is not text."""
-        tenant = text_header(headers, self._config.queue.tenant_header) or ""
-        return tenant.strip() or self._config.queue.default_tenant
+        """Whose the request is: x-kvgate-tenant, or `anonymous` when absent or blank;
+        InvalidRequestError (400) when it is not text or longer than MAX_TENANT_CHARS."""
+        tenant = (text_header(headers, TENANT_HEADER) or "").strip()
+        if len(tenant) > MAX_TENANT_CHARS:
+            message = f"The {TENANT_HEADER} header is longer than {MAX_TENANT_CHARS} characters."
+            raise InvalidRequestError(message)
+        return tenant or ANONYMOUS_TENANT
 
     def assess(
         self, path: str, body: bytes, gate_tokens: str | None, content_encoding: str | None = None
     ) -> Assessed | Refusal:
-        """`gate_tokens`: the request's x-kvgate-tokens header, if any."""
+        """`gate_tokens`: the request's x-kvgate-tokens header, if any: the job reserves the larger of
+        it and the queue's own estimate."""
         api = api_for_path(path)
         if api is None:
             return Refusal(Reason.UNKNOWN_PATH, f"{path} is not an inference API the queue runs.")
@@ -71,15 +86,14 @@ class Intake:
             shape = parse_body(api, data, self._limits)
         except RequestError as error:
             return refusal_for(error)
-        # The gate's own header; anything that does not read as a count is estimated here instead.
-        tokens = whole_number(gate_tokens, minimum=1, maximum=MAX_TOKENS)
-        if tokens is None:
-            model = self._models.lookup(shape.model)
-            estimate = self._estimator(model).estimate_sync(shape, thresholds(model))
-            decision = decide(estimate.prompt_tokens, estimate.output_tokens, model)
-            if isinstance(decision, Refusal):
-                return decision
-            tokens = decision.tokens
+        model = self._models.lookup(shape.model)
+        estimate = self._estimator(model).estimate_sync(shape, thresholds(model))
+        decision = decide(estimate.prompt_tokens, estimate.output_tokens, model)
+        if isinstance(decision, Refusal):
+            return decision
+        # The gate's header can only add (its route may allow more output); one that does not read as
+        # a count is ignored.
+        tokens = max(decision.tokens, whole_number(gate_tokens, minimum=1, maximum=MAX_TOKENS) or 0)
         return Assessed(api, tokens, shape.model, shape.stream, data)
 
     def _estimator(self, model: ModelConfig) -> Estimator:

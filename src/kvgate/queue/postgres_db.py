@@ -86,12 +86,19 @@ class PostgresDatabase:
     async def start(self) -> None:
         async with self.transaction() as tx:
             await tx.execute(f"SELECT pg_advisory_xact_lock({_SCHEMA_LOCK})")
-            for statement in schema.statements("BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY", "BYTEA"):
+            await tx.execute(schema.VERSION_TABLE)
+            ((version,),) = await tx.execute(schema.READ_VERSION)
+            tables = {row[0] for row in await tx.execute(schema.POSTGRESQL.tables_sql)}
+            for statement in schema.plan(schema.POSTGRESQL, version, tables):
                 await tx.execute(statement)
         self._listening = asyncio.create_task(self._listen(), name="kvgate-queue-listen")
         # Changes made after start() returns must reach this replica's listeners.
         async with asyncio.timeout(self._timeout_s):
             await self._heard.wait()
+
+    async def reclaim(self) -> None:
+        """Nothing to do: PostgreSQL's autovacuum reuses what deletes left (VACUUM cannot run inside a
+        transaction, and VACUUM FULL would lock the tables)."""
 
     async def close(self) -> None:
         if self._listening is not None:

@@ -5,7 +5,8 @@ Store events reach the parts that care: a new or requeued job wakes the dispatch
 wakes the held requests waiting on it, a cancelled one cuts its engine call if it runs here.
 Housekeeping, every second or so: requeue jobs whose claim lease ran out (another replica died),
 expire batch lines past their window, settle batches, refresh the metrics' figures, and now and
-then delete results older than `queue.result_ttl_s`.
+then sweep: results older than `queue.result_ttl_s`, expired files and uploads past
+`queue.upload_timeout_s`, batches ended long ago; then give the disk back (SQLite).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from kvgate.queue.batchstore import BatchStore
 from kvgate.queue.database import RESYNC
 from kvgate.queue.dispatcher import Dispatcher, HeadroomSource
 from kvgate.queue.engines import HttpEngines
+from kvgate.queue.files_http import FilesApi
+from kvgate.queue.filestore import FileStore
 from kvgate.queue.intake import Intake
 from kvgate.queue.jobs import Job
 from kvgate.queue.live import LiveRuns, Signals
@@ -83,9 +86,13 @@ class QueueService:
         settings = config.queue
         database = open_database(self._store_url)
         self.jobs = JobStore(database)
-        self.batches = BatchStore(database, self.jobs)
+        self.files = FileStore(database)
+        self.batches = BatchStore(database, self.jobs, self.files)
         self._database = database
         leftovers = await self.jobs.start()
+        if database.exclusive:
+            # Uploads this store shows as running were a dead process's.
+            await self.files.sweep(upload_timeout_s=0)
         if self._source is None:
             # The queue renews its reservations while a job runs: a short lease is what a crash leaves.
             # No client waits on its Reserve the way one waits on the gate's, and a Release that times
@@ -100,6 +107,8 @@ class QueueService:
                 headroom,
                 subscriber=f"kvgate-queue:{self.replica}",
                 security=ChannelSecurity(agents_tls) if agents_tls.enabled else None,
+                # One holder for every replica: any of them releases what a dead one left running.
+                holder="kvgate-queue",
             )
             await self._view.start()
             self._source = self._view
@@ -127,7 +136,7 @@ class QueueService:
             on_dispatch=self._dispatched,
             clock=self._clock,
         )
-        self.settler = Settler(self.batches)
+        self.settler = Settler(self.batches, settings.result_ttl_s)
         intake = Intake(config)
         refusals = QueueRefusals(config)
         self._jobs_app = JobsApp(
@@ -142,9 +151,12 @@ class QueueService:
             metrics=self.metrics,
             executor=self._executor,
         )
+        self._files_api = FilesApi(config=config, files=self.files, intake=intake, refusals=refusals)
         self._batch_api = BatchApi(
             config=config,
             batches=self.batches,
+            files=self.files,
+            jobs=self.jobs,
             settler=self.settler,
             intake=intake,
             nodes=source.snapshot,
@@ -165,6 +177,7 @@ class QueueService:
             client_max_size=self.config.request.max_body_bytes, middlewares=[self._batch_api.store_errors]
         )
         app.router.add_get("/health", self._health)
+        self._files_api.add_routes(app)
         self._batch_api.add_routes(app)
         self._jobs_app.add_routes(app)
         return app
@@ -261,6 +274,16 @@ class QueueService:
                     await self.settler.settle_all()
                 if now >= due["sweep"]:
                     due["sweep"] = now + _SWEEP_S
-                    await self.jobs.sweep(settings.result_ttl_s)
+                    await self.sweep()
             except StoreError as error:
                 log.warning("housekeeping: %s", error)
+
+    async def sweep(self) -> None:
+        """Delete what has been kept long enough, then give the disk it held back."""
+        settings = self.config.queue
+        await self.jobs.sweep(settings.result_ttl_s)
+        await self.files.sweep(settings.upload_timeout_s)
+        # A batch outlives every file it may name (its input expires within file_ttl_s, its output
+        # within result_ttl_s), so that its ids stay meaningful while they may be asked for.
+        await self.batches.sweep(max(settings.file_ttl_s, settings.result_ttl_s))
+        await self._database.reclaim()

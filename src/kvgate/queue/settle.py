@@ -1,5 +1,6 @@
 """Settling batches: once none of a batch's lines is queued or running, write its output and error
-files and give it its final status (completed, expired or cancelled).
+files (its tenant's, kept `queue.result_ttl_s` like its jobs' answers) and give it its final status
+(completed, expired or cancelled).
 
 Called when one of its lines ends on this replica, after a cancel, and now and then for every open
 batch (lines that ended on another replica, expiry); the store makes sure only one replica settles.
@@ -19,12 +20,13 @@ log = logging.getLogger(__name__)
 
 
 class Settler:
-    def __init__(self, batches: BatchStore) -> None:
+    def __init__(self, batches: BatchStore, files_ttl_s: float) -> None:
         self._batches = batches
+        self._files_ttl_s = files_ttl_s
 
     async def settle(self, batch_id: str) -> Batch | None:
         """Settle the batch if all its lines ended; the batch as it is now."""
-        batch = await self._batches.batch(batch_id)
+        batch = await self._batches.batch(batch_id, None)
         if batch is None or batch.status not in OPEN:
             return batch
         lines = await self._batches.lines(batch_id)
@@ -32,17 +34,27 @@ class Settler:
             return batch
         status, counts = settlement(batch, lines)
         output, errors = output_files(lines)
+        # Stamped on the database's clock as they are written (BatchStore.finish).
         now = time.time()
         files = [
             (
-                StoredFile(new_id("file-"), "batch_output", f"{batch.id}_{kind}.jsonl", len(content), now),
+                StoredFile(
+                    new_id("file-"),
+                    batch.tenant,
+                    "batch_output",
+                    f"{batch.id}_{kind}.jsonl",
+                    len(content),
+                    now,
+                    None,
+                ),
                 content,
             )
             if content
             else None
             for kind, content in (("output", output), ("error", errors))
         ]
-        if await self._batches.finish(batch, status, counts, files[0], files[1]):
+        ttl_s = self._files_ttl_s
+        if await self._batches.finish(batch, status, counts, files[0], files[1], files_ttl_s=ttl_s):
             log.info(
                 "batch %s %s: %d completed, %d failed",
                 batch.id,
@@ -50,7 +62,7 @@ class Settler:
                 counts.completed,
                 counts.failed,
             )
-        return await self._batches.batch(batch_id)
+        return await self._batches.batch(batch_id, None)
 
     async def settle_all(self) -> None:
         for batch_id in await self._batches.settled():

@@ -4,6 +4,12 @@ The file is locked for the process's life (a second `kvgate queue` on it exits w
 the jobs marked running in it at start-up were running in a process that is gone: the store
 requeues them at once. WAL journal with synchronous=FULL: a committed job survives kill -9 and power
 loss alike. Transactions take the write lock up front (BEGIN IMMEDIATE) and run one at a time.
+
+Disk comes back after deletes: the file is in incremental auto-vacuum, and `reclaim` (after each
+sweep) truncates its free pages and checkpoints the WAL to nothing; between sweeps the WAL is cut
+back to JOURNAL_LIMIT after each checkpoint. A file
+made before that setting (auto_vacuum NONE) is converted once at start by a VACUUM, which rewrites
+it whole and needs as much free disk again; when that fails the queue starts all the same, without.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import logging
 import os
 import sqlite3
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -23,7 +30,14 @@ from kvgate.errors import StoreError
 from kvgate.queue import schema
 from kvgate.queue.database import Listener, Row
 
+log = logging.getLogger(__name__)
+
 T = TypeVar("T")
+# The WAL is truncated back to this after a checkpoint (it would otherwise stay at its largest: a
+# 200 MiB upload's worth). sqlite.org/pragma.html#pragma_journal_size_limit
+JOURNAL_LIMIT = 64 * 1024 * 1024
+# sqlite.org/pragma.html#pragma_auto_vacuum: 0 NONE, 1 FULL, 2 INCREMENTAL.
+_INCREMENTAL = 2
 
 
 class _SqliteTx:
@@ -75,12 +89,30 @@ class SqliteDatabase:
 
     def _open(self) -> None:
         connection = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        # Before any table exists, or it takes a VACUUM (sqlite.org/pragma.html#pragma_auto_vacuum).
+        connection.execute("PRAGMA auto_vacuum=INCREMENTAL")
         connection.execute("PRAGMA journal_mode=WAL")
         connection.execute("PRAGMA synchronous=FULL")
         connection.execute("PRAGMA busy_timeout=5000")
-        for statement in schema.statements("INTEGER PRIMARY KEY AUTOINCREMENT", "BLOB"):
-            connection.execute(statement)
+        connection.execute(f"PRAGMA journal_size_limit={JOURNAL_LIMIT}")
+        try:
+            _vacuum_into_incremental(connection, self.path)
+            _migrate(connection)
+        except BaseException:
+            connection.close()
+            raise
         self._connection = connection
+
+    async def reclaim(self) -> None:
+        """Give the file's free pages back to the disk (what deletes left)."""
+        async with self._write:
+            # executescript steps each statement to its end (incremental_vacuum frees one page a
+            # step); the checkpoint moves the shrunken pages into the file and truncates the WAL.
+            await self.call(
+                lambda connection: connection.executescript(
+                    "PRAGMA incremental_vacuum; PRAGMA wal_checkpoint(TRUNCATE);"
+                )
+            )
 
     async def close(self) -> None:
         if self._connection is not None:
@@ -120,6 +152,38 @@ class SqliteDatabase:
 
 def _execute(sql: str) -> Callable[[sqlite3.Connection], Any]:
     return lambda connection: connection.execute(sql)
+
+
+def _migrate(connection: sqlite3.Connection) -> None:
+    """Create the tables, or bring an older store's up to date, in one transaction."""
+    connection.execute("BEGIN IMMEDIATE")
+    try:
+        connection.execute(schema.VERSION_TABLE)
+        ((version,),) = connection.execute(schema.READ_VERSION).fetchall()
+        tables = {row[0] for row in connection.execute(schema.SQLITE.tables_sql)}
+        for statement in schema.plan(schema.SQLITE, version, tables):
+            connection.execute(statement)
+        connection.execute("COMMIT")
+    except BaseException:
+        connection.execute("ROLLBACK")
+        raise
+
+
+def _vacuum_into_incremental(connection: sqlite3.Connection, path: Path) -> None:
+    """A file made with auto_vacuum NONE takes the setting only through a VACUUM (a new, empty file
+    has it already)."""
+    ((mode,),) = connection.execute("PRAGMA auto_vacuum").fetchall()
+    if mode == _INCREMENTAL:
+        return
+    try:
+        connection.execute("VACUUM")
+    except sqlite3.Error as exc:
+        log.warning(
+            "SQLite store %s: VACUUM to turn on incremental auto-vacuum failed (%s); deleted rows will "
+            "not give disk back until it succeeds on a later start",
+            path,
+            exc,
+        )
 
 
 def _lock(path: Path) -> int:

@@ -9,6 +9,9 @@ on an exclusive store (SQLite) every running job at start-up.
 Every write to a job goes through this store, batch lines' included, and each transition is announced
 (see kvgate.queue.database): `new` when a job may have become runnable, `done:ID` when a job ended,
 `cancel:ID` when a running job was cancelled (its owner aborts the engine call).
+
+What a client asks of a job (get, cancel, attach by request id) is asked within its tenant: another
+tenant's job is not found. A request id names at most one job of each tenant.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ _QUEUED = literal(JobState.QUEUED)
 _RUNNING = literal(JobState.RUNNING)
 _ACTIVE = literals(ACTIVE)
 _ENDED = literals(TERMINAL)
-_BATCH_ENDED = literals(batches.ENDED)
+_BATCH_OPEN = literals(batches.OPEN)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,11 +93,16 @@ class JobStore:
         await self.database.close()
 
     async def add(self, job: NewJob, limits: Limits) -> Job | QueueFull:
-        """Commit `job`, or the job already holding its request id, or the bound it would pass."""
+        """Commit `job`, or the job of its tenant already holding its request id, or the bound it
+        would pass."""
         async with self.database.transaction() as tx:
+            if self.database.lock_bounds:
+                # Before the look-up: two replicas adding one request id at once must not both insert.
+                await tx.execute(self.database.lock_bounds)
             if job.request_id is not None:
                 rows = await tx.execute(
-                    f"SELECT {JOB_COLUMNS} FROM kvgate_jobs WHERE request_id = ?", (job.request_id,)
+                    f"SELECT {JOB_COLUMNS} FROM kvgate_jobs WHERE tenant = ? AND request_id = ?",
+                    (job.tenant, job.request_id),
                 )
                 if rows:
                     return job_from_row(rows[0])
@@ -116,6 +124,12 @@ class JobStore:
         if waiting:
             await tx.notify(NEW)
         return None
+
+    async def room(self, limits: Limits, jobs: int) -> QueueFull | None:
+        """Whether `jobs` more fit under queue.max_jobs now: a batch's lines are counted against it
+        before they are read (the insert checks again, with their tokens)."""
+        async with self.database.transaction() as tx:
+            return await self._check_bounds(tx, limits, jobs, 0)
 
     async def _check_bounds(self, tx: Tx, limits: Limits, jobs: int, tokens: int) -> QueueFull | None:
         if self.database.lock_bounds:
@@ -142,11 +156,12 @@ class JobStore:
             sql = _INSERT.format(now=self._now, finished=self._now if failed else "NULL")
             await tx.executemany(sql, [_insert_row(job) for job in chosen])
 
-    async def get(self, key: str) -> Job | None:
-        """The job with this id, or the one created for this request id."""
+    async def get(self, key: str, tenant: str) -> Job | None:
+        """`tenant`'s job with this id, or the one created for this request id."""
         async with self.database.transaction() as tx:
             rows = await tx.execute(
-                f"SELECT {JOB_COLUMNS} FROM kvgate_jobs WHERE id = ? OR request_id = ?", (key, key)
+                f"SELECT {JOB_COLUMNS} FROM kvgate_jobs WHERE tenant = ? AND (id = ? OR request_id = ?)",
+                (tenant, key, key),
             )
         return job_from_row(rows[0]) if rows else None
 
@@ -249,20 +264,20 @@ class JobStore:
                 await tx.notify(DONE + job_id)
         return bool(rows)
 
-    async def cancel(self, key: str, error: JobError) -> Job | None:
-        """Cancel a queued or running job by id or request id; the job as it is now (None: unknown)."""
+    async def cancel(self, key: str, tenant: str, error: JobError) -> Job | None:
+        """Cancel `tenant`'s queued or running job by id or request id; the job as it is now (None:
+        unknown to this tenant)."""
         async with self.database.transaction() as tx:
             rows = await tx.execute(
                 f"UPDATE kvgate_jobs SET state = {literal(JobState.CANCELLED)}, finished_at = {self._now}, "
-                f"lease_until = NULL, error_code = ?, error_message = ? WHERE (id = ? OR request_id = ?) "
-                f"AND state IN {_ACTIVE} "
-                f"RETURNING {JOB_COLUMNS}",
-                (error.code, error.message, key, key),
+                "lease_until = NULL, error_code = ?, error_message = ? WHERE tenant = ? AND "
+                f"(id = ? OR request_id = ?) AND state IN {_ACTIVE} RETURNING {JOB_COLUMNS}",
+                (error.code, error.message, tenant, key, key),
             )
             for row in rows:
                 await tx.notify(CANCEL + row[0])
                 await tx.notify(DONE + row[0])
-        return job_from_row(rows[0]) if rows else await self.get(key)
+        return job_from_row(rows[0]) if rows else await self.get(key, tenant)
 
     async def cancel_batch(self, tx: Tx, batch_id: str) -> list[str]:
         """Cancel a batch's queued lines inside the caller's transaction (the one that marks the batch
@@ -305,12 +320,13 @@ class JobStore:
         return sorted({row[1] for row in rows if row[1] is not None})
 
     async def sweep(self, result_ttl_s: float) -> int:
-        """Delete jobs that ended more than `result_ttl_s` ago (batch lines once their batch ended)."""
+        """Delete jobs that ended more than `result_ttl_s` ago (batch lines once their batch is no
+        longer open: ended, or swept itself)."""
         async with self.database.transaction() as tx:
             rows = await tx.execute(
                 f"DELETE FROM kvgate_jobs WHERE state IN {_ENDED} AND finished_at < {self._now} - ? AND "
-                f"(batch_id IS NULL OR batch_id IN (SELECT id FROM kvgate_batches WHERE status IN "
-                f"{_BATCH_ENDED})) RETURNING id",
+                f"(batch_id IS NULL OR batch_id NOT IN (SELECT id FROM kvgate_batches WHERE status IN "
+                f"{_BATCH_OPEN})) RETURNING id",
                 (result_ttl_s,),
             )
         return len(rows)

@@ -1,29 +1,71 @@
-"""The `--store` URL that picks the queue's database adapter.
+"""The store URL that picks the queue's database adapter, and the URL as logs may show it.
 
     sqlite:///PATH          one replica (the file is locked); embedded, nothing to run
     postgresql://…          several replicas; rows claimed with SKIP LOCKED, LISTEN/NOTIFY wakes them
+
+A PostgreSQL URL may hold a password: in its user info (`postgresql://user:secret@host/db`) or as a
+`password` (or `sslpassword`) query parameter, both of which libpq reads (PostgreSQL 17 docs,
+libpq "Connection URIs" and "Parameter Key Words"). `redacted` replaces each with `***`; nothing
+logs or echoes a store URL otherwise.
 
 Apart from kvgate.queue.database so that the contract does not know its implementations.
 """
 
 from __future__ import annotations
 
+from urllib.parse import parse_qsl, urlsplit
+
 from kvgate.errors import ConfigError
 from kvgate.queue.database import Database
 
+_SECRET_PARAMETERS = frozenset({"password", "sslpassword"})
+HIDDEN = "***"
+
 
 def open_database(url: str) -> Database:
-    """The adapter for a `--store` URL; ConfigError naming the flag when it is not one."""
+    """The adapter for a store URL; ConfigError when it is not one."""
     if url.startswith("sqlite:///"):
         from kvgate.queue.sqlite_db import SqliteDatabase
 
         path = url.removeprefix("sqlite:///")
         if not path:
-            raise ConfigError("--store: sqlite:///PATH needs a file path")
+            raise ConfigError("the store: sqlite:///PATH needs a file path")
         # sqlite:///relative/path and sqlite:////absolute/path, as SQLAlchemy spells them.
         return SqliteDatabase(path)
     if url.startswith(("postgresql://", "postgres://")):
         from kvgate.queue.postgres_db import PostgresDatabase
 
         return PostgresDatabase(url)
-    raise ConfigError(f"--store: expected sqlite:///PATH or postgresql://..., got {url!r}")
+    raise ConfigError(f"the store: expected sqlite:///PATH or postgresql://..., got {redacted(url)!r}")
+
+
+def holds_password(url: str) -> bool:
+    """Whether the URL carries a password (in its user info or its query); True when it cannot be
+    read, so that an unreadable URL is never shown."""
+    try:
+        parts = urlsplit(url)
+        return parts.password is not None or any(
+            name in _SECRET_PARAMETERS for name, _ in parse_qsl(parts.query, keep_blank_values=True)
+        )
+    except ValueError:
+        return True
+
+
+def redacted(url: str) -> str:
+    """The URL with its passwords as `***` (`postgresql://user:***@host/db`); only the scheme when it
+    cannot be read."""
+    if not holds_password(url):
+        return url
+    try:
+        parts = urlsplit(url)
+        netloc = parts.netloc
+        if parts.password is not None:
+            user_info, _, host = netloc.rpartition("@")
+            netloc = f"{user_info.partition(':')[0]}:{HIDDEN}@{host}"
+        query = "&".join(
+            f"{name}={HIDDEN if name in _SECRET_PARAMETERS else value}"
+            for name, value in parse_qsl(parts.query, keep_blank_values=True)
+        )
+    except ValueError:
+        return f"{url.partition(':')[0][:20]}:{HIDDEN}"
+    return parts._replace(netloc=netloc, query=query).geturl()
