@@ -151,7 +151,7 @@ async def _round_trips(address: str, count: int) -> tuple[list[float], list[floa
                 t0 = time.perf_counter()
                 await client.reserve(f"bench-{i}", 1, 60, "bench", 1.0)
                 t1 = time.perf_counter()
-                await client.release(f"bench-{i}", 1.0)
+                await client.release(f"bench-{i}", "bench", 1.0)
                 t2 = time.perf_counter()
                 await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
                 health.append(time.perf_counter() - t2)

@@ -115,8 +115,8 @@ def test_five_12k_requests_on_a_40k_node_admit_three_and_drain_to_zero() -> None
                 assert sum(o.granted for o in outcomes) == 3
                 for i, outcome in enumerate(outcomes):
                     if outcome.granted:
-                        assert (await c.release(f"r{i}", 5.0)).released
-                again = await c.release("r0", 5.0)
+                        assert (await c.release(f"r{i}", "g", 5.0)).released
+                again = await c.release("r0", "g", 5.0)
                 assert not again.released and again.reserved_tokens == 0 and again.headroom_tokens == 36_000
             finally:
                 await c.close()
@@ -131,7 +131,7 @@ def test_a_release_for_an_unanswered_reserve_refuses_that_reserve_when_it_arrive
         async with running_agent(settings) as (_, address):
             c = client(address)
             try:
-                assert not (await c.release("late", 5.0, unanswered=True)).released
+                assert not (await c.release("late", "g", 5.0, unanswered=True)).released
                 late = await c.reserve("late", 12_000, 60, "g", 5.0)
                 assert not late.granted and late.reason == ReserveReason.RELEASED_FIRST
                 assert late.reserved_tokens == 0

@@ -358,7 +358,7 @@ async def _ask(
     await asyncio.to_thread(chat, vllm.port, document, 16, request_id)
     after = family(await asyncio.to_thread(page, vllm), "vllm:prefix_cache_hits_total")
     for client in clients:
-        await client.release(request_id, 10)
+        await client.release(request_id, "engines test", 10)
     return round(after - before), predicted[0], predicted[1]
 
 
@@ -387,7 +387,7 @@ async def _forecast(address: str, vllm: RunningVllm, prompts: Prompts) -> tuple[
         # A first request, so that the agent has measured the engine's decode rate.
         assert (await client.reserve("warm", 800, 60, "test", 10, output_tokens=200)).granted
         await asyncio.to_thread(chat, vllm.port, prompts.words(500), 200)
-        await client.release("warm", 10)
+        await client.release("warm", "test", 10)
         measured = await headroom(client, lambda h: h.decode_tokens_per_s, "a decode rate")
         granted = time.time()
         assert (await client.reserve("r", 900, 120, "test", 10, output_tokens=300)).granted
@@ -409,7 +409,7 @@ async def _forecast(address: str, vllm: RunningVllm, prompts: Prompts) -> tuple[
         freed = time.time()
         await request
         done = time.time()
-        await client.release("r", 10)
+        await client.release("r", "test", 10)
         assert measured.decode_tokens_per_s is not None
         return forecast_at - granted, freed - granted, done - granted, measured.decode_tokens_per_s
     finally:
@@ -479,7 +479,7 @@ async def _reservation_only(address: str, llama: RunningLlama, prompts: Prompts)
         idle = await headroom(client, lambda h: h.running == 0, "the engine idle")
         assert idle.used_tokens == 12_000 and idle.unreserved_tokens == 0
         for request_id in ("a", "b"):
-            await client.release(request_id, 10)
+            await client.release(request_id, "test", 10)
     finally:
         stop.set()
         await client.close()

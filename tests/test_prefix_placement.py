@@ -169,8 +169,13 @@ def test_two_gate_replicas_place_repeats_on_the_same_node() -> None:
         ]
         addresses = [f"127.0.0.1:{await agent.start('127.0.0.1:0')}" for agent in agents]
         fast: dict[str, Any] = {"stale_after_s": 0.5, "reconnect_initial_s": 0.05, "reconnect_max_s": 0.2}
+        # The agents name their engines a.engine and b.engine: off their own host, so allowed by name.
+        allowed = ("a.engine", "b.engine")
         views = [
-            HeadroomView(HeadroomSettings(agents=tuple(addresses), **fast), subscriber=f"gate-{i}")
+            HeadroomView(
+                HeadroomSettings(agents=tuple(addresses), allowed_endpoints=allowed, **fast),
+                subscriber=f"gate-{i}",
+            )
             for i in range(2)
         ]
         gates = [Admission(AdmissionConfig(max_wait_s=0.5), view) for view in views]

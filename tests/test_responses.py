@@ -18,9 +18,9 @@ def set_headers(route: Route, session: str | None) -> dict[str, tuple[str, int]]
     return {h.header.key: (h.header.raw_value.decode(), h.append_action) for h in mutation.set_headers}
 
 
-def test_a_reserved_request_names_itself_to_the_engine_unless_the_client_did() -> None:
+def test_a_reserved_request_names_its_reservation_to_the_engine_over_the_clients_session() -> None:
     headers = set_headers(LONG, "req-1")
-    assert headers["x-session-id"] == ("req-1", ACTIONS.ADD_IF_ABSENT)
+    assert headers["x-session-id"] == ("req-1", ACTIONS.OVERWRITE_IF_EXISTS_OR_ADD)
     assert headers["x-kvgate-endpoint"] == ("node-a.engine:8000", ACTIONS.OVERWRITE_IF_EXISTS_OR_ADD)
     assert headers["x-kvgate-tokens"] == ("9000", ACTIONS.OVERWRITE_IF_EXISTS_OR_ADD)
 

@@ -16,9 +16,9 @@ REASON_HEADER = "x-kvgate-reason"
 ENDPOINT_HEADER = "x-kvgate-endpoint"
 # vLLM publishes a request's X-Session-ID with each KV-cache block it stores (vllm 0.32,
 # vllm/entrypoints/generate/base/serving.py _get_session_id; v1/core/block_pool.py
-# _build_block_stored_event): the gate sends the request id in it on a request it reserved for, so
-# the node's agent ties the engine's blocks to the reservation (kvgate.agent.prefix_events). A
-# client's own X-Session-ID is kept.
+# _build_block_stored_event): the gate sends its reservation id in it on a request it reserved for,
+# so the node's agent ties the engine's blocks to the reservation (kvgate.agent.prefix_events). A
+# client's own X-Session-ID is overwritten there (it could name another request's reservation).
 SESSION_HEADER = "x-session-id"
 # The headers the gate itself decides; a client's header of the same name is overwritten, never trusted.
 ROUTING_HEADERS = (POOL_HEADER, ENDPOINT_HEADER, TOKENS_HEADER, REASON_HEADER)

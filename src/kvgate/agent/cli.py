@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from kvgate.addresses import join_host_port, split_host_port
 from kvgate.agent.capacity import DTYPE_BYTES, ModelShape
 from kvgate.agent.kv_events import check_endpoint
-from kvgate.agent.node import NodeSettings
+from kvgate.agent.node import MAX_HOLDER_TOKENS, MAX_LEASE_S, NodeSettings
 from kvgate.agent.sources.scrape import metrics_url
 from kvgate.errors import ConfigError, HeadroomError
 from kvgate.telemetry import start_prometheus
@@ -44,9 +44,17 @@ gates about are the ones the engine says it holds. Pair it with vLLM's
   --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
                        "endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558"}'
 and --engine-kv-events tcp://127.0.0.1:5557 --engine-kv-events-replay tcp://127.0.0.1:5558 (vLLM
-connects to an endpoint without '*'; the agent binds it). The gate sends X-Session-ID: <request id>
-with each request it reserved for (unless the client sent its own), which tells the agent whose
+connects to an endpoint without '*'; the agent binds it). The gate sends X-Session-ID: <reservation
+id> with each request it reserved for (replacing any the client sent), which tells the agent whose
 blocks the engine stored (docs/engines.md).
+
+Callers. Each reservation belongs to its holder: only it renews or releases it, and a Reserve of a
+live id from another holder is refused (request_id_conflict). With --tls-client-ca the holder is the
+caller's certificate identity (first subject alternative name, else common name); without it, the
+name the caller sends, which anyone who reaches the port can claim: keep the port to the gate and
+queue pods (NetworkPolicy) or turn on mTLS (docs/tls.md). One holder's live reservations are charged
+at most --max-holder-tokens (holder_cap), and none outlives --max-lease-s. Ids and holders over 256
+bytes, subscriber names over 128 and messages over 64 KiB are refused.
 """
 
 
@@ -64,7 +72,10 @@ def _register_agent(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     )
     parser.add_argument("--listen", required=True, help="host:port to serve gRPC on (port 0 picks one)")
     parser.add_argument(
-        "--endpoint", required=True, help="host:port of this node's engine, where gates pin requests"
+        "--endpoint",
+        required=True,
+        help="host:port of this node's engine, where gates pin requests; a gate takes it only on this "
+        "agent's own host or where its headroom.allowed_endpoints says",
     )
     parser.add_argument(
         "--engine-metrics",
@@ -94,7 +105,22 @@ def _register_agent(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
         help="name in the stream (default $NODE_NAME or the host name)",
     )
     parser.add_argument("--default-lease-s", type=float, default=300.0, help="lease when a gate names none")
-    parser.add_argument("--max-lease-s", type=float, default=3600.0, help="longest lease granted")
+    parser.add_argument(
+        "--max-lease-s",
+        type=float,
+        default=MAX_LEASE_S,
+        help=f"longest lease granted: what a reservation whose holder never releases it holds the node "
+        f"for (default {MAX_LEASE_S:g}; keep it above the gate's headroom.lease_s, 600)",
+    )
+    parser.add_argument(
+        "--max-holder-tokens",
+        type=int,
+        default=MAX_HOLDER_TOKENS,
+        metavar="N",
+        help=f"most tokens one holder's live reservations are charged together on this node; past it a "
+        f"Reserve is refused with holder_cap (default {MAX_HOLDER_TOKENS}; lower it to keep one gate "
+        f"or queue from taking the node whole)",
+    )
     parser.add_argument(
         "--engine-stale-after-s",
         type=float,
@@ -185,8 +211,7 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
         raise ConfigError(f"--safety-ratio must be in (0, 1], got {args.safety_ratio}")
     if args.capacity_tokens is not None and args.capacity_tokens <= 0:
         raise ConfigError(f"--capacity-tokens must be > 0, got {args.capacity_tokens}")
-    if not 0 < args.default_lease_s <= args.max_lease_s:
-        raise ConfigError("leases must satisfy 0 < --default-lease-s <= --max-lease-s")
+    _check_reservation_bounds(args)
     if not 0 < args.gpu_memory_utilization <= 1:
         raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     if args.unreserved_request_tokens < 0:
@@ -224,6 +249,7 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
         gpu_memory_utilization=args.gpu_memory_utilization,
         default_lease_s=args.default_lease_s,
         max_lease_s=args.max_lease_s,
+        max_holder_tokens=args.max_holder_tokens,
         engine_stale_after_s=args.engine_stale_after_s,
         unreserved_request_tokens=args.unreserved_request_tokens,
         prefix_index_blocks=args.prefix_index_blocks,
@@ -231,6 +257,13 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
         kv_events=kv_events,
         kv_events_max_blocks=args.engine_kv_events_max_blocks,
     )
+
+
+def _check_reservation_bounds(args: argparse.Namespace) -> None:
+    if not 0 < args.default_lease_s <= args.max_lease_s:
+        raise ConfigError("leases must satisfy 0 < --default-lease-s <= --max-lease-s")
+    if args.max_holder_tokens <= 0:
+        raise ConfigError(f"--max-holder-tokens must be > 0, got {args.max_holder_tokens}")
 
 
 def _kv_events_endpoint(args: argparse.Namespace) -> str:

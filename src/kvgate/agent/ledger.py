@@ -14,6 +14,12 @@ once.
 A caller that got no answer to a Reserve releases it unseen (kvgate.headroom.giveback), saying so.
 When that Release finds nothing, it overtook its Reserve: the ledger remembers it for a while
 (`EARLY_RELEASE_S`) and refuses the Reserve on arrival instead of holding room until its lease ends.
+
+Each reservation belongs to its holder (who the holder is, the agent's adapter says: the caller's
+certificate under mTLS, else the name it sends). Only that holder renews or releases it: the same
+request id from anyone else is a conflict, and their Release frees nothing. One holder's live
+reservations are charged at most `max_holder_tokens` together, so a single caller cannot take a node
+whole. Ids and holders are at most `MAX_ID_BYTES`, which bounds every id the ledger keeps.
 """
 
 from __future__ import annotations
@@ -33,9 +39,13 @@ from kvgate.headroom.snapshot import (
 )
 
 # How long, and for how many request ids at most, a Release of an unanswered Reserve that found
-# nothing is remembered.
+# nothing is remembered. Each entry is a (holder, request id) pair of at most 2 x MAX_ID_BYTES, so the
+# memory is bounded in bytes too: about 10,000 x (512 + ~250 of Python objects) = 7.5 MiB at worst.
 EARLY_RELEASE_S = 30.0
 EARLY_RELEASES_KEPT = 10_000
+# The longest request id or holder, in UTF-8 bytes: a gate's ids are about 50 (kvgate.gate.reservation_ids),
+# host names at most 253.
+MAX_ID_BYTES = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +58,7 @@ class Reservation:
     own_tokens: int = 0  # tokens beyond its chain: charged to it alone
     granted_at: float = 0.0  # by the ledger's clock; a renewal keeps it
     output_tokens: int = 0  # of `tokens`, the request's output budget; 0 when unknown
+    charged: int = 0  # what its grant added to the reserved tokens: counted against its holder's cap
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,12 +79,19 @@ class ReservationLedger:
         default_lease_s: float,
         max_lease_s: float,
         prefixes: PrefixBlocks | None = None,
+        *,
+        max_holder_tokens: int | None = None,
     ) -> None:
+        """`max_holder_tokens`: what one holder's live reservations may be charged together; None for
+        no cap beyond the node's headroom."""
         if not 0 < default_lease_s <= max_lease_s:
             raise ValueError("leases must satisfy 0 < default_lease_s <= max_lease_s")
+        if max_holder_tokens is not None and max_holder_tokens <= 0:
+            raise ValueError(f"max_holder_tokens must be > 0, got {max_holder_tokens}")
         self._clock = clock
         self._default_lease_s = default_lease_s
         self._max_lease_s = max_lease_s
+        self._max_holder_tokens = max_holder_tokens
         self.prefixes = prefixes if prefixes is not None else PrefixBlocks()
         self._live: dict[str, Reservation] = {}
         self._reserved = 0  # own tokens of live reservations plus every held prefix block once
@@ -82,7 +100,8 @@ class ReservationLedger:
         # No lease ends before this (renewals may leave it early, never late): until then `expire`,
         # called on every snapshot and reservation, has nothing to scan for.
         self._next_expiry = math.inf
-        self._released_early: dict[str, float] = {}  # request_id -> until, oldest first
+        self._released_early: dict[tuple[str, str], float] = {}  # (holder, request_id) -> until, oldest first
+        self._held_by: dict[str, int] = {}  # holder -> what its live reservations' grants charged
 
     @property
     def reserved_tokens(self) -> int:
@@ -125,6 +144,11 @@ class ReservationLedger:
             budget.capacity_tokens, budget.safety_ratio, budget.observed_tokens, self.reserved_tokens
         )
 
+    def held_by(self, holder: str) -> int:
+        """What `holder`'s live reservations were charged when granted (its part of the cap)."""
+        self.expire()
+        return self._held_by.get(holder, 0)
+
     def reserve(
         self,
         request_id: str,
@@ -136,13 +160,15 @@ class ReservationLedger:
         prefix: PrefixChain | None = None,
         output_tokens: int = 0,
     ) -> ReserveOutcome:
-        """Charge `tokens` if they fit in the headroom, else refuse. `lease_s` <= 0 takes the default.
+        """Charge `tokens` to `holder` if they fit in the headroom and its cap, else refuse. `lease_s`
+        <= 0 takes the default. A repeat by the same holder renews the lease and charges nothing more.
 
         With a `prefix` chain, the chain's blocks that live reservations hold are not charged again.
         `output_tokens`, the request's output budget within `tokens`, says when it is expected to end.
         """
-        if tokens <= 0 or not request_id:
-            raise ValueError(f"a reservation needs a request_id and tokens > 0, got {request_id!r}, {tokens}")
+        check_ids(request_id, holder)
+        if tokens <= 0:
+            raise ValueError(f"a reservation needs tokens > 0, got {tokens}")
         if not 0 <= output_tokens <= tokens:
             raise ValueError(f"output_tokens must be within 0..tokens ({tokens}), got {output_tokens}")
         if prefix is not None and (prefix.block_tokens <= 0 or prefix.tokens > tokens):
@@ -154,11 +180,13 @@ class ReservationLedger:
         self.expire()
         existing = self._live.get(request_id)
         if existing is not None:
-            if existing.tokens != tokens:
+            # Another holder's id (a client that chose it, a second caller guessing it) takes nothing
+            # and renews nothing: only its holder's own retry is the same reservation.
+            if existing.tokens != tokens or existing.holder != holder:
                 return self._result(False, ReserveReason.REQUEST_ID_CONFLICT, budget, 0.0)
-            self._hold(dataclasses.replace(existing, expires_at=self._clock() + lease, holder=holder))
+            self._hold(dataclasses.replace(existing, expires_at=self._clock() + lease))
             return self._result(True, ReserveReason.ALREADY_RESERVED, budget, lease)
-        if self._released_early.pop(request_id, -math.inf) > self._clock():
+        if self._released_early.pop((holder, request_id), -math.inf) > self._clock():
             return self._result(False, ReserveReason.RELEASED_FIRST, budget, 0.0)
         if not budget.healthy:
             return self._result(False, ReserveReason.UNHEALTHY, budget, 0.0)
@@ -168,36 +196,46 @@ class ReservationLedger:
         own = tokens - chain.tokens if chain is not None else tokens
         cached = self.prefixes.cached_blocks(chain) * chain.block_tokens if chain is not None else 0
         cost = own + (self.prefixes.cost(chain) if chain is not None else 0)
+        cap = self._max_holder_tokens
+        if cap is not None and self._held_by.get(holder, 0) + cost > cap:
+            return self._result(False, ReserveReason.HOLDER_CAP, budget, 0.0, cached=cached)
         if cost > self.headroom(budget):
             return self._result(False, ReserveReason.INSUFFICIENT_HEADROOM, budget, 0.0, cached=cached)
         held = self.prefixes.hold(chain) if chain is not None else 0
         blocks = chain.blocks if chain is not None else ()
         now = self._clock()
-        self._hold(Reservation(request_id, tokens, now + lease, holder, blocks, own, now, output_tokens))
-        self._reserved += own + held
+        charged = own + held
+        self._hold(
+            Reservation(request_id, tokens, now + lease, holder, blocks, own, now, output_tokens, charged)
+        )
+        self._reserved += charged
         self._asked += tokens
-        return self._result(True, ReserveReason.GRANTED, budget, lease, charged=own + held, cached=cached)
+        self._held_by[holder] = self._held_by.get(holder, 0) + charged
+        return self._result(True, ReserveReason.GRANTED, budget, lease, charged=charged, cached=cached)
 
-    def release(self, request_id: str, *, unanswered_reserve: bool = False) -> bool:
-        """End the reservation; False when it was already gone (released twice, or expired) or, for
-        the Release of an `unanswered_reserve`, not here yet (its Reserve is then refused on arrival)."""
+    def release(self, request_id: str, holder: str = "", *, unanswered_reserve: bool = False) -> bool:
+        """End `holder`'s reservation; False when it was already gone (released twice, or expired), is
+        another holder's (which it leaves alone), or, for the Release of an `unanswered_reserve`, is
+        not here yet (that holder's Reserve is then refused on arrival)."""
+        check_ids(request_id, holder)
         self.expire()
-        if self._drop(request_id):
-            return True
+        existing = self._live.get(request_id)
+        if existing is not None:
+            return existing.holder == holder and self._drop(request_id)
         if unanswered_reserve:
-            self._remember_early_release(request_id)
+            self._remember_early_release((holder, request_id))
         return False
 
-    def _remember_early_release(self, request_id: str) -> None:
+    def _remember_early_release(self, key: tuple[str, str]) -> None:
         now = self._clock()
         early = self._released_early
-        early.pop(request_id, None)
+        early.pop(key, None)
         while early:
             oldest = next(iter(early))
             if early[oldest] > now and len(early) < EARLY_RELEASES_KEPT:
                 break
             del early[oldest]
-        early[request_id] = now + EARLY_RELEASE_S
+        early[key] = now + EARLY_RELEASE_S
 
     def release_answer(self, released: bool, budget: Budget) -> ReleaseOutcome:
         """The answer to a Release: whether it ended a reservation, and the node's figures after it
@@ -216,6 +254,12 @@ class ReservationLedger:
         self._reserved -= freed
         self._freed += freed
         self._asked -= reservation.tokens
+        holder = reservation.holder
+        left = self._held_by[holder] - reservation.charged
+        if left > 0:
+            self._held_by[holder] = left
+        else:
+            del self._held_by[holder]
         return True
 
     def _lease(self, lease_s: float) -> float:
@@ -236,3 +280,13 @@ class ReservationLedger:
         return ReserveOutcome(
             granted, reason, self.headroom(budget), self._reserved, lease, charged, cached, len(self._live)
         )
+
+
+def check_ids(request_id: str, holder: str) -> None:
+    """ValueError (caller misuse) for an empty request id, or an id or holder past MAX_ID_BYTES."""
+    if not request_id:
+        raise ValueError("a reservation needs a request_id")
+    for name, value in (("request_id", request_id), ("holder", holder)):
+        # Characters first: a str of a few MiB is not encoded to learn that it is too long.
+        if len(value) > MAX_ID_BYTES or len(value.encode("utf-8", "surrogatepass")) > MAX_ID_BYTES:
+            raise ValueError(f"{name} is longer than {MAX_ID_BYTES} bytes")

@@ -53,6 +53,15 @@ from kvgate.headroom.snapshot import (
 
 # A granted request reaches its engine (and the engine's request count) within this long.
 ARRIVAL_S = 1.0
+# The longest lease granted by default: above the gate's own lease (headroom.lease_s, 600 s) and far
+# above the queue's (queue.reservation_lease_s, 60 s, renewed every claim_lease_s / 3), so neither is
+# cut; a quarter of the hour a lost or hostile reservation could hold a node for before.
+MAX_LEASE_S = 900.0
+# What one holder's live reservations may be charged together by default, in tokens: 2^20, more than
+# one holder is expected to hold on one node (an 80 GB GPU's KV for an 8B model is ~450k tokens) and
+# far above the demo's and tests' nodes, so a single gate is never held back by it; a bound on a
+# holder that leaks reservations or takes the node whole (docs/operations.md, agent --max-holder-tokens).
+MAX_HOLDER_TOKENS = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +74,9 @@ class NodeSettings:
     model_shape: ModelShape | None = None
     gpu_memory_utilization: float = 0.9
     default_lease_s: float = 300.0
-    max_lease_s: float = 3600.0
+    max_lease_s: float = MAX_LEASE_S
+    # None: no cap beyond the node's headroom.
+    max_holder_tokens: int | None = MAX_HOLDER_TOKENS
     engine_stale_after_s: float = 1.0
     # Reservation-only: what one engine request holding no reservation is assumed to hold.
     unreserved_request_tokens: int = 4096
@@ -105,7 +116,13 @@ class NodeState:
         self._uses_engine = uses_engine
         self._uses_nvml = uses_nvml
         prefixes = PrefixBlocks(settings.prefix_index_blocks, settings.prefix_summary_blocks)
-        self.ledger = ReservationLedger(clock, settings.default_lease_s, settings.max_lease_s, prefixes)
+        self.ledger = ReservationLedger(
+            clock,
+            settings.default_lease_s,
+            settings.max_lease_s,
+            prefixes,
+            max_holder_tokens=settings.max_holder_tokens,
+        )
         self._audit = PrefixAudit(ARRIVAL_S)
         self.prefix_events = (
             PrefixEvents(prefixes, settings.kv_events, settings.kv_events_max_blocks)
@@ -193,8 +210,10 @@ class NodeState:
                 self.prefix_events.granted(request_id, chain, now, tokens - output_tokens)
         return result
 
-    def release(self, request_id: str, *, unanswered_reserve: bool = False) -> ReleaseOutcome:
-        released = self.ledger.release(request_id, unanswered_reserve=unanswered_reserve)
+    def release(
+        self, request_id: str, holder: str = "", *, unanswered_reserve: bool = False
+    ) -> ReleaseOutcome:
+        released = self.ledger.release(request_id, holder, unanswered_reserve=unanswered_reserve)
         return self.ledger.release_answer(released, self.budget())
 
     def snapshot(self, sample_time_unix_ns: int) -> NodeHeadroom:

@@ -7,11 +7,17 @@ folds them into the NodeState, and pushes one NodeHeadroom to every subscriber.
 Ticks are scheduled on absolute deadlines so a slow sample delays one push, not all that follow.
 Reserve and Release run on the same event loop as the ledger and never await between check and
 charge: that is what makes this agent the single authority for its node.
+
+Who holds a reservation is decided here: with client certificates required (mTLS), the caller's
+certificate identity, which no caller can claim for itself; otherwise the `holder` it sends. Callers
+are bounded: ids and holders of at most 256 bytes (kvgate.agent.ledger), subscriber names of 128, and
+request messages of 64 KiB, past which gRPC refuses them before they are decoded.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -25,6 +31,7 @@ from kvgate._proto.headroom.v1 import headroom_pb2 as pb
 from kvgate._proto.headroom.v1 import headroom_pb2_grpc as pb_grpc
 from kvgate.agent.broadcast import Broadcast
 from kvgate.agent.kv_events import Batch
+from kvgate.agent.ledger import MAX_ID_BYTES
 from kvgate.agent.metrics import AgentMetrics
 from kvgate.agent.node import NodeSettings, NodeState
 from kvgate.agent.sources.engines import EngineReading
@@ -39,6 +46,11 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "kvgate.headroom.v1.Agent"
 # NVML init can take seconds on a big node; the first push waits for it this long at most.
 NVML_FIRST_READING_S = 10.0
+# The largest request message taken (grpc.max_receive_message_length; gRPC's default is 4 MiB): a
+# Reserve is about 600 bytes plus 8 per prefix block, and the gate sends at most placement.max_blocks
+# (8,000 at most: 64 KiB) of them. Larger ones get RESOURCE_EXHAUSTED before they are decoded.
+MAX_MESSAGE_BYTES = 64 * 1024
+MAX_SUBSCRIBER_BYTES = 128
 
 
 class EngineSource(Protocol):
@@ -97,8 +109,9 @@ class Agent:
         Plaintext without `tls`. With `tls.client_ca`, only clients holding a certificate from that CA
         get past the handshake, so no unauthenticated gate can Reserve, Release or even Subscribe.
         """
-        server = grpc.aio.server()
-        _add_agent_service(_AgentServicer(self), server)
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        authenticated = tls is not None and tls.client_ca is not None
+        _add_agent_service(_AgentServicer(self, authenticated), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         try:
             port = add_port(server, listen, tls, "agent TLS")
@@ -214,12 +227,18 @@ def _security(tls: ServerTls | None) -> str:
 
 
 class _AgentServicer(pb_grpc.AgentServicer):
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: Agent, authenticated: bool) -> None:
         self._agent = agent
+        # Client certificates are required: a caller's identity is its certificate's.
+        self._authenticated = authenticated
 
     async def Subscribe(
         self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
+        if len(request.subscriber.encode()) > MAX_SUBSCRIBER_BYTES:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"subscriber is longer than {MAX_SUBSCRIBER_BYTES} bytes"
+            )
         log.info("subscriber %r (%s) connected", request.subscriber, context.peer())
         async for message in self._agent.stream.listen():
             yield message
@@ -227,12 +246,13 @@ class _AgentServicer(pb_grpc.AgentServicer):
     async def Reserve(
         self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReserveResponse:
+        holder = await self._holder(request.holder, context)
         try:
             outcome = self._agent.state.reserve(
                 request.request_id,
                 request.tokens,
                 request.lease_s,
-                request.holder,
+                holder,
                 prefix=chain_from_proto(request),
                 output_tokens=request.output_tokens,
             )
@@ -243,11 +263,12 @@ class _AgentServicer(pb_grpc.AgentServicer):
         if outcome.reason == ReserveReason.GRANTED and request.prefix_blocks:
             self._agent.metrics.prefix_granted(outcome.cached_tokens, request.tokens - outcome.charged_tokens)
         log.debug(
-            "reserve %s %d tokens (%d charged, %d cached) by %r: %s",
+            "reserve %s %d tokens (%d charged, %d cached) by %r (%s): %s",
             request.request_id,
             request.tokens,
             outcome.charged_tokens,
             outcome.cached_tokens,
+            holder,
             request.holder,
             outcome.reason,
         )
@@ -256,10 +277,41 @@ class _AgentServicer(pb_grpc.AgentServicer):
     async def Release(
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseResponse:
-        outcome = self._agent.state.release(request.request_id, unanswered_reserve=request.unanswered_reserve)
+        holder = await self._holder(request.holder, context)
+        try:
+            outcome = self._agent.state.release(
+                request.request_id, holder, unanswered_reserve=request.unanswered_reserve
+            )
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise AssertionError("abort returns by raising") from exc
         if outcome.released:
             self._agent.metrics.released()
         return release_to_proto(outcome)
+
+    async def _holder(self, claimed: str, context: grpc.aio.ServicerContext) -> str:
+        """Who the caller holds reservations as: its certificate's identity under mTLS (what it
+        claims is then only logged), else what it claims."""
+        if len(claimed.encode()) > MAX_ID_BYTES:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"holder is longer than {MAX_ID_BYTES} bytes"
+            )
+        if not self._authenticated:
+            return claimed
+        identities = context.peer_identities()
+        if not identities:
+            # The handshake required a certificate, so this is not expected to happen.
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "no client certificate identity")
+            raise AssertionError("abort returns by raising")
+        return _bounded(identities[0].decode("utf-8", "replace"))
+
+
+def _bounded(identity: str) -> str:
+    """A certificate identity as a holder: as it is, or, past MAX_ID_BYTES (a long URI SAN), its
+    SHA-256, which names the same certificate identity just as well."""
+    if len(identity.encode()) <= MAX_ID_BYTES:
+        return identity
+    return "sha256:" + hashlib.sha256(identity.encode()).hexdigest()
 
 
 def _add_agent_service(servicer: _AgentServicer, server: grpc.aio.Server) -> None:

@@ -185,8 +185,9 @@ class PlacementConfig:
     prefix_affinity: bool = False
     # Estimated tokens of one prefix block, cut as block_tokens x 4 bytes of prompt text.
     block_tokens: int = field(default=256, metadata=at_least(16))
-    # Blocks hashed per prompt: a longer prompt is matched on its first max_blocks blocks.
-    max_blocks: int = field(default=1024, metadata=at_least(1))
+    # Blocks hashed per prompt: a longer prompt is matched on its first max_blocks blocks. At most
+    # 8,000: a Reserve carries 8 bytes a block, and agents take messages of 64 KiB at most.
+    max_blocks: int = field(default=1024, metadata={"min": 1, "max": 8000})
     # A node is favoured for what it holds only while its requests in flight are at most
     # load_bound x the pool's mean + 1.
     load_bound: float = field(default=1.5, metadata=at_least(1))

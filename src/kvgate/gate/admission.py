@@ -62,7 +62,10 @@ class HeadroomSource(Protocol):
         output budget, 0 when unknown) tells the agent when the reservation is expected to end."""
         ...
 
-    async def release(self, node: str, request_id: str, *, unanswered: bool = False) -> ReleaseOutcome: ...
+    async def release(self, node: str, request_id: str, *, unanswered: bool = False) -> ReleaseOutcome:
+        """End the reservation this source made (it releases as the holder it reserved as: an agent
+        frees only its holder's reservations); `unanswered`: its Reserve got no answer (giveback)."""
+        ...
 
     async def wait_update(self, timeout_s: float) -> bool: ...
 
@@ -72,7 +75,7 @@ class Ticket:
     """A granted reservation, released when the request ends: the agent's answer, as it gave it."""
 
     agent: str
-    request_id: str
+    request_id: str  # the gate's reservation id (kvgate.gate.reservation_ids), not the client's
     tokens: int
     outcome: ReserveOutcome
 
@@ -169,13 +172,15 @@ class Admission:
         route: Route,
         model: ModelConfig,
         priority: str | None,
-        request_id: str,
+        reservation_id: str,
         wait_s: float | None = None,
         *,
         affinity: Affinity | None = None,
         output_tokens: int = 0,
     ) -> Admitted:
-        """`wait_s` (the client's `Prefer: wait=N`) can only shorten admission.max_wait_s. With
+        """A long request reserves under `reservation_id`, which the gate made for it: an id a client
+        chose could name another request's reservation (kvgate.gate.reservation_ids).
+        `wait_s` (the client's `Prefer: wait=N`) can only shorten admission.max_wait_s. With
         `affinity`, nodes that hold the prompt's prefix are tried first (kvgate.policy.nodes).
         `output_tokens` is the request's output budget within route.tokens (0 when unknown)."""
         rank = self.rank(priority)
@@ -192,7 +197,7 @@ class Admission:
             shed = overflow(route, model, Reason.SHED, why, self._config.async_fallback)
             return Admitted(self._come_back(shed, self._long, output_tokens))
         max_wait_s = self._config.max_wait_s if wait_s is None else min(wait_s, self._config.max_wait_s)
-        ask = _Ask(request_id, rank, max_wait_s, affinity, output_tokens)
+        ask = _Ask(reservation_id, rank, max_wait_s, affinity, output_tokens)
         return await self._place(self._long, route, model, ask)
 
     def _come_back(self, decision: Decision, source: HeadroomSource, output_tokens: int) -> Decision:

@@ -21,6 +21,7 @@ from kvgate.config import Config, ModelConfig
 from kvgate.errors import RequestError
 from kvgate.estimate import Estimator, PromptCosts, TokenEstimate, Unavailable, build_estimator
 from kvgate.gate.admission import Admission, Ticket
+from kvgate.gate.reservation_ids import ReservationIds
 from kvgate.names import ANONYMOUS_TENANT, PREFER_HEADER, TENANT_HEADER
 from kvgate.policy import Decision, Reason, Refusal, Route, decide, thresholds
 from kvgate.policy.models import ModelMatcher
@@ -109,7 +110,8 @@ def request_head(
         declares_json=is_json_content_type(content_type),
         priority=read_priority(read(priority_header)),
         tenant=(read(TENANT_HEADER) or "").strip(" \t") or ANONYMOUS_TENANT,
-        # Envoy sets x-request-id on every request; a request id is what reservations are keyed by.
+        # Envoy sets x-request-id on every request. It is the client's to choose: logs and the queue's
+        # job alias only, never a reservation's id (kvgate.gate.reservation_ids).
         request_id=read("x-request-id") or uuid.uuid4().hex,
         trace_context=tuple((name, value) for name in _TRACE_HEADERS if (value := read(name)) is not None),
         route=route,
@@ -186,6 +188,7 @@ class Pipeline:
         self._offload_slots = asyncio.Semaphore(offload_slots)
         self._offloaded_bytes = 0  # of the bodies being read off the loop now (request.max_bytes_in_flight)
         self._priorities = Priorities(config.admission.priorities, config.admission.default_priority)
+        self._reservation_ids = ReservationIds()
 
     def priority(self, head: RequestHead) -> str:
         """The priority the request is admitted and forwarded with (kvgate.policy.priority)."""
@@ -294,7 +297,7 @@ class Pipeline:
             decision,
             model,
             self.priority(head),
-            head.request_id,
+            self._reservation_ids.next(),
             head.hints.wait_s,
             affinity=affinity,
             output_tokens=estimate.output_tokens,

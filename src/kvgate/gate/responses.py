@@ -38,7 +38,6 @@ from kvgate.policy.decision import Reason, Route
 from kvgate.policy.refusals import HttpAnswer
 
 _OVERWRITE = HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
-_ADD_IF_ABSENT = HeaderValueOption.HeaderAppendAction.ADD_IF_ABSENT
 _SKIP_BODY = ProcessingMode(request_body_mode=ProcessingMode.BodySendMode.NONE)
 
 
@@ -109,11 +108,12 @@ def route_after_body(
     session: str | None = None,
 ) -> ProcessingResponse:
     """Answer the body message: set the routing headers and make Envoy pick the route again; with a
-    `session` (the request id of a reserved request), X-Session-ID unless the client sent one."""
+    `session` (a reserved request's reservation id), X-Session-ID, over whatever the client sent: the
+    engine's KV events name the reservation by it, and a client's value could name another's."""
     response = _routed(route, forged, extra, namespace, after_body=True)
     if session is not None:
         response.dynamic_metadata.fields[namespace].struct_value.fields[META_SESSION].string_value = session
-        added = response.request_body.response.header_mutation.set_headers.add(append_action=_ADD_IF_ABSENT)
+        added = response.request_body.response.header_mutation.set_headers.add(append_action=_OVERWRITE)
         added.header.key = SESSION_HEADER
         added.header.raw_value = session.encode()
     return response

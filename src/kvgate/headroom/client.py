@@ -89,11 +89,13 @@ class AgentClient:
             raise _error(self.address, "Reserve", exc) from exc
         return reserve_from_proto(response)
 
-    async def release(self, request_id: str, timeout_s: float, *, unanswered: bool = False) -> ReleaseOutcome:
+    async def release(
+        self, request_id: str, holder: str, timeout_s: float, *, unanswered: bool = False
+    ) -> ReleaseOutcome:
+        """End `holder`'s reservation `request_id`: the holder that reserved it, or it stays."""
+        request = pb.ReleaseRequest(request_id=request_id, holder=holder, unanswered_reserve=unanswered)
         try:
-            response: pb.ReleaseResponse = await self._stub.Release(
-                pb.ReleaseRequest(request_id=request_id, unanswered_reserve=unanswered), timeout=timeout_s
-            )
+            response: pb.ReleaseResponse = await self._stub.Release(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise _error(self.address, "Release", exc) from exc
         return release_from_proto(response)

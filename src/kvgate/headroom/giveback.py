@@ -10,6 +10,9 @@ deadline, or the answer is lost on the way back. Nothing would ever release such
 caller gives it back as if it had been granted, saying the Reserve went unanswered: an agent that
 finds nothing to release then remembers the request id for a while (kvgate.agent.ledger), so a
 Reserve that reaches it after its Release is refused rather than granted for good.
+
+Both go out as the holder that reserved: a source (the gate's or the queue's headroom view) releases
+as the holder it reserves as, and an agent frees, or remembers, only that holder's reservation.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ RELEASE_RETRIES_S = (0.05, 0.25, 1.0)
 
 
 class Releases(Protocol):
+    """Releases as the holder the reservation was made by (see the module doc)."""
+
     async def release(self, node: str, request_id: str, *, unanswered: bool = False) -> ReleaseOutcome: ...
 
 

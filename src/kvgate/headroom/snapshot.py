@@ -186,10 +186,13 @@ class ReserveReason(StrEnum):
     INSUFFICIENT_HEADROOM = "insufficient_headroom"
     UNHEALTHY = "unhealthy"
     NO_CAPACITY = "no_capacity"
-    REQUEST_ID_CONFLICT = "request_id_conflict"  # the same request_id with a different token count
+    # The request_id is live with a different token count, or held by another holder.
+    REQUEST_ID_CONFLICT = "request_id_conflict"
     # Its Release came first: the caller got no answer in time and gave the grant back unseen
     # (kvgate.headroom.giveback), so this Reserve, arriving late, must not hold room for good.
     RELEASED_FIRST = "released_first"
+    # The holder's live reservations would be charged more than the agent lets one holder have.
+    HOLDER_CAP = "holder_cap"
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,12 @@ found again and a fleet of gates does not reconnect in lock step. With TLS (a Ch
 looks at the certificate files every `reload_interval_s` and, when they changed, reconnects to every
 agent with them.
 
+Each message's engine endpoint is vetted before the view keeps it (kvgate.config.headroom): a
+node whose agent reports an endpoint off its own host, or on a port not allowed, is kept as unhealthy,
+with the reason, so no request is ever pinned there. The view reserves and releases as one holder
+(`holder`, by default its subscriber name); an agent that requires client certificates holds the
+reservations under the certificate's identity instead.
+
 Failure channels: `reserve` returns a ReserveOutcome for every answer the agent gives, refusals
 included; it raises HeadroomError when it gets no answer (agent unknown, unreachable, or slower than
 `reserve_timeout_s`: AgentCallError, when the call went out). `release` raises the same way;
@@ -28,8 +34,8 @@ import time
 from collections.abc import Callable
 
 from kvgate.addresses import split_host_port
-from kvgate.config.headroom import HeadroomSettings
-from kvgate.errors import HeadroomError
+from kvgate.config.headroom import HeadroomSettings, IpAddress, ip_or_none
+from kvgate.errors import ConfigError, HeadroomError
 from kvgate.headroom.client import AgentClient, HeadroomStream
 from kvgate.headroom.credentials import ChannelSecurity
 from kvgate.headroom.resolve import Resolver, resolve_agents
@@ -54,6 +60,9 @@ class _Link:
         self.received_at = -math.inf
         self.connected = False
         self.task: asyncio.Task[None] | None = None
+        # The endpoint last vetted on this stream, why it was refused ("" if taken), and until when
+        # that verdict holds (a failed lookup is tried again after resolve_interval_s).
+        self.vetted: tuple[str, str, float] | None = None
 
 
 class HeadroomView:
@@ -66,6 +75,7 @@ class HeadroomView:
         subscriber: str | None = None,
         *,
         security: ChannelSecurity | None = None,
+        holder: str | None = None,
     ) -> None:
         self.settings = settings
         self._security = security
@@ -73,6 +83,8 @@ class HeadroomView:
         self._resolver = resolver
         self._rng = rng
         self._subscriber = subscriber or f"{socket.gethostname()}:{os.getpid()}"
+        self._holder = holder or self._subscriber
+        self._endpoints = settings.endpoint_rule()
         self._links: dict[str, _Link] = {}
         self._resolve_task: asyncio.Task[None] | None = None
         self._tls_task: asyncio.Task[None] | None = None
@@ -134,7 +146,7 @@ class HeadroomView:
             request_id,
             tokens,
             lease,
-            self._subscriber,
+            self._holder,
             self.settings.reserve_timeout_s,
             prefix=prefix,
             output_tokens=output_tokens,
@@ -148,7 +160,7 @@ class HeadroomView:
         """Give back `request_id`'s reservation; `unanswered`: the Reserve got no answer (giveback)."""
         link = self._link(node)
         outcome = await link.client.release(
-            request_id, self.settings.reserve_timeout_s, unanswered=unanswered
+            request_id, self._holder, self.settings.reserve_timeout_s, unanswered=unanswered
         )
         self._merge(link, outcome.headroom_tokens, outcome.reserved_tokens)
         return outcome
@@ -206,9 +218,10 @@ class HeadroomView:
         failures = 0
         while True:
             stream = link.client.subscribe(self._subscriber)
+            link.vetted = None  # a new stream may reach the agent at a new address
             try:
                 while (headroom := await self._next(stream)) is not None:
-                    link.latest = headroom
+                    link.latest = await self._vetted(address, link, headroom)
                     link.received_at = self._clock()
                     link.connected = True
                     failures = 0
@@ -225,6 +238,49 @@ class HeadroomView:
                 link.connected = False
             await asyncio.sleep(self._backoff(failures))
             failures += 1
+
+    async def _vetted(self, address: str, link: _Link, headroom: NodeHeadroom) -> NodeHeadroom:
+        """`headroom` as it came, or as unhealthy when its engine endpoint is refused (logged once
+        per verdict: a refused endpoint is a misconfiguration or an agent not to be trusted)."""
+        endpoint = headroom.endpoint
+        now = self._clock()
+        if link.vetted is None or link.vetted[0] != endpoint or link.vetted[2] <= now:
+            problem, retry = await self._endpoint_problem(address, endpoint)
+            previous = link.vetted[1] if link.vetted is not None else ""
+            if problem and problem != previous:
+                log.warning(
+                    "agent %s: engine endpoint %s refused, node unhealthy: %s", address, endpoint, problem
+                )
+            elif previous and not problem:
+                log.info("agent %s: engine endpoint %s taken", address, endpoint)
+            link.vetted = (endpoint, problem, now + self.settings.resolve_interval_s if retry else math.inf)
+        problem = link.vetted[1]
+        if not problem:
+            return headroom
+        return dataclasses.replace(headroom, healthy=False, reason=f"endpoint_refused: {problem}")
+
+    async def _endpoint_problem(self, address: str, endpoint: str) -> tuple[str, bool]:
+        """Why the agent at `address` may not pin requests to `endpoint` ("" when it may), and
+        whether that verdict came from a failed lookup (to be tried again)."""
+        try:
+            host, port = split_host_port(endpoint, "the agent's endpoint")
+        except ConfigError as exc:
+            return str(exc), False
+        rule = self._endpoints
+        try:
+            agent = await self._addresses(split_host_port(address, "agent")[0])
+            found = frozenset() if rule.named(host) else await self._addresses(host)
+        except HeadroomError as exc:
+            return f"cannot check it: {exc}", True
+        return rule.problem(host, port, found, agent), False
+
+    async def _addresses(self, host: str) -> frozenset[IpAddress]:
+        literal = ip_or_none(host)
+        if literal is not None:
+            return frozenset((literal,))
+        found = await self._resolver(host, 0)  # "ip:0" strings
+        hosts = (split_host_port(entry, host, allow_port_zero=True)[0] for entry in found)
+        return frozenset(ip for ip in map(ip_or_none, hosts) if ip is not None)
 
     async def _next(self, stream: HeadroomStream) -> NodeHeadroom | None:
         # Not asyncio.wait_for: on Python 3.11 it turns a cancel that meets a finished read into that

@@ -63,14 +63,16 @@ class AgentServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Reserve(self, request, context):
-        """Charge `tokens` against the node's headroom, or refuse. Idempotent for the same request_id.
+        """Charge `tokens` against the node's headroom, or refuse. Idempotent for the same request_id, tokens
+        and holder (a repeat renews the lease); the same request_id from another holder is refused.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """End a reservation before its lease runs out. Releasing an unknown request_id is not an error.
+        """End a reservation before its lease runs out; only its holder can. Releasing an unknown request_id
+        is not an error.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
