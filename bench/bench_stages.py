@@ -72,6 +72,7 @@ def stage_costs() -> list[tuple[str, float, float]]:
         estimate = estimator.estimate_sync(shape, thresholds(model))
         route = decide(estimate.prompt_tokens, estimate.output_tokens, model)
         extra: dict[str, str | float] = {"method": "fast", "prompt_tokens": estimate.prompt_tokens}
+        identity = responses.Identity(head.tenant, pipeline.priority(head), priority)
 
         def through(server: Servicer) -> Callable[[], Awaitable[object]]:
             async def stream() -> AsyncIterator[ProcessingRequest]:
@@ -89,7 +90,10 @@ def stage_costs() -> list[tuple[str, float, float]]:
             ("parse the body (msgspec, typed)", lambda: parse_body(api, body)),
             ("fast estimate and band", lambda: estimator.fast_band(shape)),
             ("decision", lambda: decide(estimate.prompt_tokens, estimate.output_tokens, model)),
-            ("the answer (route, metadata)", lambda: responses.route_after_body(route, [], extra, "kvgate")),
+            (
+                "the answer (route, metadata)",
+                lambda: responses.route_after_body(route, [], extra, "kvgate", identity=identity),
+            ),
         ]
         stages = [(name, _awaitable(call)) for name, call in calls]
         stages += [("the gate's whole Process", through(gate))]

@@ -139,8 +139,24 @@ def test_forged_headers_are_removed_even_when_we_do_not_set_them() -> None:
     _, routed = drive(
         make_processor(), [headers(**{"x-kvgate-node": "a", "x-kvgate-priority": "high"}), body(chat("x"))]
     )
-    removed = set(routed.request_body.response.header_mutation.remove_headers)
-    assert removed == {"x-kvgate-node", "x-kvgate-priority"}
+    mutation = routed.request_body.response.header_mutation
+    assert set(mutation.remove_headers) == {"x-kvgate-node"}
+    # Priority and tenant are set over whatever arrived (Envoy strips a client's at its edge).
+    forwarded = {h.header.key: h.header.raw_value for h in mutation.set_headers}
+    assert forwarded["x-kvgate-priority"] == b"high" and forwarded["x-kvgate-tenant"] == b"anonymous"
+
+
+def test_the_routes_cap_lowers_the_forwarded_priority() -> None:
+    processor = make_processor()
+    _, routed = drive(
+        processor,
+        [headers(**{"x-kvgate-priority": "high", "x-kvgate-tenant": "acme"}), body(chat("x"))],
+        metadata=[("x-kvgate-max-priority", "low")],
+    )
+    forwarded = {
+        h.header.key: h.header.raw_value for h in routed.request_body.response.header_mutation.set_headers
+    }
+    assert forwarded["x-kvgate-priority"] == b"low" and forwarded["x-kvgate-tenant"] == b"acme"
 
 
 def test_chunked_body_is_collected_until_its_end() -> None:

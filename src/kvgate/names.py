@@ -63,6 +63,7 @@ META_MODEL = "model"
 META_RESERVED_TOKENS = "reserved_tokens"  # what the agent charged (less than tokens with a shared prefix)
 META_PREFIX_HIT_TOKENS = "prefix_hit_tokens"  # prompt tokens the node is expected to hold cached
 META_SESSION = "session"  # a reserved request's id, for SESSION_HEADER in the one-round-trip set-up
+META_PRIORITY = "priority"  # the priority admitted with, for PRIORITY_HEADER in the one-round-trip set-up
 
 # The upstream header each routing metadata key becomes in the one-round-trip set-up.
 HEADER_FOR_METADATA = {

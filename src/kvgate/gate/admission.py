@@ -35,6 +35,7 @@ from kvgate.policy import Decision, Reason, Refusal, Route
 from kvgate.policy.nodes import Affinity, choose_nodes
 from kvgate.policy.overflow import interactive_saturated, no_healthy_node, overflow
 from kvgate.policy.pressure import PoolPressure
+from kvgate.policy.priority import Priorities
 from kvgate.policy.retry_forecast import RetryPlanner, RetrySettings
 from kvgate.policy.shedding import PoolKind, Verdict
 from kvgate.policy.water import pool_signals
@@ -128,7 +129,7 @@ class Admission:
         self._queue = WaitQueue(config.queue_size, clock)
         self._long_pressure = PoolPressure(PoolKind.LONG, config)
         self._interactive_pressure = PoolPressure(PoolKind.INTERACTIVE, config)
-        self._ranks = {name: rank for rank, name in enumerate(config.priorities)}
+        self._priorities = Priorities(config.priorities, config.default_priority)
         self._pump: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._metrics = telemetry or GateMetrics()
@@ -165,7 +166,7 @@ class Admission:
             await asyncio.gather(self._pump, return_exceptions=True)
 
     def rank(self, priority: str | None) -> int:
-        return self._ranks.get(priority or "", self._ranks[self._config.default_priority])
+        return self._priorities.rank(priority)
 
     async def admit(
         self,

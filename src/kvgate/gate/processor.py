@@ -232,7 +232,9 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
         self._record(decision, "none", 0.0)
         if isinstance(decision, Refusal):
             return self._refuse(decision, head.api)
-        return responses.route_after_headers(decision, stream.forged, head.has_body, self._namespace)
+        return responses.route_after_headers(
+            decision, stream.forged, head.has_body, self._namespace, self._identity(head)
+        )
 
     def _refuse(self, refusal: Refusal, api: Api | None) -> ProcessingResponse:
         """The refusal in the shape of the API the client called (kvgate.policy.refusals)."""
@@ -317,7 +319,12 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
     ) -> ProcessingResponse:
         if isinstance(decision, Refusal):
             return self._refuse(decision, head.api)
-        return responses.route_after_body(decision, stream.forged, extra, self._namespace, session)
+        return responses.route_after_body(
+            decision, stream.forged, extra, self._namespace, identity=self._identity(head), session=session
+        )
+
+    def _identity(self, head: RequestHead) -> responses.Identity:
+        return responses.Identity(head.tenant, self._pipeline.priority(head), self._priority_header)
 
 
 def _request_id(message: ProcessingRequest, stream: _Stream) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
@@ -25,13 +26,16 @@ from kvgate.names import (
     ENDPOINT_HEADER,
     META_ENDPOINT,
     META_POOL,
+    META_PRIORITY,
     META_REASON,
     META_SESSION,
     META_TOKENS,
     POOL_HEADER,
+    PRIORITY_HEADER,
     REASON_HEADER,
     ROUTING_HEADERS,
     SESSION_HEADER,
+    TENANT_HEADER,
     TOKENS_HEADER,
 )
 from kvgate.policy.decision import Reason, Route
@@ -47,6 +51,17 @@ def _header(key: str, value: str) -> HeaderValueOption:
 
 # What the gate sets itself: a client's header of the same name is overwritten, never removed.
 _OURS = frozenset(ROUTING_HEADERS)
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who the request is from and the priority it was admitted with, forwarded upstream (the queue
+    stores both): the tenant as Envoy set it after authentication, the priority after the route's
+    cap (kvgate.policy.priority). `priority_header` is admission.priority_header."""
+
+    tenant: str
+    priority: str
+    priority_header: str = PRIORITY_HEADER
 
 
 @functools.lru_cache(maxsize=1024)
@@ -79,7 +94,9 @@ def _routed(
     forged: Sequence[str],
     extra: dict[str, str | float],
     namespace: str,
+    *,
     after_body: bool,
+    identity: Identity,
 ) -> ProcessingResponse:
     response = ProcessingResponse.FromString(
         _route_template(route.pool, route.reason, route.endpoint, namespace, after_body)
@@ -88,10 +105,20 @@ def _routed(
     tokens = common.header_mutation.set_headers.add(append_action=_OVERWRITE)
     tokens.header.key = TOKENS_HEADER
     tokens.header.raw_value = str(route.tokens).encode()
+    for name, text in ((TENANT_HEADER, identity.tenant), (identity.priority_header, identity.priority)):
+        forwarded = common.header_mutation.set_headers.add(append_action=_OVERWRITE)
+        forwarded.header.key = name
+        forwarded.header.raw_value = text.encode()
     if forged:
-        common.header_mutation.remove_headers.extend(name for name in forged if name not in _OURS)
+        # Envoy set the tenant and priority after authentication: forwarded above, not removed.
+        kept = (TENANT_HEADER, identity.priority_header)
+        common.header_mutation.remove_headers.extend(
+            name for name in forged if name not in _OURS and name not in kept
+        )
     fields = response.dynamic_metadata.fields[namespace].struct_value.fields
     fields[META_TOKENS].number_value = route.tokens
+    # The one-round-trip set-up cannot change headers: Envoy copies this into x-kvgate-priority.
+    fields[META_PRIORITY].string_value = identity.priority
     for key, value in extra.items():
         if isinstance(value, str):
             fields[key].string_value = value
@@ -105,12 +132,14 @@ def route_after_body(
     forged: Sequence[str],
     extra: dict[str, str | float],
     namespace: str,
+    *,
+    identity: Identity,
     session: str | None = None,
 ) -> ProcessingResponse:
     """Answer the body message: set the routing headers and make Envoy pick the route again; with a
     `session` (a reserved request's reservation id), X-Session-ID, over whatever the client sent: the
     engine's KV events name the reservation by it, and a client's value could name another's."""
-    response = _routed(route, forged, extra, namespace, after_body=True)
+    response = _routed(route, forged, extra, namespace, after_body=True, identity=identity)
     if session is not None:
         response.dynamic_metadata.fields[namespace].struct_value.fields[META_SESSION].string_value = session
         added = response.request_body.response.header_mutation.set_headers.add(append_action=_OVERWRITE)
@@ -120,10 +149,10 @@ def route_after_body(
 
 
 def route_after_headers(
-    route: Route, forged: Sequence[str], skip_body: bool, namespace: str
+    route: Route, forged: Sequence[str], skip_body: bool, namespace: str, identity: Identity
 ) -> ProcessingResponse:
     """Answer the headers message of a request that needs no body inspection."""
-    response = _routed(route, forged, {}, namespace, after_body=False)
+    response = _routed(route, forged, {}, namespace, after_body=False, identity=identity)
     if skip_body:
         response.mode_override.CopyFrom(_SKIP_BODY)
     return response
