@@ -45,7 +45,7 @@ class QueueSettings:
     max_file_bytes_total: int = field(default=6144 * MiB, metadata=at_least(1))
     # Files expire this long after their upload unless the upload's `expires_after` asks for less
     # (OpenAI's default for purpose=batch, and its longest: 30 days). A batch's output and error
-    # files expire `result_ttl_s` after the batch ended, as its jobs' answers do.
+    # files expire this long after the batch ended.
     file_ttl_s: float = field(default=30 * 24 * 3600.0, metadata=at_least(3600))
     # An upload still unfinished this long after it began is dropped (its slot and bytes freed).
     upload_timeout_s: float = field(default=900.0, metadata=at_least(1))

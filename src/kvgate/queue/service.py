@@ -136,7 +136,7 @@ class QueueService:
             on_dispatch=self._dispatched,
             clock=self._clock,
         )
-        self.settler = Settler(self.batches, settings.result_ttl_s)
+        self.settler = Settler(self.batches, settings.file_ttl_s)
         intake = Intake(config)
         refusals = QueueRefusals(config)
         self._jobs_app = JobsApp(
@@ -283,7 +283,7 @@ class QueueService:
         settings = self.config.queue
         await self.jobs.sweep(settings.result_ttl_s)
         await self.files.sweep(settings.upload_timeout_s)
-        # A batch outlives every file it may name (its input expires within file_ttl_s, its output
-        # within result_ttl_s), so that its ids stay meaningful while they may be asked for.
-        await self.batches.sweep(max(settings.file_ttl_s, settings.result_ttl_s))
+        # A batch outlives every file it may name (its input and output files expire within
+        # file_ttl_s), so that its ids stay meaningful while they may be asked for.
+        await self.batches.sweep(settings.file_ttl_s)
         await self._database.reclaim()

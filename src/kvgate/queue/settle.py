@@ -1,6 +1,6 @@
 """Settling batches: once none of a batch's lines is queued or running, write its output and error
-files (its tenant's, kept `queue.result_ttl_s` like its jobs' answers) and give it its final status
-(completed, expired or cancelled).
+files (its tenant's, kept `queue.file_ttl_s` as uploads are: a client may come back for them days
+later) and give it its final status (completed, expired or cancelled).
 
 Called when one of its lines ends on this replica, after a cancel, and now and then for every open
 batch (lines that ended on another replica, expiry); the store makes sure only one replica settles.
