@@ -3,7 +3,6 @@ Envoy, and does what its comments say when run in front of a real gate."""
 
 from __future__ import annotations
 
-import copy
 import json
 import subprocess
 import threading
@@ -18,6 +17,7 @@ import grpc
 import pytest
 import yaml
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
+from jwt_tokens import Signer
 
 from kvgate.config import Config
 from kvgate.gate.processor import request_attributes
@@ -33,6 +33,7 @@ ENVOY_YAML = ROOT / "envoy" / "envoy.yaml"
 
 ACCESS_LOG_YAML = ROOT / "envoy" / "access-log.yaml"
 RATE_LIMIT_YAML = ROOT / "envoy" / "rate-limit.yaml"
+JWT_YAML = ROOT / "envoy" / "envoy-jwt.yaml"
 CHAT = "/v1/chat/completions"
 POOLS = ("interactive", "long", "async")
 
@@ -90,7 +91,14 @@ def test_rate_limit_example_is_envoy_yaml_plus_the_filter_and_its_cluster() -> N
     names = [f["name"] for f in filters]
     # After ext_proc, so the gate's estimate is there when the filter asks the rate-limit service.
     assert names.index("envoy.filters.http.ext_proc") < names.index("envoy.filters.http.ratelimit")
-    assert rate_limit["typed_config"]["rate_limits"][0]["hits_addend"] == {"format": "%REQ(x-kvgate-tokens)%"}
+    by_tenant, anonymous = rate_limit["typed_config"]["rate_limits"]
+    assert by_tenant["actions"] == [
+        {"request_headers": {"header_name": "x-kvgate-tenant", "descriptor_key": "tenant"}}
+    ]
+    # Without the header (the filter copied where no header_mutation sets "anonymous"): still charged.
+    assert anonymous["actions"][0]["header_value_match"]["descriptor_value"] == "anonymous"
+    for charge in (by_tenant, anonymous):
+        assert charge["hits_addend"] == {"format": "%REQ(x-kvgate-tokens)%"}
     filters.remove(rate_limit)
     clusters = example["static_resources"]["clusters"]
     clusters[:] = [c for c in clusters if c["name"] != "ratelimit"]
@@ -200,36 +208,47 @@ def token_budget() -> Iterator[tuple[TokenBudget, int]]:
         server.stop(grace=None).wait(5)
 
 
+def rate_limited(tmp_path: Path, ports: dict[str, int], rls_port: int, jwks: str) -> dict[str, Any]:
+    """envoy/rate-limit.yaml on this run's ports, its service at `rls_port`, behind envoy/envoy-jwt.yaml's
+    jwt_authn filter with the test's keys (the tenants come from tokens)."""
+    config = yaml.safe_load(render_envoy(RATE_LIMIT_YAML, tmp_path / "envoy.yaml", ports).read_text())
+    (cluster,) = [c for c in config["static_resources"]["clusters"] if c["name"] == "ratelimit"]
+    cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"][
+        "port_value"
+    ] = rls_port
+    # The shipped 50 ms deadline fails open on a loaded 2-core CI machine (seen: a third request let
+    # through); the test is about what is charged, not how fast the service answers.
+    (rate_limit,) = [f for f in hcm(config)["http_filters"] if f["name"] == "envoy.filters.http.ratelimit"]
+    rate_limit["typed_config"]["timeout"] = "2s"
+    jwt = hcm(yaml.safe_load(JWT_YAML.read_text()))["http_filters"][0]
+    jwt["typed_config"]["providers"]["kvgate"]["local_jwks"] = {"inline_string": jwks}
+    hcm(config)["http_filters"].insert(0, jwt)
+    return config
+
+
 @pytest.mark.slow
 def test_rate_limit_charges_each_tenant_the_gates_estimate(
     tmp_path: Path, pools: tuple[dict[str, int], Upstreams], token_budget: tuple[TokenBudget, int]
 ) -> None:
     ports, upstreams = pools
     service, rls_port = token_budget
-    config_path = render_envoy(RATE_LIMIT_YAML, tmp_path / "envoy.yaml", ports)
-    config = yaml.safe_load(config_path.read_text())
-    (cluster,) = [c for c in config["static_resources"]["clusters"] if c["name"] == "ratelimit"]
-    rls_cluster = copy.deepcopy(cluster)
-    rls_cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"][
-        "socket_address"
-    ]["port_value"] = rls_port
-    config["static_resources"]["clusters"][config["static_resources"]["clusters"].index(cluster)] = (
-        rls_cluster
-    )
-    # The shipped 50 ms deadline fails open on a loaded 2-core CI machine (seen: a third request let
-    # through); the test is about what is charged, not how fast the service answers.
-    (rate_limit,) = [f for f in hcm(config)["http_filters"] if f["name"] == "envoy.filters.http.ratelimit"]
-    rate_limit["typed_config"]["timeout"] = "2s"
-    config_path.write_text(yaml.safe_dump(config))
+    signer = Signer.create(tmp_path)
+    jwt = hcm(yaml.safe_load(JWT_YAML.read_text()))["http_filters"][0]
+    issuer = jwt["typed_config"]["providers"]["kvgate"]["issuer"]
+    acme = {"authorization": f"Bearer {signer.token(issuer, aud='kvgate', tenant='acme')}"}
+    globex = {"authorization": f"Bearer {signer.token(issuer, aud='kvgate', tenant='globex')}"}
+    config_path = tmp_path / "rate-limit.yaml"
+    config_path.write_text(yaml.safe_dump(rate_limited(tmp_path, ports, rls_port, signer.jwks())))
     envoy = envoy_process(config_path, tmp_path, ports["admin"], ports["listener"])
-    acme = {"x-tenant-id": "acme"}
     try:
         with gate_process("", tmp_path, ports["gate"]):
             statuses = [post(ports["listener"], CHAT, chat("Say hello."), acme).status for _ in range(3)]
-            untenanted = post(ports["listener"], CHAT, chat("Say hello."))
-            other = post(ports["listener"], CHAT, chat("Say hello."), {"x-tenant-id": "globex"})
+            # A client that names itself acme, or any other tenant, is charged as anonymous.
+            forged = {"x-kvgate-tenant": "acme", "x-tenant-id": "acme"}
+            anonymous = [post(ports["listener"], CHAT, chat("Say hello."), h).status for h in ({}, forged)]
+            other = post(ports["listener"], CHAT, chat("Say hello."), globex)
         # The gate is gone: ext_proc fails open, the request carries no estimate and is not charged.
-        unestimated = post(ports["listener"], CHAT, chat("Say hello."), {"x-tenant-id": "globex"})
+        unestimated = post(ports["listener"], CHAT, chat("Say hello."), globex)
     finally:
         envoy.stop()
     tokens = int(upstreams.received[0].headers["x-kvgate-tokens"])
@@ -237,8 +256,28 @@ def test_rate_limit_charges_each_tenant_the_gates_estimate(
     # Two requests fit acme's 3,000-token budget; the third goes past it and Envoy answers 429.
     assert statuses == [200, 200, 429]
     assert service.charges[:3] == [("acme", tokens)] * 3
-    assert untenanted.status == 200 and other.status == 200
-    assert service.charges[3:] == [("globex", tokens)], (
-        "requests without a tenant or estimate are not charged"
-    )
+    assert anonymous == [200, 200] and other.status == 200
+    assert service.charges[3:] == [("anonymous", tokens), ("anonymous", tokens), ("globex", tokens)]
     assert unestimated.status == 200 and "x-kvgate-tokens" not in upstreams.received[-1].headers
+
+
+@pytest.mark.slow
+def test_rate_limit_charges_a_request_without_a_tenant_as_anonymous(
+    tmp_path: Path, pools: tuple[dict[str, int], Upstreams], token_budget: tuple[TokenBudget, int]
+) -> None:
+    """The rate-limit filter copied into a set-up that never sets x-kvgate-tenant: absent is not free."""
+    ports, _ = pools
+    service, rls_port = token_budget
+    config = rate_limited(tmp_path, ports, rls_port, Signer.create(tmp_path).jwks())
+    filters = hcm(config)["http_filters"]
+    filters[:] = [f for f in filters if f["name"] != "envoy.filters.http.header_mutation"]
+    config_path = tmp_path / "rate-limit.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    envoy = envoy_process(config_path, tmp_path, ports["admin"], ports["listener"])
+    try:
+        with gate_process("", tmp_path, ports["gate"]):
+            reply = post(ports["listener"], CHAT, chat("Say hello."))
+    finally:
+        envoy.stop()
+    assert reply.status == 200
+    assert [tenant for tenant, _ in service.charges] == ["anonymous"]

@@ -1,8 +1,12 @@
 """The standalone Envoy bootstrap in front of the gate, built from envoy-data-plane's typed classes.
 
-On the ingress listener an early header mutation strips client copies of the gate's headers before
-the first route selection (so when ext_proc fails open, nothing the client sent picks the pool; the
-client's priority header is left for the gate). Then, by `EnvoySettings.round_trips`:
+On the ingress listener an early header mutation strips client copies of the gate's headers and of
+the identity headers before the first route selection (so when ext_proc fails open, nothing the client
+sent picks the pool, and no client names its own tenant or priority). The operator's authentication
+(`EnvoySettings.identity`: jwt_authn, ext_authz or client certificates) sets the tenant and priority
+again, and a request without an identity gets the anonymous tenant (kvgate.envoyconfig.identity).
+Envoy's own bounds (timeouts, host normalization, the gate cluster's circuit breakers, the overload
+manager) come from kvgate.envoyconfig.limits. Then, by `EnvoySettings.round_trips`:
 - two: ext_proc hands the headers, then the buffered body, to the gate, and the router routes on the
   x-kvgate-pool header the gate set (the gate clears the route cache);
 - one: ext_proc skips the headers and hands the buffered body to the gate with the headers it reads
@@ -38,7 +42,6 @@ with warnings.catch_warnings():
         ClusterLbPolicy,
         ClusterOriginalDstLbConfig,
     )
-    from envoy_data_plane.envoy.config.common.mutation_rules.v3 import HeaderMutation
     from envoy_data_plane.envoy.config.core.v3 import (
         Address,
         DataSource,
@@ -92,9 +95,6 @@ with warnings.catch_warnings():
         HttpConnectionManager,
         HttpFilter,
     )
-    from envoy_data_plane.envoy.extensions.http.early_header_mutation.header_mutation.v3 import (
-        HeaderMutation as EarlyHeaderMutation,
-    )
     from envoy_data_plane.envoy.extensions.transport_sockets.tls.v3 import (
         CertificateValidationContext,
         CommonTlsContext,
@@ -115,6 +115,16 @@ with warnings.catch_warnings():
     )
     from envoy_data_plane.google.protobuf import Any as AnyMessage
 
+from kvgate.config import MiB
+from kvgate.envoyconfig.identity import (
+    AUTHZ_CLUSTER,
+    ExtAuthzAuth,
+    MtlsAuth,
+    auth_filters,
+    listener_tls,
+    strip_client_headers,
+)
+from kvgate.envoyconfig.limits import bound_manager, gate_circuit_breakers, overload_manager
 from kvgate.envoyconfig.routepolicy import Metadata, PolicyPath
 from kvgate.envoyconfig.settings import EnvoySettings, GateTls, HostPort
 from kvgate.gate.processor import request_attributes
@@ -130,8 +140,8 @@ from kvgate.names import (
 
 GATE_CLUSTER = "kvgate_gate"
 PINNED_CLUSTER = "kvgate_pinned"
-# The headers the gate sets, and only those (the client's priority header must reach the gate), each
-# with the key of the gate's dynamic metadata that carries the same value.
+# The headers the gate sets, each with the key of the gate's dynamic metadata that carries the same
+# value.
 GATE_HEADERS = HEADER_FOR_METADATA
 HCM_NAME = "envoy.filters.network.http_connection_manager"
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
@@ -278,17 +288,16 @@ def virtual_hosts(settings: EnvoySettings) -> list[VirtualHost]:
 
 def _headers_from_metadata(settings: EnvoySettings) -> list[HeaderValueOption]:
     """One round trip: the gate's decision, from its metadata, as upstream headers (the pinned cluster
-    reads x-kvgate-endpoint), and a reserved request's session (the client's own kept). Absent
-    metadata formats empty, and an empty header is not added."""
-    actions = HeaderValueOptionHeaderAppendAction
-    pairs = [(header, key, actions.OVERWRITE_IF_EXISTS_OR_ADD) for header, key in GATE_HEADERS.items()]
-    pairs.append((SESSION_HEADER, META_SESSION, actions.ADD_IF_ABSENT))
+    reads x-kvgate-endpoint), and a reserved request's session, the gate's reservation id, which
+    replaces a client's X-Session-ID (the engine's KV events must name the gate's reservation). Absent
+    metadata formats empty, and an empty header is not written (HeaderValueOption.keep_empty_value)."""
+    pairs = [*GATE_HEADERS.items(), (SESSION_HEADER, META_SESSION)]
     return [
         HeaderValueOption(
             header=HeaderValue(key=header, value=f"%DYNAMIC_METADATA({settings.metadata_namespace}:{key})%"),
-            append_action=action,
+            append_action=HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD,
         )
-        for header, key, action in pairs
+        for header, key in pairs
     ]
 
 
@@ -361,39 +370,38 @@ def _buffer(settings: EnvoySettings) -> HttpFilter:
     return HttpFilter(name=BUFFER_FILTER, typed_config=AnyMessage.pack(hold))
 
 
-def _strip_client_headers() -> TypedExtensionConfig:
-    mutation = EarlyHeaderMutation(mutations=[HeaderMutation(remove=name) for name in GATE_HEADERS])
-    return TypedExtensionConfig(
-        name="envoy.http.early_header_mutation.header_mutation", typed_config=AnyMessage.pack(mutation)
-    )
-
-
 def ingress_listener(settings: EnvoySettings) -> Listener:
     one_trip = settings.round_trips == 1
     manager = HttpConnectionManager(
         stat_prefix="ingress",
-        early_header_mutation_extensions=[_strip_client_headers()],
+        early_header_mutation_extensions=[
+            strip_client_headers(tuple(GATE_HEADERS), settings.priority_header)
+        ],
         route_config=RouteConfiguration(
             name="pools",
             virtual_hosts=virtual_hosts(settings),
-            # Policy hosts are named without a port; clients send one in Host when it is not 80/443.
-            ignore_port_in_host_matching=bool(settings.route_layout.hosts),
             request_headers_to_add=_headers_from_metadata(settings) if one_trip else [],
             response_headers_to_add=_decision_for_the_client(settings),
         ),
         http_filters=[
+            *auth_filters(settings.identity, settings.priority_header),
             decompressor_filter(),
             ext_proc_filter(settings),
             *([_buffer(settings)] if one_trip else []),
             _router(),
         ],
     )
+    # Policy hosts are named without a port or a trailing dot: the HCM strips both from Host.
+    bound_manager(manager, settings.limits)
+    chain = _hcm_filter(manager)
+    if isinstance(settings.identity, MtlsAuth):
+        chain.transport_socket = listener_tls(settings.identity)
     return Listener(
         name="ingress",
         address=_address(settings.listen.host, settings.listen.port),
         # BUFFERED ext_proc holds the whole body here; Envoy answers 413 itself past this size.
         per_connection_buffer_limit_bytes=settings.buffer_limit_bytes,
-        filter_chains=[_hcm_filter(manager)],
+        filter_chains=[chain],
     )
 
 
@@ -476,6 +484,9 @@ def clusters(settings: EnvoySettings) -> list[Cluster]:
     gate.typed_extension_protocol_options = {
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": AnyMessage.pack(http2)
     }
+    # Every request in flight holds a stream to the gate: Envoy's default of 1,024 would let a client
+    # that opens that many make Envoy skip the gate for everyone (kvgate.envoyconfig.limits).
+    gate.circuit_breakers = gate_circuit_breakers()
     if settings.gate_tls is not None:
         gate.transport_socket = _gate_tls_socket(settings.gate_tls)
     pinned = Cluster(
@@ -492,13 +503,18 @@ def clusters(settings: EnvoySettings) -> list[Cluster]:
         _dns_cluster(pool_cluster(name), target, datetime.timedelta(seconds=2), settings.buffer_limit_bytes)
         for name, target in settings.pools
     ]
-    return [gate, pinned, *pools]
+    authz = []
+    if isinstance(settings.identity, ExtAuthzAuth):
+        service = HostPort(settings.identity.host, settings.identity.port)
+        authz.append(_dns_cluster(AUTHZ_CLUSTER, service, datetime.timedelta(seconds=1), MiB))
+    return [gate, pinned, *pools, *authz]
 
 
 def render_bootstrap(settings: EnvoySettings) -> dict[str, Any]:
     """The bootstrap as a plain mapping in Envoy's own (snake_case proto JSON) form, ready for YAML."""
     bootstrap = Bootstrap(
         admin=Admin(address=_address("127.0.0.1", settings.admin_port)),
+        overload_manager=overload_manager(settings.limits),
         static_resources=BootstrapStaticResources(
             listeners=[ingress_listener(settings), ready_listener(settings)],
             clusters=clusters(settings),

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import yaml
 
-from kvgate.config import Config, load_config
+from kvgate.config import Config, MiB, load_config
+from kvgate.envoyconfig.identity import ExtAuthzAuth, Identity, JwtAuth, MtlsAuth
+from kvgate.envoyconfig.limits import Limits
 from kvgate.envoyconfig.routepolicy import load_route_policies
 from kvgate.envoyconfig.settings import GateTls, HostPort, envoy_settings, parse_host_port
 from kvgate.errors import ConfigError
@@ -102,6 +104,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         ),
     )
     parser.add_argument("--output", type=Path, help="write here instead of standard output")
+    _register_identity(parser)
+    _register_limits(parser)
     tls = parser.add_argument_group(
         "TLS to the gate (see docs/tls.md)",
         "Paths are where Envoy will find the files: they are not read or checked here, since the "
@@ -135,6 +139,160 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--gate-tls-key", type=_non_empty, metavar="PEM", help="that certificate's private key (unencrypted)"
     )
     parser.set_defaults(func=run)
+
+
+AUTH_MODES = ("none", "jwt", "ext-authz", "mtls")
+# The flags each --auth mode takes: given with another mode, they are refused rather than ignored.
+_MODE_FLAGS = {
+    "jwt": ("jwt_issuer", "jwt_jwks", "jwt_audience", "jwt_tenant_claim", "jwt_priority_claim"),
+    "ext-authz": ("ext_authz", "ext_authz_timeout_ms"),
+    "mtls": ("tls_cert", "tls_key", "client_ca"),
+}
+
+
+def _register_identity(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "client identity (docs/operations.md, Security model)",
+        "Envoy removes x-kvgate-tenant, the priority header (admission.priority_header), x-tenant and "
+        "x-tenant-id from every client request before anything reads them, and sets the tenant and the "
+        "priority again only from an identity it verified. A request without one is the tenant "
+        "'anonymous', charged like any other. Paths are where Envoy will find the files (not read here).",
+    )
+    group.add_argument(
+        "--auth",
+        choices=AUTH_MODES,
+        default="none",
+        help=(
+            "none (default): every client is anonymous. jwt: jwt_authn verifies the bearer token against "
+            "--jwt-jwks and copies its claims into the tenant and priority headers (the token is removed "
+            "once verified). ext-authz: an HTTP authorization service (--ext-authz) answers each request, "
+            "and only its x-kvgate-tenant and priority headers reach the upstream (if it is down, "
+            "requests get 503). mtls: TLS on the listener with client certificates from --client-ca; "
+            "the tenant is the certificate's URI SAN"
+        ),
+    )
+    group.add_argument(
+        "--auth-required",
+        action="store_true",
+        help=(
+            "jwt: a request without a token gets 401 (default: it is anonymous); mtls: a client without a "
+            "certificate is refused at the handshake (default without this flag: anonymous). A bad token "
+            "or certificate is always refused. With ext-authz the service decides"
+        ),
+    )
+    group.add_argument("--jwt-issuer", type=_non_empty, metavar="ISS", help="jwt: the tokens' `iss`")
+    group.add_argument(
+        "--jwt-jwks", type=_non_empty, metavar="FILE", help="jwt: the issuer's public keys (a JWKS file)"
+    )
+    group.add_argument(
+        "--jwt-audience",
+        action="append",
+        metavar="AUD",
+        help="jwt: an accepted `aud` (repeat for several; default: any audience)",
+    )
+    group.add_argument(
+        "--jwt-tenant-claim",
+        type=_non_empty,
+        metavar="CLAIM",
+        help="jwt: the tenant's claim (default tenant)",
+    )
+    group.add_argument(
+        "--jwt-priority-claim",
+        type=_non_empty,
+        metavar="CLAIM",
+        help="jwt: the priority's claim (default kvgate_priority); the route's max_priority still caps it",
+    )
+    group.add_argument("--ext-authz", metavar="HOST:PORT", help="ext-authz: the HTTP authorization service")
+    group.add_argument(
+        "--ext-authz-timeout-ms",
+        type=_positive_int,
+        metavar="MS",
+        help="ext-authz: how long to wait for its answer (default 500)",
+    )
+    group.add_argument("--tls-cert", type=_non_empty, metavar="PEM", help="mtls: Envoy's serving certificate")
+    group.add_argument("--tls-key", type=_non_empty, metavar="PEM", help="mtls: its private key")
+    group.add_argument(
+        "--client-ca", type=_non_empty, metavar="PEM", help="mtls: the CA the client certificates come from"
+    )
+
+
+def _register_limits(parser: argparse.ArgumentParser) -> None:
+    defaults = Limits()
+    group = parser.add_argument_group(
+        "Envoy's bounds",
+        "A client can hold at most these of Envoy. The gate cluster's circuit breakers sit above what the "
+        "heap can hold, so a flood of requests meets a 503 rather than Envoy skipping the gate.",
+    )
+    group.add_argument(
+        "--request-timeout-seconds",
+        type=_positive_int,
+        metavar="S",
+        default=defaults.request_timeout_s,
+        help=(
+            "time to receive a whole request, body included (default %(default)s; uploads to the queue's "
+            "/v1/files must finish within it)"
+        ),
+    )
+    group.add_argument(
+        "--request-headers-timeout-seconds",
+        type=_positive_int,
+        metavar="S",
+        default=defaults.request_headers_timeout_s,
+        help="time to receive a request's headers (default %(default)s)",
+    )
+    group.add_argument(
+        "--max-connections",
+        type=_positive_int,
+        metavar="N",
+        default=defaults.max_connections,
+        help="downstream connections Envoy accepts at once, all listeners (default %(default)s)",
+    )
+    group.add_argument(
+        "--max-heap-mib",
+        type=_positive_int,
+        metavar="MIB",
+        default=defaults.max_heap_bytes // MiB,
+        help=(
+            "Envoy's heap budget: new requests get 503 past 98%% of it (default %(default)s; about 75%% of "
+            "the container's memory limit)"
+        ),
+    )
+
+
+def identity_from_args(args: argparse.Namespace) -> Identity | None:
+    for mode, flags in _MODE_FLAGS.items():
+        given = [flag for flag in flags if getattr(args, flag) is not None]
+        if given and args.auth != mode:
+            raise ConfigError(f"--{given[0].replace('_', '-')} is for --auth {mode} (got --auth {args.auth})")
+    if args.auth == "jwt":
+        if args.jwt_issuer is None or args.jwt_jwks is None:
+            raise ConfigError("--auth jwt needs --jwt-issuer and --jwt-jwks")
+        claims = {"tenant_claim": args.jwt_tenant_claim, "priority_claim": args.jwt_priority_claim}
+        return JwtAuth(
+            issuer=args.jwt_issuer,
+            jwks=args.jwt_jwks,
+            audiences=tuple(args.jwt_audience or ()),
+            required=args.auth_required,
+            **{name: claim for name, claim in claims.items() if claim is not None},
+        )
+    if args.auth == "ext-authz":
+        if args.ext_authz is None:
+            raise ConfigError("--auth ext-authz needs --ext-authz HOST:PORT")
+        if args.auth_required:
+            raise ConfigError("--auth-required: with --auth ext-authz the authorization service decides")
+        service = parse_host_port(args.ext_authz, "--ext-authz")
+        if args.ext_authz_timeout_ms is None:
+            return ExtAuthzAuth(service.host, service.port)
+        return ExtAuthzAuth(service.host, service.port, args.ext_authz_timeout_ms)
+    if args.auth == "mtls":
+        if args.tls_cert is None or args.tls_key is None or args.client_ca is None:
+            raise ConfigError("--auth mtls needs --tls-cert, --tls-key and --client-ca")
+        return MtlsAuth(args.tls_cert, args.tls_key, args.client_ca, required=args.auth_required)
+    if args.auth_required:
+        raise ConfigError(
+            "--auth-required needs --auth jwt or mtls: without authentication, who is required?"
+        )
+    return None
 
 
 def parse_pools(items: list[str]) -> dict[str, HostPort]:
@@ -189,6 +347,13 @@ def run(args: argparse.Namespace) -> int:
     from kvgate.envoyconfig.bootstrap import render_bootstrap
 
     gate_tls = gate_tls_from_args(args)
+    identity = identity_from_args(args)
+    limits = Limits(
+        request_headers_timeout_s=args.request_headers_timeout_seconds,
+        request_timeout_s=args.request_timeout_seconds,
+        max_connections=args.max_connections,
+        max_heap_bytes=args.max_heap_mib * MiB,
+    )
     config = load_config(args.config) if args.config else Config()
     settings = envoy_settings(
         config,
@@ -206,6 +371,8 @@ def run(args: argparse.Namespace) -> int:
         queue=parse_host_port(args.queue, "--queue") if args.queue else None,
         route_policies=load_route_policies(args.route_policies) if args.route_policies else (),
         route_policies_source=str(args.route_policies),
+        identity=identity,
+        limits=limits,
     )
     text = yaml.safe_dump(render_bootstrap(settings), sort_keys=False)
     if args.output:

@@ -10,6 +10,8 @@ from typing import Literal
 
 from kvgate.addresses import split_host_port
 from kvgate.config import Config, MiB
+from kvgate.envoyconfig.identity import Identity
+from kvgate.envoyconfig.limits import Limits
 from kvgate.envoyconfig.routepolicy import RouteLayout, RoutePolicy, layout
 from kvgate.errors import ConfigError
 
@@ -81,6 +83,9 @@ class EnvoySettings:
     queue_idle_timeout_s: int = 330
     # Per-host and per-route policy (kvgate.envoyconfig.routepolicy).
     route_layout: RouteLayout = field(default_factory=RouteLayout)
+    # How Envoy authenticates clients (kvgate.envoyconfig.identity); None: every client is anonymous.
+    identity: Identity | None = None
+    limits: Limits = field(default_factory=Limits)
 
 
 def _referenced_pools(config: Config) -> tuple[set[str], set[str]]:
@@ -105,6 +110,8 @@ def envoy_settings(
     queue: HostPort | None = None,
     route_policies: Sequence[RoutePolicy] = (),
     route_policies_source: str = "route policies",
+    identity: Identity | None = None,
+    limits: Limits | None = None,
 ) -> EnvoySettings:
     """Check the pools against every pool name the gate can set, and size Envoy's buffers to the gate.
 
@@ -160,6 +167,8 @@ def envoy_settings(
         queue_pool=queue_pool,
         queue_idle_timeout_s=math.ceil(config.queue.max_hold_s) + QUEUE_IDLE_MARGIN_S,
         route_layout=layout(route_policies, config.policies, route_policies_source),
+        identity=identity,
+        limits=limits or Limits(),
     )
 
 
