@@ -227,6 +227,7 @@ def test_the_charts_template_and_schema_agree_with_the_table() -> None:
         expected: dict[str, Any] = {
             Kind.TOKENS: {"type": "integer", "minimum": row.minimum, "maximum": row.maximum},
             Kind.POLICY: {"type": "string", "minLength": 1},
+            Kind.PRIORITY: {"type": "string", "minLength": 1},
             Kind.ASYNC: {"enum": list(ASYNC_MODES)},
         }[row.kind]
         assert entry["properties"][row.chart] == expected, row.chart

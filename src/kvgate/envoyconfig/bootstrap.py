@@ -131,6 +131,7 @@ from kvgate.gate.processor import request_attributes
 from kvgate.names import (
     ENDPOINT_HEADER,
     HEADER_FOR_METADATA,
+    META_PRIORITY,
     META_SESSION,
     POOL_HEADER,
     REASON_HEADER,
@@ -289,9 +290,14 @@ def virtual_hosts(settings: EnvoySettings) -> list[VirtualHost]:
 def _headers_from_metadata(settings: EnvoySettings) -> list[HeaderValueOption]:
     """One round trip: the gate's decision, from its metadata, as upstream headers (the pinned cluster
     reads x-kvgate-endpoint), and a reserved request's session, the gate's reservation id, which
-    replaces a client's X-Session-ID (the engine's KV events must name the gate's reservation). Absent
-    metadata formats empty, and an empty header is not written (HeaderValueOption.keep_empty_value)."""
-    pairs = [*GATE_HEADERS.items(), (SESSION_HEADER, META_SESSION)]
+    replaces a client's X-Session-ID (the engine's KV events must name the gate's reservation), and the
+    priority the gate admitted with, for the queue. Absent metadata formats empty, and an empty header
+    is not written (HeaderValueOption.keep_empty_value): Envoy's own priority header then stays."""
+    pairs = [
+        *GATE_HEADERS.items(),
+        (SESSION_HEADER, META_SESSION),
+        (settings.priority_header, META_PRIORITY),
+    ]
     return [
         HeaderValueOption(
             header=HeaderValue(key=header, value=f"%DYNAMIC_METADATA({settings.metadata_namespace}:{key})%"),
