@@ -1,9 +1,9 @@
 """The Helm chart, rendered by the real helm binary: lint, schema, every object valid for Kubernetes.
 
-Built-in kinds are checked with kubernetes-validate (strict: unknown fields fail) against its newest
-Kubernetes version. CRDs (ServiceMonitor, Istio's EnvoyFilter and VirtualService, Envoy Gateway's
-policies, Gateway API routes) are not in its schemas, so `check_custom_resource` checks their
-apiVersion, kind and the spec fields each one requires, nothing more.
+Built-in kinds (NetworkPolicy included) are checked with kubernetes-validate (strict: unknown fields
+fail) against its newest Kubernetes version. CRDs (the Prometheus Operator's, Istio's, Envoy Gateway's,
+Gateway API routes, cert-manager's Certificate) are not in its schemas, so `check_custom_resource` checks
+their apiVersion, kind and the spec fields each one requires, nothing more.
 """
 
 from __future__ import annotations
@@ -116,6 +116,17 @@ def standalone(**overrides: Any) -> dict[str, Any]:
     return values
 
 
+# An authorization service, so that queue.enabled renders (the chart refuses an unauthenticated queue).
+EXT_AUTHZ = {"method": "extAuthz", "extAuthz": {"address": "authz.security.svc.cluster.local"}}
+# envoy.mode none: the NetworkPolicies need to know which pods are your Envoy.
+OWN_ENVOY_PEERS = {"envoyPeers": [{"podSelector": {"matchLabels": {"app": "my-envoy"}}}]}
+
+
+def with_queue(values: dict[str, Any], **queue: Any) -> dict[str, Any]:
+    """`values` with the queue on (and `queue` settings), behind EXT_AUTHZ."""
+    return values | {"queue": {"enabled": True} | queue, "auth": EXT_AUTHZ}
+
+
 def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [doc for doc in docs if doc["kind"] == kind]
 
@@ -142,8 +153,15 @@ def container(workload: dict[str, Any], name: str) -> dict[str, Any]:
 
 CUSTOM_RESOURCES: dict[tuple[str, str], tuple[str, ...]] = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): ("selector", "endpoints"),
+    ("monitoring.coreos.com/v1", "PodMonitor"): ("selector", "podMetricsEndpoints"),
+    ("monitoring.coreos.com/v1", "PrometheusRule"): ("groups",),
     ("networking.istio.io/v1alpha3", "EnvoyFilter"): ("workloadSelector", "configPatches"),
     ("networking.istio.io/v1", "VirtualService"): ("hosts", "http"),
+    ("networking.istio.io/v1", "DestinationRule"): ("host", "trafficPolicy"),
+    ("security.istio.io/v1", "RequestAuthentication"): ("selector", "jwtRules"),
+    ("security.istio.io/v1", "AuthorizationPolicy"): ("selector", "action", "rules"),
+    ("gateway.envoyproxy.io/v1alpha1", "SecurityPolicy"): ("targetRefs",),
+    ("cert-manager.io/v1", "Certificate"): ("secretName", "issuerRef"),
     ("gateway.envoyproxy.io/v1alpha1", "EnvoyExtensionPolicy"): ("targetRefs", "extProc"),
     ("gateway.envoyproxy.io/v1alpha1", "ClientTrafficPolicy"): ("targetRefs",),
     ("gateway.envoyproxy.io/v1alpha1", "EnvoyPatchPolicy"): ("targetRef", "type", "jsonPatches"),
@@ -159,7 +177,7 @@ def check_custom_resource(doc: dict[str, Any]) -> None:
     assert doc["metadata"]["name"] and doc["metadata"]["namespace"]
     for field in CUSTOM_RESOURCES[key]:
         assert doc["spec"].get(field), f"{doc['kind']} {doc['metadata']['name']}: spec.{field} is required"
-    if doc["kind"] in ("EnvoyExtensionPolicy", "ClientTrafficPolicy"):
+    if doc["kind"] in ("EnvoyExtensionPolicy", "ClientTrafficPolicy", "SecurityPolicy"):
         for ref in doc["spec"]["targetRefs"]:
             assert ref["group"] == "gateway.networking.k8s.io" and ref["kind"] == "Gateway" and ref["name"]
     if doc["kind"] == "BackendTrafficPolicy":
@@ -190,6 +208,7 @@ def check_object(doc: dict[str, Any]) -> None:
         "apps",
         "policy",
         "autoscaling",
+        "networking.k8s.io",
     ):
         check_custom_resource(doc)
         return
@@ -229,26 +248,34 @@ VALUE_MATRIX: dict[str, dict[str, Any]] = {
         metrics={"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
         otel={"endpoint": "http://otel-collector.observability:4317"},
     ),
-    "gate-only": {"envoy": {"mode": "none"}},
-    "queue-sqlite": standalone(
-        queue={"enabled": True, "store": {"sqlite": {"persistence": {"storageClassName": "fast-ssd"}}}},
-        gate={"tokenizer": {"source": "configMap", "configMap": {"name": "tok"}}},
+    "gate-only": {"envoy": {"mode": "none"}, "networkPolicy": OWN_ENVOY_PEERS},
+    "queue-sqlite": with_queue(
+        standalone(gate={"tokenizer": {"source": "configMap", "configMap": {"name": "tok"}}}),
+        store={"sqlite": {"persistence": {"storageClassName": "fast-ssd"}}},
     ),
-    "queue-existing-claim": standalone(
-        queue={"enabled": True, "store": {"sqlite": {"persistence": {"existingClaim": "queue-data"}}}}
+    "queue-existing-claim": with_queue(
+        standalone(), store={"sqlite": {"persistence": {"existingClaim": "queue-data"}}}
     ),
-    "queue-tls-agents": standalone(
-        queue={"enabled": True},
-        tls={
-            "agents": {
-                "enabled": True,
-                "secretName": "agents",
-                "clientAuth": True,
-                "clientSecretName": "gate",
+    "queue-tls-agents": with_queue(
+        standalone(
+            tls={
+                "agents": {
+                    "enabled": True,
+                    "secretName": "agents",
+                    "clientAuth": True,
+                    "clientSecretName": "gate",
+                }
             }
-        },
+        )
     ),
-    "queue-gate-only": {"envoy": {"mode": "none"}, "queue": {"enabled": True}},
+    "queue-gate-only": {
+        "envoy": {"mode": "none"},
+        "queue": {"enabled": True, "unauthenticated": True},
+        "networkPolicy": OWN_ENVOY_PEERS,
+    },
+    "no-network-policy-plaintext-agents": standalone(
+        networkPolicy={"enabled": False}, tls={"agents": {"enabled": False, "clientAuth": False}}
+    ),
     "reservation-only-agents": standalone(
         agent={
             "unreservedRequestTokens": 8192,
@@ -299,21 +326,32 @@ def test_mode_switch_renders_only_that_mesh(helm: Helm) -> None:
     mesh_kinds = {
         "EnvoyFilter",
         "VirtualService",
+        "DestinationRule",
+        "RequestAuthentication",
+        "AuthorizationPolicy",
         "EnvoyExtensionPolicy",
         "ClientTrafficPolicy",
         "EnvoyPatchPolicy",
         "HTTPRoute",
         "BackendTrafficPolicy",
+        "SecurityPolicy",
     }
     assert modes["standalone"] & mesh_kinds == set()
     assert modes["queue-postgresql"] & mesh_kinds == set()
-    assert mesh_kinds & modes["istio"] == {"EnvoyFilter", "VirtualService"}
+    assert mesh_kinds & modes["istio"] == {
+        "EnvoyFilter",
+        "VirtualService",
+        "DestinationRule",
+        "RequestAuthentication",
+        "AuthorizationPolicy",
+    }
     assert mesh_kinds & modes["envoy-gateway"] == {
         "EnvoyExtensionPolicy",
         "ClientTrafficPolicy",
         "EnvoyPatchPolicy",
         "HTTPRoute",
         "BackendTrafficPolicy",
+        "SecurityPolicy",
     }
     gate_only = {d["kind"] for d in helm.render(VALUE_MATRIX["gate-only"])}
     assert not gate_only & mesh_kinds
@@ -455,7 +493,8 @@ def test_agent_runs_on_gpu_nodes_without_taking_a_gpu(helm: Helm) -> None:
         assert not any("gpu" in key for key in agent["resources"].get(section, {}))
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert agent["securityContext"]["readOnlyRootFilesystem"] is True
-    assert agent["readinessProbe"]["grpc"] == {"port": 9100}
+    # mTLS by default: the kubelet's grpc probe speaks no TLS.
+    assert agent["readinessProbe"]["tcpSocket"] == {"port": 9100}
     args = agent["args"]
     assert args[args.index("--endpoint") + 1] == "$(NODE_IP):8000"
     assert args[args.index("--engine-metrics") + 1] == "http://$(NODE_IP):8000/metrics"
@@ -581,7 +620,9 @@ def test_queue_on_postgresql_reads_the_url_from_the_secret(helm: Helm) -> None:
     queue = container(deployment, "queue")
     assert deployment["spec"]["replicas"] == 3
     assert "strategy" not in deployment["spec"], "replicas share the database: a rolling update is fine"
-    assert queue["args"][queue["args"].index("--store") + 1] == "$(KVGATE_QUEUE_STORE)"
+    # The URL holds the password: the queue reads it from its environment, never from its command line.
+    assert "--store" not in queue["args"]
+    assert not [arg for arg in queue["args"] if "KVGATE_QUEUE_STORE" in arg]
     (store,) = [e for e in queue["env"] if e["name"] == "KVGATE_QUEUE_STORE"]
     assert store["valueFrom"] == {"secretKeyRef": {"name": "kvgate-queue-db", "key": "url"}}
     assert not by_kind(docs, "PersistentVolumeClaim")
@@ -601,7 +642,7 @@ def test_queue_reaches_tls_agents_as_the_gate_does(helm: Helm) -> None:
 
 def test_queue_turns_on_the_gates_async_fallback_unless_told_not_to(helm: Helm) -> None:
     assert parse_config(gate_config_text(helm.render(VALUE_MATRIX["queue-sqlite"]))).admission.async_fallback
-    values = standalone(queue={"enabled": True}, gate={"config": {"admission": {"async_fallback": False}}})
+    values = with_queue(standalone(gate={"config": {"admission": {"async_fallback": False}}}))
     assert not parse_config(gate_config_text(helm.render(values))).admission.async_fallback
 
 
@@ -676,8 +717,7 @@ def test_service_monitor_selects_only_the_gate_service(helm: Helm) -> None:
 
 
 def test_queue_metrics_are_scraped_by_their_own_service_monitor(helm: Helm) -> None:
-    values = VALUE_MATRIX["observability"] | {"queue": {"enabled": True}}
-    docs = helm.render(values)
+    docs = helm.render(with_queue(VALUE_MATRIX["observability"]))
     for suffix in ("-gate", "-queue"):
         monitor = one(docs, "ServiceMonitor", suffix)
         assert monitor["metadata"]["labels"]["release"] == "prom"
@@ -696,6 +736,17 @@ def test_queue_metrics_are_scraped_by_their_own_service_monitor(helm: Helm) -> N
 
 # --- mesh modes ------------------------------------------------------------------------------------------
 
+# Removed from every client request before anything reads it: the gate's headers, then the identity's.
+STRIPPED_HEADERS = [
+    "x-kvgate-pool",
+    "x-kvgate-endpoint",
+    "x-kvgate-tokens",
+    "x-kvgate-reason",
+    "x-kvgate-tenant",
+    "x-kvgate-priority",
+    "x-tenant",
+    "x-tenant-id",
+]
 RESPONSE_HEADERS = {
     "x-kvgate-pool": "%DYNAMIC_METADATA(kvgate:pool)%",
     "x-kvgate-tokens": "%DYNAMIC_METADATA(kvgate:tokens)%",
@@ -728,9 +779,13 @@ def test_istio_envoy_filter_puts_ext_proc_before_the_router(helm: Helm) -> None:
     assert envoy_filter["metadata"]["namespace"] == "istio-ingress"
     patches = envoy_filter["spec"]["configPatches"]
     http_filters = [p for p in patches if p["applyTo"] == "HTTP_FILTER"]
-    # Both inserted before the router, in this order: the decompressor ends up ahead of ext_proc.
-    decompressor, ext_proc = http_filters
+    # All inserted before the router, in this order: the tenant's default (after Istio's own auth
+    # filters), the decompressor, ext_proc.
+    identity, decompressor, ext_proc = http_filters
+    (anonymous,) = identity["patch"]["value"]["typed_config"]["mutations"]["request_mutations"]
+    assert anonymous["append"]["header"] == {"key": "x-kvgate-tenant", "value": "anonymous"}
     assert [f["patch"]["value"]["name"] for f in http_filters] == [
+        "envoy.filters.http.header_mutation",
         "envoy.filters.http.decompressor",
         "envoy.filters.http.ext_proc",
     ]
@@ -752,7 +807,7 @@ def test_istio_envoy_filter_puts_ext_proc_before_the_router(helm: Helm) -> None:
     (early,) = [p for p in patches if p["applyTo"] == "NETWORK_FILTER"]
     mutation = early["patch"]["value"]["typed_config"]["early_header_mutation_extensions"][0]
     removed = [m["remove"] for m in mutation["typed_config"]["mutations"]]
-    assert removed == ["x-kvgate-pool", "x-kvgate-endpoint", "x-kvgate-tokens", "x-kvgate-reason"]
+    assert removed == STRIPPED_HEADERS
     (listener,) = [p for p in patches if p["applyTo"] == "LISTENER"]
     assert listener["patch"]["value"]["per_connection_buffer_limit_bytes"] > 32 * 1024 * 1024
     (route_config,) = [p for p in patches if p["applyTo"] == "ROUTE_CONFIGURATION"]
@@ -778,7 +833,7 @@ def test_envoy_gateway_policies(helm: Helm) -> None:
     traffic = one(docs, "ClientTrafficPolicy")
     assert int(traffic["spec"]["connection"]["bufferLimit"]) > 32 * 1024 * 1024
     removed = traffic["spec"]["headers"]["earlyRequestHeaders"]["remove"]
-    assert removed == ["x-kvgate-pool", "x-kvgate-endpoint", "x-kvgate-tokens", "x-kvgate-reason"]
+    assert removed == STRIPPED_HEADERS
     assert traffic["spec"]["headers"]["lateResponseHeaders"]["addIfAbsent"] == [
         {"name": header, "value": value} for header, value in RESPONSE_HEADERS.items()
     ]
@@ -976,19 +1031,19 @@ def test_envoy_gateway_route_configuration_names_are_settable(helm: Helm) -> Non
             r"gate\.autoscaling\.minReplicas \(5\) must not exceed gate\.autoscaling\.maxReplicas \(2\)",
         ),
         (
-            standalone(queue={"enabled": True, "replicas": 2}),
+            with_queue(standalone(), replicas=2),
             r"queue\.replicas is 2 but queue\.store\.type is sqlite",
         ),
         (
-            standalone(queue={"enabled": True, "store": {"type": "postgresql"}}),
+            with_queue(standalone(), store={"type": "postgresql"}),
             r"queue\.store\.postgresql\.secretName is required when queue\.store\.type is postgresql",
         ),
         (
-            standalone(queue={"enabled": True}, envoy={"pools": {"async": {"address": "batch", "port": 80}}}),
+            with_queue(standalone(envoy={"pools": {"async": {"address": "batch", "port": 80}}})),
             r"envoy\.pools\.async\.address must stay empty with queue\.enabled",
         ),
         (
-            standalone(queue={"enabled": True}, agent={"enabled": False}),
+            with_queue(standalone(agent={"enabled": False})),
             r"queue\.enabled needs the long pool's agents",
         ),
         (

@@ -18,14 +18,23 @@ from envoy.config.bootstrap.v3 import bootstrap_pb2
 from envoy.extensions.compression.gzip.decompressor.v3 import gzip_pb2  # noqa: F401  (Any types in the bootstrap)
 from envoy.extensions.filters.http.buffer.v3 import buffer_pb2  # noqa: F401  (Any types in the bootstrap)
 from envoy.extensions.filters.http.decompressor.v3 import decompressor_pb2  # noqa: F401
+from envoy.extensions.filters.http.ext_authz.v3 import ext_authz_pb2  # noqa: F401
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2  # noqa: F401  (Any types in the bootstrap)
+from envoy.extensions.filters.http.header_mutation.v3 import header_mutation_pb2  # noqa: F401
 from envoy.extensions.filters.http.health_check.v3 import health_check_pb2  # noqa: F401
+from envoy.extensions.filters.http.jwt_authn.v3 import config_pb2  # noqa: F401
 from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2  # noqa: F401
-from envoy.extensions.http.early_header_mutation.header_mutation.v3 import header_mutation_pb2  # noqa: F401
+from envoy.extensions.http.early_header_mutation.header_mutation.v3 import (  # noqa: F401
+    header_mutation_pb2 as early_header_mutation_pb2,
+)
+from envoy.extensions.resource_monitors.downstream_connections.v3 import downstream_connections_pb2  # noqa: F401
+from envoy.extensions.resource_monitors.fixed_heap.v3 import fixed_heap_pb2  # noqa: F401
+from envoy.extensions.transport_sockets.tls.v3 import tls_pb2  # noqa: F401
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
 from google.protobuf import json_format
 from test_chart import (
+    STRIPPED_HEADERS,
     Helm,
     HelmFailed,
     check_request_decompressor,
@@ -37,6 +46,7 @@ from test_chart import (
 
 from kvgate.config import parse_config
 from kvgate.envoyconfig.cli import register
+from kvgate.envoyconfig.limits import Limits
 from kvgate.envoyconfig.routepolicy import RoutePolicy
 from kvgate.envoyconfig.settings import HostPort, envoy_settings
 from kvgate.errors import ConfigError
@@ -147,13 +157,17 @@ BOOTSTRAP_CASES: dict[str, dict[str, Any]] = {
             "standalone": {"roundTrips": 1},
         },
     ),
+    # auth.method none, as `kvgate envoy-config` renders without --auth (test_chart_security covers auth).
     "queue": standalone(
-        queue={"enabled": True, "port": 8080}, gate={"config": {"queue": {"max_hold_s": 120.5}}}
+        queue={"enabled": True, "unauthenticated": True, "port": 8080},
+        gate={"config": {"queue": {"max_hold_s": 120.5}}},
     ),
-    "queue-one-trip": standalone(queue={"enabled": True}, envoy={"standalone": {"roundTrips": 1}}),
+    "queue-one-trip": standalone(
+        queue={"enabled": True, "unauthenticated": True}, envoy={"standalone": {"roundTrips": 1}}
+    ),
     "route-policies": standalone(
         gate={"config": {"policies": {"batch": {"async_mode": "prefer", "max_total_tokens": 32768}}}},
-        queue={"enabled": True},
+        queue={"enabled": True, "unauthenticated": True},
         envoy={"routePolicies": ROUTE_POLICIES},
     ),
     "route-policies-one-trip": standalone(
@@ -191,6 +205,8 @@ def python_bootstrap(values: dict[str, Any]) -> dict[str, Any]:
             else None
         ),
         route_policies=[route_policy(entry) for entry in envoy.get("routePolicies", [])],
+        # The chart's defaults: its Envoy's heap budget is 80% of its 2 GiB memory limit.
+        limits=Limits(max_heap_bytes=int(2 * 1024**3 * 0.8)),
     )
     return render_bootstrap(settings)
 
@@ -220,18 +236,14 @@ def test_bootstrap_routes_pins_and_strips(helm: Helm) -> None:
     assert "headers" not in routes[-1]["match"], "the catch-all must come last"
     assert routes[1]["match"]["headers"][1] == {"name": "x-kvgate-endpoint", "present_match": True}
     mutations = manager["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
-    assert [m["remove"] for m in mutations] == [
-        "x-kvgate-pool",
-        "x-kvgate-endpoint",
-        "x-kvgate-tokens",
-        "x-kvgate-reason",
-    ]
+    assert [m["remove"] for m in mutations] == STRIPPED_HEADERS
     assert [f["name"] for f in manager["http_filters"]] == [
+        "envoy.filters.http.header_mutation",
         "envoy.filters.http.decompressor",
         "envoy.filters.http.ext_proc",
         "envoy.filters.http.router",
     ]
-    check_request_decompressor(manager["http_filters"][0])
+    check_request_decompressor(manager["http_filters"][1])
     check_response_headers(manager["route_config"]["response_headers_to_add"])
     ext_proc = http_filter(manager, "envoy.filters.http.ext_proc")
     assert ext_proc["failure_mode_allow"] is False
@@ -261,6 +273,7 @@ def http_filter(manager: dict[str, Any], name: str) -> dict[str, Any]:
 def test_one_trip_bootstrap_sends_the_body_alone_and_routes_on_metadata(helm: Helm) -> None:
     manager = ingress_manager(chart_bootstrap(helm, BOOTSTRAP_CASES["one-trip"]))
     assert [f["name"] for f in manager["http_filters"]] == [
+        "envoy.filters.http.header_mutation",
         "envoy.filters.http.decompressor",
         "envoy.filters.http.ext_proc",
         "envoy.filters.http.buffer",
@@ -292,7 +305,8 @@ def test_one_trip_bootstrap_sends_the_body_alone_and_routes_on_metadata(helm: He
         "x-kvgate-endpoint": ("%DYNAMIC_METADATA(kvgate:endpoint)%", "OVERWRITE_IF_EXISTS_OR_ADD"),
         "x-kvgate-tokens": ("%DYNAMIC_METADATA(kvgate:tokens)%", "OVERWRITE_IF_EXISTS_OR_ADD"),
         "x-kvgate-reason": ("%DYNAMIC_METADATA(kvgate:reason)%", "OVERWRITE_IF_EXISTS_OR_ADD"),
-        "x-session-id": ("%DYNAMIC_METADATA(kvgate:session)%", "ADD_IF_ABSENT"),
+        # The gate's reservation id replaces a client's own (the engine's KV events name the reservation).
+        "x-session-id": ("%DYNAMIC_METADATA(kvgate:session)%", "OVERWRITE_IF_EXISTS_OR_ADD"),
     }
 
 
@@ -368,12 +382,17 @@ def policy_of(typed_per_filter_config: dict[str, Any]) -> dict[str, str]:
 
 def test_route_policies_become_virtual_hosts_and_routes(helm: Helm) -> None:
     route_config = ingress_manager(chart_bootstrap(helm, BOOTSTRAP_CASES["route-policies"]))["route_config"]
-    assert route_config["ignore_port_in_host_matching"] is True, "Host carries a port off 80/443"
     hosts = {v["name"]: v for v in route_config["virtual_hosts"]}
     assert list(hosts) == ["pools", "policy-strict", "policy-tenants"]
     assert hosts["pools"]["domains"] == ["*"] and "typed_per_filter_config" not in hosts["pools"]
     strict = hosts["policy-strict"]
-    assert strict["domains"] == ["strict.example.com", "strict.local"]
+    # Each host with any port too (test_chart_security: the HCM also strips ports and trailing dots).
+    assert strict["domains"] == [
+        "strict.example.com",
+        "strict.example.com:*",
+        "strict.local",
+        "strict.local:*",
+    ]
     assert policy_of(strict["typed_per_filter_config"]) == {"x-kvgate-max-total-tokens": "2000"}
     assert "typed_per_filter_config" not in hosts["policy-tenants"]
 
@@ -508,7 +527,9 @@ def chart_stack(
     pools = {name: {"address": "127.0.0.1", "port": ports[name]} for name in ("interactive", "long", "async")}
     values = {
         "gate": {"port": ports["gate"], "workers": 1, "drainSeconds": 5},
+        # No agents here, so no agent certificates for the gate to load.
         "agent": {"enabled": False},
+        "tls": {"agents": {"enabled": False, "clientAuth": False}},
         "envoy": {
             "mode": "standalone",
             "pools": pools,

@@ -26,6 +26,7 @@ import yaml
 from pki import Authority
 from test_chart import (
     CHART,
+    OWN_ENVOY_PEERS,
     Helm,
     HelmFailed,
     by_kind,
@@ -266,7 +267,9 @@ def test_grpc_probes_become_tcp_probes_on_a_tls_port(helm: Helm, gate_tls: bool,
 
 
 def test_tls_off_renders_no_tls(helm: Helm) -> None:
-    docs = helm.render(standalone())
+    """Both links plaintext, as an operator may still choose (agents are mTLS by default)."""
+    docs = helm.render(standalone(tls={"agents": {"enabled": False, "clientAuth": False}}))
+    assert not by_kind(docs, "Secret") and not by_kind(docs, "Certificate")
     for workload in [*by_kind(docs, "Deployment"), *by_kind(docs, "DaemonSet")]:
         assert not tls_volumes(workload)
     assert "tls" not in yaml.safe_load(gate_config_text(docs))
@@ -279,7 +282,10 @@ def test_tls_off_renders_no_tls(helm: Helm) -> None:
 @pytest.mark.parametrize("mode", ["istio", "envoy-gateway", "none"])
 def test_agent_tls_works_in_every_mode(helm: Helm, mode: str) -> None:
     files = [] if mode == "none" else [CHART / "ci" / f"{mode}-values.yaml"]
-    docs = helm.render({"envoy": {"mode": mode}, "tls": tls_values(gate=False)}, *files)
+    values = {"envoy": {"mode": mode}, "tls": tls_values(gate=False)}
+    if mode == "none":
+        values["networkPolicy"] = OWN_ENVOY_PEERS
+    docs = helm.render(values, *files)
     for doc in docs:
         check_object(doc)
     assert parse_config(gate_config_text(docs)).tls.agents.enabled
@@ -288,7 +294,9 @@ def test_agent_tls_works_in_every_mode(helm: Helm, mode: str) -> None:
 
 def test_gate_tls_with_your_own_envoy(helm: Helm) -> None:
     """envoy.mode none: the gate serves TLS; the Envoy and its certificate are yours."""
-    docs = helm.render({"envoy": {"mode": "none"}, "tls": tls_values(agents=False)})
+    docs = helm.render(
+        {"envoy": {"mode": "none"}, "tls": tls_values(agents=False), "networkPolicy": OWN_ENVOY_PEERS}
+    )
     assert not [d for d in docs if d["metadata"]["name"].endswith("-envoy")]
     gate = one(docs, "Deployment", "-gate")
     assert projected(gate, "tls-gate") == own(GATE_SECRET) | ca_of(ENVOY_SECRET)
@@ -329,10 +337,6 @@ def test_helm_lint_passes_with_tls(helm: Helm, tmp_path: Path) -> None:
             r"tls\.gate\.secretName is required when tls\.gate\.enabled is true",
         ),
         (
-            tls_override("agents", clientSecretName=""),
-            r"tls\.agents\.clientSecretName is required when tls\.agents\.clientAuth is true",
-        ),
-        (
             tls_override("gate", clientSecretName=""),
             r"tls\.gate\.clientSecretName is required when tls\.gate\.clientAuth is true",
         ),
@@ -362,7 +366,6 @@ def test_helm_lint_passes_with_tls(helm: Helm, tmp_path: Path) -> None:
         "empty-server-name",
         "gate-config-tls-is-the-charts",
         "gate-without-secret",
-        "agents-client-auth-without-secret",
         "gate-client-auth-without-secret",
         "client-auth-without-tls",
         "istio",

@@ -5,7 +5,8 @@ Debian packages, since no registry is reachable here (tests/dockerd.py), and tag
 the chart renders. Then the pods of `helm template -f charts/kvgate/examples/try.yaml` run as
 containers, one per pod container, exactly as rendered: args (with the downward-API variables the
 kubelet would expand), user, read-only root, dropped capabilities, no privilege escalation, env, the
-rendered gate config mounted where the chart mounts it, emptyDirs as tmpfs. Host networking stands in
+rendered gate config mounted where the chart mounts it, the agents' mTLS certificates the chart generates
+mounted from its rendered Secrets, emptyDirs as tmpfs. Host networking stands in
 for the pod network: on Kubernetes every pod has its own address, here every pod has its own ports on
 127.0.0.1 (the gate's agent Service names resolve to 127.0.0.1), remapped the way
 kvgate.harness.envoy remaps the shipped Envoy config, which runs in front (.venv/bin/envoy).
@@ -25,6 +26,7 @@ import sys
 import threading
 import time
 import urllib.request
+from base64 import b64decode
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -231,6 +233,8 @@ class Pod:
     ports: dict[int, int]
     env: dict[str, str] = field(default_factory=dict)
     config_dirs: dict[str, Path] = field(default_factory=dict)
+    # Projected Secret volumes (the agents' mTLS files) by volume name, written as the kubelet would.
+    secret_dirs: dict[str, Path] = field(default_factory=dict)
     hosts: tuple[str, ...] = ()
 
     def port(self, container_name: str, port_name: str) -> int:
@@ -259,8 +263,12 @@ class Pod:
             elif "configMap" in volume:
                 source = self.config_dirs[volume["configMap"]["name"]]
                 argv += ["--volume", f"{source}:{mount['mountPath']}:ro"]
+            elif "projected" in volume:
+                argv += ["--volume", f"{self.secret_dirs[mount['name']]}:{mount['mountPath']}:ro"]
             else:
-                raise AssertionError(f"volume {mount['name']}: only emptyDir and configMap are run here")
+                raise AssertionError(
+                    f"volume {mount['name']}: only emptyDir, configMap and projected run here"
+                )
         for variable in spec.get("env", []):
             value = variable["value"] if "value" in variable else self.env[variable["name"]]
             argv += ["--env", f"{variable['name']}={value}"]
@@ -269,11 +277,37 @@ class Pod:
         return [*argv, image, *(localize(expand(arg, self.env), self.ports) for arg in spec["args"])]
 
 
-def sim_pod(docs: list[dict[str, Any]], pool: str) -> Pod:
+def secret_dirs(docs: list[dict[str, Any]], spec: dict[str, Any], tmp: Path) -> dict[str, Path]:
+    """Each projected volume of a pod, written from the rendered Secrets it names (the chart generates
+    the agents' certificates), readable by the pod's numeric user as the kubelet's fsGroup makes them."""
+    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+    result: dict[str, Path] = {}
+    for volume in spec["volumes"]:
+        if "projected" not in volume:
+            continue
+        directory = tmp / volume["name"]
+        directory.mkdir(parents=True)
+        for source in volume["projected"]["sources"]:
+            data = secrets[source["secret"]["name"]]["data"]
+            for item in source["secret"]["items"]:
+                (directory / item["path"]).write_bytes(b64decode(data[item["key"]]))
+                (directory / item["path"]).chmod(0o644)
+        directory.chmod(0o755)
+        result[volume["name"]] = directory
+    return result
+
+
+def sim_pod(docs: list[dict[str, Any]], pool: str, tmp: Path) -> Pod:
     spec = one(docs, "Deployment", f"-sim-{pool}")["spec"]["template"]["spec"]
     ports = {p["containerPort"]: free_port() for c in spec["containers"] for p in c["ports"]}
     # The downward API: this pod's name and address.
-    return Pod(f"sim-{pool}", spec, ports, env={"POD_NAME": f"sim-{pool}-0", "POD_IP": "127.0.0.1"})
+    return Pod(
+        f"sim-{pool}",
+        spec,
+        ports,
+        env={"POD_NAME": f"sim-{pool}-0", "POD_IP": "127.0.0.1"},
+        secret_dirs=secret_dirs(docs, spec, tmp / f"sim-{pool}"),
+    )
 
 
 def gate_pod(docs: list[dict[str, Any]], sims: dict[str, Pod], tmp: Path) -> Pod:
@@ -296,18 +330,26 @@ def gate_pod(docs: list[dict[str, Any]], sims: dict[str, Pod], tmp: Path) -> Pod
     config_dir.chmod(0o755)
     (config_dir / "kvgate.yaml").chmod(0o644)
     return Pod(
-        "gate", spec, ports, config_dirs={config_map["metadata"]["name"]: config_dir}, hosts=tuple(hosts)
+        "gate",
+        spec,
+        ports,
+        config_dirs={config_map["metadata"]["name"]: config_dir},
+        secret_dirs=secret_dirs(docs, spec, tmp / "gate"),
+        hosts=tuple(hosts),
     )
 
 
 @dataclass
 class Stack:
     docker: Docker
+    image: str
     prefix: str
     listener: int
     admin: int
     gate: Pod
     sims: dict[str, Pod]
+    # The name in the agents' certificate (the chart's tls.agents.serverName).
+    agent_server_name: str
     names: list[str] = field(default_factory=list)
 
     def start(self, pod: Pod, image: str) -> None:
@@ -355,7 +397,7 @@ def stack(
     docker: Docker, image: Built, docs: list[dict[str, Any]], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("image")
-    sims = {pool: sim_pod(docs, pool) for pool in ("interactive", "long")}
+    sims = {pool: sim_pod(docs, pool, tmp) for pool in ("interactive", "long")}
     gate = gate_pod(docs, sims, tmp)
     ports = {
         "listener": free_port(),
@@ -366,7 +408,17 @@ def stack(
         "async": free_port(),
     }
     envoy_config = render_envoy(ROOT / "envoy" / "envoy.yaml", tmp / "envoy.yaml", ports)
-    running = Stack(docker, f"kvgate-test-{os.getpid()}", ports["listener"], ports["admin"], gate, sims)
+    gate_config = yaml.safe_load(one(docs, "ConfigMap", "-gate")["data"]["kvgate.yaml"])
+    running = Stack(
+        docker,
+        image.tag,
+        f"kvgate-test-{os.getpid()}",
+        ports["listener"],
+        ports["admin"],
+        gate,
+        sims,
+        gate_config["tls"]["agents"]["server_name"],
+    )
     envoy: Service | None = None
     try:
         for pod in (*sims.values(), gate):
@@ -386,16 +438,21 @@ def long_chat(repeats: int, max_tokens: int) -> bytes:
 
 
 def wait_reserved(stack: Stack, pool: str, wanted: Callable[[int], bool], timeout_s: float) -> int:
-    """Poll the pool agent's reserved tokens with `kvgate status` run inside that agent's container
-    (the image's own status command), until they satisfy `wanted`; the last value seen."""
-    agent = stack.container(stack.sims[pool], "agent")
+    """Poll the pool agent's reserved tokens with `kvgate status` (the image's own status command),
+    until they satisfy `wanted`; the last value seen. The agents take mTLS only: it runs in a container
+    of its own holding the gate's client certificate, which outlives the gate's."""
     address = f"127.0.0.1:{stack.agent_port(pool)}"
+    tls = "/etc/kvgate-tls/agents"
+    status = [
+        *("run", "--rm", "--network", "host", "--user", "65532:65532"),
+        *("--volume", f"{stack.gate.secret_dirs['tls-agents']}:{tls}:ro", stack.image),
+        *("status", "--agent", address, "--json", "--tls-server-name", stack.agent_server_name),
+        *("--tls-ca", f"{tls}/ca.crt", "--tls-cert", f"{tls}/tls.crt", "--tls-key", f"{tls}/tls.key"),
+    ]
     reserved = -1
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        result = stack.docker.run(
-            "exec", agent, "kvgate", "status", "--agent", address, "--json", check=False
-        )
+        result = stack.docker.run(*status, check=False)
         if result.returncode == 0:
             reserved = json.loads(result.stdout)["reserved"]["tokens"]
             if wanted(reserved):

@@ -136,7 +136,7 @@ volumeMounts:
 {{- /* Serving the gate: its own certificate; with clientAuth, the CA of the gate's certificate. */}}
 {{ include "kvgate.tls.volume" (dict
       "name" "tls-agents"
-      "cert" $tls.secretName
-      "ca" (ternary $tls.clientSecretName "" $tls.clientAuth)) }}
+      "cert" (include "kvgate.tls.agents.secretName" .)
+      "ca" (ternary (include "kvgate.tls.agents.clientSecretName" .) "" $tls.clientAuth)) }}
 {{- end }}
 {{- end -}}

@@ -1,9 +1,12 @@
 {{/*
 The standalone Envoy bootstrap. `kvgate envoy-config` renders the same document from Python; a test
-keeps the two equal. An early header mutation strips the gate's headers from client requests (when
-ext_proc fails open the route must not follow a client's header), a decompressor inflates gzip request
-bodies, ext_proc asks the gate, the router routes on its decision, and the route table copies the
-decision from the gate's metadata into the x-kvgate-pool/-tokens/-reason response headers. envoy.standalone.roundTrips 2: the gate sees the headers, then the body, and
+keeps the two equal. An early header mutation strips the gate's and the identity headers from client
+requests (when ext_proc fails open the route must not follow a client's header; no client names its own
+tenant), the operator's authentication (auth.method) and the identity filter set the tenant, a
+decompressor inflates gzip request bodies, ext_proc asks the gate, the router routes on its decision,
+and the route table copies the decision from the gate's metadata into the x-kvgate-pool/-tokens/-reason
+response headers; Envoy's own bounds (kvgate.envoy.hcmBounds, the overload manager, the gate cluster's
+circuit breakers) keep it deciding. envoy.standalone.roundTrips 2: the gate sees the headers, then the body, and
 routes match the x-kvgate-pool header it sets. 1: the gate sees the body alone, with the headers it
 reads as request attributes; it answers with dynamic metadata, a buffer filter holds the request until
 then, routes match the metadata and the route table copies it into the x-kvgate-* upstream headers.
@@ -14,13 +17,15 @@ then, routes match the metadata and the route table copies it into the x-kvgate-
 {{- $oneTrip := eq (int $standalone.roundTrips) 1 -}}
 {{- /* The gate's server.metadata_namespace: the chart writes server itself and keeps the default. */ -}}
 {{- $namespace := "kvgate" -}}
-{{- $priorityHeader := dig "admission" "priority_header" "x-kvgate-priority" (.Values.gate.config | default dict) | lower -}}
+{{- $priorityHeader := include "kvgate.priorityHeader" . -}}
 {{- $bufferLimit := include "kvgate.envoy.bufferLimitBytes" . | int -}}
 {{- $gateTls := .Values.tls.gate -}}
 {{- $pools := include "kvgate.pools" . | fromJson -}}
 {{- $layout := include "kvgate.routePolicies" . | fromJson -}}
-{{- if $gateTls.enabled -}}
-# File-based SDS (the gate's certificates below) needs a node identity; no management server uses it.
+{{- $clientTls := eq .Values.auth.method "mtls" -}}
+{{- $scraped := .Values.metrics.serviceMonitor.enabled -}}
+{{- if or $gateTls.enabled $clientTls -}}
+# File-based SDS (the certificates below) needs a node identity; no management server uses it.
 node:
   id: {{ include "kvgate.envoy.fullname" . }}
   cluster: {{ include "kvgate.envoy.fullname" . }}
@@ -30,6 +35,34 @@ admin:
     socket_address:
       address: 127.0.0.1
       port_value: {{ $standalone.adminPort }}
+# Past the connection limit Envoy accepts no more connections; as its heap fills it returns memory to the
+# system, then answers new requests 503, rather than being OOM-killed with every request in flight
+# (overload_manager.proto, downstream_connections.proto, fixed_heap.proto, Envoy v1.40; the thresholds
+# are Envoy Gateway's, internal/xds/bootstrap/bootstrap.yaml.tpl, envoyproxy/gateway
+# d32f28294245e454d20f81d323d626a90e660c1e).
+overload_manager:
+  refresh_interval: 0.25s
+  resource_monitors:
+    - name: envoy.resource_monitors.fixed_heap
+      typed_config:
+        "@type": type.googleapis.com/envoy.extensions.resource_monitors.fixed_heap.v3.FixedHeapConfig
+        max_heap_size_bytes: {{ include "kvgate.envoy.maxHeapBytes" . }}
+    # Checked as each connection is accepted: needs no action.
+    - name: envoy.resource_monitors.global_downstream_max_connections
+      typed_config:
+        "@type": type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig
+        max_active_downstream_connections: {{ int64 $standalone.overload.maxDownstreamConnections }}
+  actions:
+    - name: envoy.overload_actions.shrink_heap
+      triggers:
+        - name: envoy.resource_monitors.fixed_heap
+          threshold:
+            value: 0.95
+    - name: envoy.overload_actions.stop_accepting_requests
+      triggers:
+        - name: envoy.resource_monitors.fixed_heap
+          threshold:
+            value: 0.98
 static_resources:
   listeners:
     - name: ingress
@@ -39,13 +72,27 @@ static_resources:
           port_value: {{ $standalone.listenPort }}
       per_connection_buffer_limit_bytes: {{ $bufferLimit }}
       filter_chains:
+        {{- if $clientTls }}
+        # auth.method mtls: only clients with a certificate from the clients' CA get through.
+        - {{- include "kvgate.auth.downstreamTls" . | nindent 10 }}
+          filters:
+        {{- else }}
         - filters:
+        {{- end }}
             - name: envoy.filters.network.http_connection_manager
               typed_config:
                 "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
                 stat_prefix: ingress
-                # Before the first route selection: when ext_proc fails open, no client-sent
-                # gate header can pick the pool or the pinned endpoint.
+                {{- include "kvgate.envoy.hcmBounds" . | trim | nindent 16 }}
+                # Envoy's edge settings (docs/root/configuration/best_practices/edge.rst): a connection
+                # opens at most 100 streams, and `x_kvgate_tenant` cannot reach an upstream that reads `_`
+                # as `-` past the removal of `x-kvgate-tenant`.
+                http2_protocol_options:
+                  max_concurrent_streams: 100
+                common_http_protocol_options:
+                  headers_with_underscores_action: DROP_HEADER
+                # Before the first route selection: when ext_proc fails open, no client-sent gate header
+                # can pick the pool or the pinned endpoint, and no client names its own tenant or priority.
                 early_header_mutation_extensions:
                   {{- include "kvgate.stripGateHeaders" . | nindent 18 }}
                 route_config:
@@ -63,15 +110,11 @@ static_resources:
                         value: {{ printf "%%DYNAMIC_METADATA(%s:%s)%%" $namespace (trimPrefix "x-kvgate-" $header) | quote }}
                       append_action: OVERWRITE_IF_EXISTS_OR_ADD
                     {{- end }}
-                    # A reserved request's id for the engine's KV events; the client's own is kept.
+                    # The gate's reservation id, for the engine's KV events: it replaces a client's own.
                     - header:
                         key: x-session-id
                         value: {{ printf "%%DYNAMIC_METADATA(%s:session)%%" $namespace | quote }}
-                      append_action: ADD_IF_ABSENT
-                  {{- end }}
-                  {{- if $layout.hosts }}
-                  # Policy hosts are named without a port; clients send one in Host when it is not 80/443.
-                  ignore_port_in_host_matching: true
+                      append_action: OVERWRITE_IF_EXISTS_OR_ADD
                   {{- end }}
                   virtual_hosts:
                     - name: pools
@@ -80,8 +123,13 @@ static_resources:
                         {{- include "kvgate.envoy.routes" (dict "root" . "paths" $layout.paths "oneTrip" $oneTrip "namespace" $namespace) | nindent 24 }}
                     {{- range $host := $layout.hosts }}
                     - name: {{ printf "policy-%s" $host.name }}
+                      # With and without a port (the HCM strips it too): a policy host's requests never
+                      # fall through to the catch-all.
                       domains:
-                        {{- toYaml $host.hosts | nindent 24 }}
+                        {{- range $host.hosts }}
+                        - {{ . | quote }}
+                        - {{ printf "%s:*" . | quote }}
+                        {{- end }}
                       {{- with $host.metadata }}
                       typed_per_filter_config:
                         {{- include "kvgate.routePolicies.extProcPerRoute" . | nindent 24 }}
@@ -90,6 +138,8 @@ static_resources:
                         {{- include "kvgate.envoy.routes" (dict "root" $ "paths" $host.paths "oneTrip" $oneTrip "namespace" $namespace) | nindent 24 }}
                     {{- end }}
                 http_filters:
+                  {{- include "kvgate.auth.standaloneFilter" . | nindent 18 }}
+                  - {{- include "kvgate.identityFilter" . | nindent 20 }}
                   - {{- include "kvgate.decompressorFilter" . | nindent 20 }}
                   - name: envoy.filters.http.ext_proc
                     typed_config:
@@ -105,7 +155,7 @@ static_resources:
                         - request.path
                         - request.method
                         - request.id
-                        {{- range $header := list "content-type" "content-encoding" $priorityHeader "prefer" "traceparent" "tracestate" }}
+                        {{- range $header := list "content-type" "content-encoding" $priorityHeader (include "kvgate.tenantHeader" $) "prefer" "traceparent" "tracestate" }}
                         - {{ printf "request.headers['%s']" $header | quote }}
                         {{- end }}
                       {{- else }}
@@ -136,6 +186,9 @@ static_resources:
         socket_address:
           address: {{ $standalone.listenAddress }}
           port_value: {{ $standalone.readyPort }}
+      # The liveness probe still connects when clients hold every connection the overload manager allows
+      # (a readiness probe fails while it sheds requests: the pod leaves the Service until it recovers).
+      ignore_global_conn_limit: true
       filter_chains:
         - filters:
             - name: envoy.filters.network.http_connection_manager
@@ -144,6 +197,18 @@ static_resources:
                 stat_prefix: ready
                 route_config:
                   name: ready
+                  {{- if $scraped }}
+                  # Monitoring on: admin's Prometheus page, and only it, for the PodMonitor (admin itself
+                  # stays on 127.0.0.1).
+                  virtual_hosts:
+                    - name: stats
+                      domains: ["*"]
+                      routes:
+                        - match:
+                            path: /stats/prometheus
+                          route:
+                            cluster: kvgate_admin
+                  {{- end }}
                 http_filters:
                   - name: envoy.filters.http.health_check
                     typed_config:
@@ -167,6 +232,15 @@ static_resources:
           "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
           explicit_http_config:
             http2_protocol_options: {}
+      # Every request in flight holds an ext_proc stream; past Envoy's default 1,024 every further
+      # request would fail open (cluster/v3/circuit_breaker.proto, Envoy v1.40).
+      circuit_breakers:
+        thresholds:
+          - max_connections: {{ int64 $envoy.gateCircuitBreaker.maxConnections }}
+            max_pending_requests: {{ int64 $envoy.gateCircuitBreaker.maxPendingRequests }}
+            max_requests: {{ int64 $envoy.gateCircuitBreaker.maxRequests }}
+            # ext_proc streams are not retried: Envoy's default.
+            max_retries: 3
       {{- if $gateTls.enabled }}
       # As envoy/envoy-tls.yaml, with the files delivered by file-based SDS: Envoy reloads them when the
       # Secret volume changes, where `filename` sources are read once at start.
@@ -220,6 +294,20 @@ static_resources:
       original_dst_lb_config:
         use_http_header: true
         http_header_name: x-kvgate-endpoint
+    {{- if $scraped }}
+    - name: kvgate_admin
+      type: STATIC
+      connect_timeout: 1s
+      load_assignment:
+        cluster_name: kvgate_admin
+        endpoints:
+          - lb_endpoints:
+              - endpoint:
+                  address:
+                    socket_address:
+                      address: 127.0.0.1
+                      port_value: {{ $standalone.adminPort }}
+    {{- end }}
     {{- range $name, $pool := $pools }}
     {{- if $pool.address }}
     - name: {{ printf "pool_%s" $name }}
@@ -237,6 +325,7 @@ static_resources:
                       port_value: {{ int $pool.port }}
     {{- end }}
     {{- end }}
+    {{- include "kvgate.auth.standaloneClusters" . | nindent 4 }}
 {{- end -}}
 
 {{/*

@@ -251,9 +251,9 @@ port: {{ int $pool.port }}
 {{- end -}}
 
 {{/*
-The headers the gate sets, removed from client requests before the first route selection: when
-ext_proc fails open nothing a client sent may pick the pool or the pinned endpoint. Only these: the
-client's priority header (admission.priority_header) must still reach the gate.
+The headers the gate sets, removed from client requests before the first route selection (with the
+identity headers, kvgate.strippedHeaders): when ext_proc fails open nothing a client sent may pick the pool
+or the pinned endpoint. With one round trip the route table copies these from the gate's metadata.
 */}}
 {{- define "kvgate.gateHeaders" -}}
 x-kvgate-pool,x-kvgate-endpoint,x-kvgate-tokens,x-kvgate-reason
@@ -317,7 +317,7 @@ typed_config:
   typed_config:
     "@type": type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation
     mutations:
-      {{- range splitList "," (include "kvgate.gateHeaders" .) }}
+      {{- range splitList "," (include "kvgate.strippedHeaders" .) }}
       - remove: {{ . }}
       {{- end }}
 {{- end -}}

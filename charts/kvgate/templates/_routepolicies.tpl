@@ -17,7 +17,7 @@ meshes where the chart can only reach routes.
 {{/* chartKey:metadataKey, in metadata order: the route-policy table of kvgate.config.routekeys (a test
 keeps this line, and the schema's envoy.routePolicies properties, equal to it). */}}
 {{- define "kvgate.routePolicies.keys" -}}
-interactiveMaxTokens:x-kvgate-interactive-max-tokens,maxTotalTokens:x-kvgate-max-total-tokens,defaultOutputTokens:x-kvgate-default-output-tokens,modelPolicy:x-kvgate-model-policy,async:x-kvgate-async
+interactiveMaxTokens:x-kvgate-interactive-max-tokens,maxTotalTokens:x-kvgate-max-total-tokens,defaultOutputTokens:x-kvgate-default-output-tokens,modelPolicy:x-kvgate-model-policy,async:x-kvgate-async,maxPriority:x-kvgate-max-priority
 {{- end -}}
 
 {{/* A values dict (x-kvgate-* key -> value) as the ordered {key, value} list. */}}
@@ -63,6 +63,10 @@ interactiveMaxTokens:x-kvgate-interactive-max-tokens,maxTotalTokens:x-kvgate-max
 {{- fail (printf "%s: name used twice" $where) -}}
 {{- end -}}
 {{- $_ := set $names $entry.name true -}}
+{{- $priorities := dig "admission" "priorities" (list "high" "normal" "low") ($.Values.gate.config | default dict) -}}
+{{- if and $entry.maxPriority (not (has $entry.maxPriority $priorities)) -}}
+{{- fail (printf "%s: maxPriority %q is not one of gate.config.admission.priorities (%s)" $where $entry.maxPriority (join ", " $priorities)) -}}
+{{- end -}}
 {{- if and $entry.modelPolicy (not (hasKey $policies $entry.modelPolicy)) -}}
 {{- fail (printf "%s: modelPolicy %q is not an entry of gate.config.policies (known: %s)" $where $entry.modelPolicy (keys $policies | sortAlpha | join ", " | default "none")) -}}
 {{- end -}}
