@@ -307,6 +307,8 @@ def test_one_trip_bootstrap_sends_the_body_alone_and_routes_on_metadata(helm: He
         "x-kvgate-reason": ("%DYNAMIC_METADATA(kvgate:reason)%", "OVERWRITE_IF_EXISTS_OR_ADD"),
         # The gate's reservation id replaces a client's own (the engine's KV events name the reservation).
         "x-session-id": ("%DYNAMIC_METADATA(kvgate:session)%", "OVERWRITE_IF_EXISTS_OR_ADD"),
+        # The priority the gate admitted with, for the queue (the case's own priority header).
+        "x-team-priority": ("%DYNAMIC_METADATA(kvgate:priority)%", "OVERWRITE_IF_EXISTS_OR_ADD"),
     }
 
 
@@ -386,13 +388,8 @@ def test_route_policies_become_virtual_hosts_and_routes(helm: Helm) -> None:
     assert list(hosts) == ["pools", "policy-strict", "policy-tenants"]
     assert hosts["pools"]["domains"] == ["*"] and "typed_per_filter_config" not in hosts["pools"]
     strict = hosts["policy-strict"]
-    # Each host with any port too (test_chart_security: the HCM also strips ports and trailing dots).
-    assert strict["domains"] == [
-        "strict.example.com",
-        "strict.example.com:*",
-        "strict.local",
-        "strict.local:*",
-    ]
+    # Ports and trailing dots are stripped from the Host before matching (test_chart_security).
+    assert strict["domains"] == ["strict.example.com", "strict.local"]
     assert policy_of(strict["typed_per_filter_config"]) == {"x-kvgate-max-total-tokens": "2000"}
     assert "typed_per_filter_config" not in hosts["policy-tenants"]
 

@@ -115,6 +115,11 @@ static_resources:
                         key: x-session-id
                         value: {{ printf "%%DYNAMIC_METADATA(%s:session)%%" $namespace | quote }}
                       append_action: OVERWRITE_IF_EXISTS_OR_ADD
+                    # The priority the gate admitted with (the identity's, capped by the route), for the queue.
+                    - header:
+                        key: {{ $priorityHeader }}
+                        value: {{ printf "%%DYNAMIC_METADATA(%s:priority)%%" $namespace | quote }}
+                      append_action: OVERWRITE_IF_EXISTS_OR_ADD
                   {{- end }}
                   virtual_hosts:
                     - name: pools
@@ -123,12 +128,12 @@ static_resources:
                         {{- include "kvgate.envoy.routes" (dict "root" . "paths" $layout.paths "oneTrip" $oneTrip "namespace" $namespace) | nindent 24 }}
                     {{- range $host := $layout.hosts }}
                     - name: {{ printf "policy-%s" $host.name }}
-                      # With and without a port (the HCM strips it too): a policy host's requests never
-                      # fall through to the catch-all.
+                      # The HCM strips a port and a trailing dot from the Host before matching
+                      # (strip_any_host_port, strip_trailing_host_dot): a policy host's requests
+                      # never fall through to the catch-all, whatever port they name.
                       domains:
                         {{- range $host.hosts }}
                         - {{ . | quote }}
-                        - {{ printf "%s:*" . | quote }}
                         {{- end }}
                       {{- with $host.metadata }}
                       typed_per_filter_config:

@@ -429,6 +429,9 @@ def ready_listener(settings: EnvoySettings) -> Listener:
         name="ready",
         address=_address(settings.listen.host, settings.ready_port),
         filter_chains=[_hcm_filter(manager)],
+        # A flood of client connections at the overload manager's global limit must not fail the
+        # probes too: a failed liveness probe restarts Envoy and drops every request in flight.
+        ignore_global_conn_limit=True,
     )
 
 

@@ -158,7 +158,8 @@ def envoy_settings(
         long_pools=tuple(sorted(long)),
         buffer_limit_bytes=buffer_limit,
         metadata_namespace=config.server.metadata_namespace,
-        priority_header=config.admission.priority_header,
+        # Envoy matches header names in lower case; written so, the chart and this render the same.
+        priority_header=config.admission.priority_header.lower(),
         round_trips=round_trips,
         message_timeout_ms=message_timeout_ms,
         fail_open=fail_open,
