@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import subprocess
 from base64 import b64decode
+from ipaddress import ip_address
 from pathlib import Path
 from typing import Any
 
@@ -720,3 +721,25 @@ def test_the_store_url_is_on_no_command_line(helm: Helm) -> None:
         "name": "KVGATE_QUEUE_STORE",
         "valueFrom": {"secretKeyRef": {"name": "kvgate-queue-db", "key": "url"}},
     }
+
+
+# --- the engine endpoints the gate takes from agents ----------------------------------------------------
+
+
+def test_gpu_agents_engines_on_the_nodes_addresses_are_taken_on_their_port_only(helm: Helm) -> None:
+    """Without hostNetwork an agent answers from its pod's address and reports its engine on the node's:
+    the gate takes that from agent.allowedEndpoints, on the pool's engine port only."""
+    config = parse_config(gate_config_text(helm.render(standalone())))
+    rule = config.headroom.endpoint_rule()
+    pod, node = frozenset({ip_address("10.244.3.7")}), ip_address("10.0.12.5")
+    assert rule.problem("10.0.12.5", 8000, frozenset({node}), pod) == ""
+    assert "endpoint_ports" in rule.problem("10.0.12.5", 19901, frozenset({node}), pod)
+    public = ip_address("203.0.113.9")
+    assert "allowed_endpoints" in rule.problem("203.0.113.9", 8000, frozenset({public}), pod)
+    narrowed = helm.render(standalone(agent={"allowedEndpoints": ["10.0.0.0/16"], "engine": {"port": 8080}}))
+    rule = parse_config(gate_config_text(narrowed)).headroom.endpoint_rule()
+    assert rule.problem("10.0.12.5", 8080, frozenset({node}), pod) == ""
+    assert "allowed_endpoints" in rule.problem("10.1.0.5", 8080, frozenset({ip_address("10.1.0.5")}), pod)
+    named = helm.render(standalone(agent={"engine": {"host": "vllm.models.svc.cluster.local"}}))
+    rule = parse_config(gate_config_text(named)).headroom.endpoint_rule()
+    assert rule.problem("vllm.models.svc.cluster.local", 8000, frozenset({public}), pod) == ""
