@@ -55,12 +55,15 @@ def gate_config(tokenizer: Path, agents: list[int], **admission: object) -> str:
     )
 
 
-def burst(port: int, body: bytes, count: int, delay: str) -> list[Reply]:
+def burst(
+    port: int, body: bytes, count: int, delay: str, headers: dict[str, str] | None = None
+) -> list[Reply]:
+    """`count` concurrent requests the upstream holds `delay` seconds, each with `headers` too."""
     replies: list[Reply] = []
     lock = threading.Lock()
 
     def one() -> None:
-        reply = post(port, CHAT, body, {"x-test-delay": delay}, timeout=30)
+        reply = post(port, CHAT, body, {**(headers or {}), "x-test-delay": delay}, timeout=30)
         with lock:
             replies.append(reply)
 

@@ -10,13 +10,13 @@ the caller's certificate, whatever name it sends.
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import AsyncIterator
 from contextlib import ExitStack, asynccontextmanager
 from pathlib import Path
 
 import pytest
 from pki import Authority, Issued
+from test_e2e_headroom import burst
 from texts import text_with_tokens
 
 from kvgate.agent.ledger import Budget, ReservationLedger
@@ -34,7 +34,6 @@ from kvgate.localports import free_port
 from kvgate.tls import ClientTls, ServerTls
 
 ROOT = Path(__file__).resolve().parent.parent
-CHAT = "/v1/chat/completions"
 
 
 class Clock:
@@ -154,21 +153,7 @@ def test_under_mtls_the_holder_is_the_callers_certificate(tmp_path: Path) -> Non
 
 def shared_id_burst(port: int, body: bytes, count: int) -> list[Reply]:
     """`count` concurrent requests that all carry the same x-request-id and a client X-Session-ID."""
-    replies: list[Reply] = []
-    lock = threading.Lock()
-    headers = {"x-request-id": "shared-1", "x-session-id": "client-session", "x-test-delay": "6"}
-
-    def one() -> None:
-        reply = post(port, CHAT, body, headers, timeout=30)
-        with lock:
-            replies.append(reply)
-
-    threads = [threading.Thread(target=one) for _ in range(count)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(40)
-    return replies
+    return burst(port, body, count, "6", {"x-request-id": "shared-1", "x-session-id": "client-session"})
 
 
 @pytest.mark.slow
