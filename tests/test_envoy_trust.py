@@ -10,6 +10,7 @@ output, and through the real Envoy binary:
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import re
 import resource
@@ -258,6 +259,28 @@ def test_a_clients_tenant_and_priority_never_arrive(tmp_path: Path, sp_model_pat
         # What the gate decided with (one round trip: Envoy copies the priority from its metadata).
         assert received["x-kvgate-tenant"] == "anonymous"
         assert received["x-kvgate-priority"] == "normal"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["envoy.yaml", "envoy-one-trip.yaml"])
+def test_the_queues_uploads_are_not_inflated_on_the_way(
+    tmp_path: Path, sp_model_path: Path, source: str
+) -> None:
+    """A 548 KB gzip upload would reach the queue as 191 MiB (review finding 5): the queue's routes
+    stream, so no Envoy buffer caps what the decompressor makes. The queue gets the bytes as sent and
+    refuses them (415, test_queue_uploads); a chat request is still inflated for the gate and engines."""
+    packed = gzip.compress(b"{}" + b" " * 4_000_000)
+    compressed = {"content-encoding": "gzip", "content-type": "application/json"}
+    with running(ENVOY / source, tmp_path, gate_config(sp_model_path)) as stack:
+        assert stack.send(packed, "/v1/files", compressed).status == 200
+        upload = stack.upstreams.received[-1]
+        # As sent (the recording upstream, aiohttp, inflates what it reads: its headers tell).
+        assert upload.path == "/v1/files" and upload.headers.get("content-encoding") == "gzip"
+        assert upload.headers.get("content-length") == str(len(packed))
+        chat_body = gzip.compress(chat("Say hello."))
+        assert stack.send(chat_body, headers=compressed).status == 200
+        inflated = stack.upstreams.received[-1]
+        assert "content-encoding" not in inflated.headers and inflated.pool == "interactive"
 
 
 def with_jwks(jwks: str, required: bool = False) -> Callable[[dict[str, Any]], None]:

@@ -420,6 +420,10 @@ Include with (dict "root" $ "paths" LIST "oneTrip" BOOL "namespace" NS).
     envoy.filters.http.ext_proc:
       "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute
       disabled: true
+    # Not inflated: nothing caps these streamed routes (the queue refuses a compressed upload, 415).
+    envoy.filters.http.decompressor:
+      "@type": type.googleapis.com/envoy.config.route.v3.FilterConfig
+      disabled: true
     {{- if $.oneTrip }}
     # A batch file may be larger than the buffer that holds requests for the gate.
     envoy.filters.http.buffer:

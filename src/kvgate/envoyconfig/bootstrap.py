@@ -64,6 +64,7 @@ with warnings.catch_warnings():
     )
     from envoy_data_plane.envoy.config.listener.v3 import Filter, FilterChain, Listener
     from envoy_data_plane.envoy.config.route.v3 import (
+        FilterConfig,
         HeaderMatcher,
         Route,
         RouteAction,
@@ -147,6 +148,7 @@ GATE_HEADERS = HEADER_FOR_METADATA
 HCM_NAME = "envoy.filters.network.http_connection_manager"
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 BUFFER_FILTER = "envoy.filters.http.buffer"
+DECOMPRESSOR_FILTER = "envoy.filters.http.decompressor"
 # `kvgate queue`'s own API: the OpenAI Batch API's files and batches, and deferred jobs (docs/queue.md).
 QUEUE_API_PATHS = ("/v1/files", "/v1/batches", "/v1/kvgate/jobs")
 
@@ -246,10 +248,16 @@ def pool_routes(settings: EnvoySettings, path: str | None = None, metadata: Meta
 
 def queue_api_routes(settings: EnvoySettings) -> list[Route]:
     """`kvgate queue`'s own API straight to it: nothing there for the gate to size (the queue admits each
-    batch line itself), and a batch file may be larger than any request body the gate buffers."""
+    batch line itself), and a batch file may be larger than any request body the gate buffers. Nor is
+    it inflated: no buffer caps these streamed routes, so a 548 KB gzip upload would reach the queue as
+    191 MiB; the queue refuses a compressed upload (415) before reading it. A route's FilterConfig
+    `disabled` turns any HTTP filter off for it (envoy/config/route/v3/route_components.proto)."""
     if settings.queue_pool is None:
         return []
-    off = {EXT_PROC_FILTER: AnyMessage.pack(ExtProcPerRoute(disabled=True))}
+    off = {
+        EXT_PROC_FILTER: AnyMessage.pack(ExtProcPerRoute(disabled=True)),
+        DECOMPRESSOR_FILTER: AnyMessage.pack(FilterConfig(disabled=True)),
+    }
     if settings.round_trips == 1:
         off[BUFFER_FILTER] = AnyMessage.pack(BufferPerRoute(disabled=True))
     timeout = datetime.timedelta(seconds=settings.route_timeout_seconds)
@@ -341,7 +349,7 @@ def decompressor_filter() -> HttpFilter:
             )
         ),
     )
-    return HttpFilter(name="envoy.filters.http.decompressor", typed_config=AnyMessage.pack(decompressor))
+    return HttpFilter(name=DECOMPRESSOR_FILTER, typed_config=AnyMessage.pack(decompressor))
 
 
 def ext_proc_filter(settings: EnvoySettings) -> HttpFilter:
