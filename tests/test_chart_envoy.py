@@ -349,7 +349,12 @@ def test_queue_api_bypasses_the_gate_and_held_requests_outwait_envoys_idle_timeo
             "envoy.filters.http.ext_proc": {
                 "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
                 "disabled": True,
-            }
+            },
+            # Uploads reach the queue as sent (it refuses compressed ones): nothing caps these routes.
+            "envoy.filters.http.decompressor": {
+                "@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig",
+                "disabled": True,
+            },
         }
     (to_queue,) = [r for r in routes[3:] if r["route"]["cluster"] == "pool_async"]
     assert to_queue["match"]["headers"][0]["string_match"] == {"exact": "async"}
