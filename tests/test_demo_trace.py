@@ -28,6 +28,7 @@ from kvgate.demo.trace import (
     prefix_bound,
     prompt_class,
     read_trace,
+    trace_file,
 )
 from kvgate.demo.trace_report import format_trace_table, markdown_trace_table, summarize_trace_run
 from kvgate.errors import ConfigError
@@ -229,3 +230,18 @@ def test_the_cpu_meter_reads_what_a_process_spent() -> None:
     meter.start()
     sum(i * i for i in range(2_000_000))
     assert meter.stop()["me"] > 0
+
+
+def test_a_shipped_trace_is_found_by_name_and_is_the_one_the_readme_replays() -> None:
+    path = trace_file("mooncake_conversation_first_half")
+    assert path == trace_file("mooncake_conversation_first_half.jsonl")
+    requests = read_trace(path)
+    assert len(requests) == 5606 and requests[-1].at_s < 1768.5
+    assert "Apache License" in (path.parent / "LICENSE-Apache-2.0").read_text()
+
+
+def test_a_trace_that_is_neither_a_file_nor_shipped_names_the_shipped_ones(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="shipped: mooncake_conversation_first_half"):
+        trace_file("no-such-trace")
+    own = tmp_path / "mine.jsonl"
+    assert trace_file(str(own)) == own, "a path is a path, read (and refused) as such"

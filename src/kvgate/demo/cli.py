@@ -67,11 +67,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument(
         "--trace",
-        type=Path,
         default=None,
-        metavar="FILE",
+        metavar="FILE|NAME",
         help="replay this request trace, one JSON object a line: timestamp (ms), input_length, "
-        "output_length, hash_ids (one per 512-token prompt block)",
+        "output_length, hash_ids (one per 512-token prompt block); a NAME is a trace kvgate ships "
+        "(mooncake_conversation_first_half: Kimi's production conversation trace, Apache-2.0)",
     )
     parser.add_argument(
         "--window",
@@ -155,13 +155,14 @@ def _trace_work(
 ) -> Coroutine[Any, Any, dict[str, Any]]:
     """The trace replay of `args` (its file read and checked before anything starts)."""
     from kvgate.demo.replay import run_trace_demo
-    from kvgate.demo.trace import parse_window, read_trace
+    from kvgate.demo.trace import parse_window, read_trace, trace_file
 
     window = parse_window(args.window)
-    requests = read_trace(args.trace, window)
+    path = trace_file(args.trace)
+    requests = read_trace(path, window)
     return run_trace_demo(
         scenario,
-        args.trace,
+        path,
         requests,
         window=window,
         speed=args.speed,

@@ -98,6 +98,22 @@ def parse_line(text: str, where: str, line: int) -> TraceRequest:
     )
 
 
+SHIPPED_TRACES = Path(__file__).parent / "traces"
+
+
+def trace_file(name_or_path: str) -> Path:
+    """A trace file named on the command line: a path, or the name of one this package ships
+    (`mooncake_conversation_first_half`, src/kvgate/demo/traces/README.md)."""
+    given = Path(name_or_path)
+    if given.exists() or given.parent != Path("."):
+        return given
+    shipped = SHIPPED_TRACES / f"{given.name.removesuffix('.jsonl')}.jsonl"
+    if shipped.exists():
+        return shipped
+    known = ", ".join(sorted(p.stem for p in SHIPPED_TRACES.glob("*.jsonl")))
+    raise ConfigError(f"trace {name_or_path}: no such file, nor a shipped trace (shipped: {known})")
+
+
 def read_trace(path: Path, window: Window = Window()) -> list[TraceRequest]:
     """The requests of `path` that arrive within `window`, in arrival order."""
     try:
