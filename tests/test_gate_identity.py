@@ -14,7 +14,7 @@ from kvgate.config import Config, RequestConfig
 from kvgate.gate import pipeline as pipeline_module
 from kvgate.gate.pipeline import Pipeline, RequestHead, estimator_factory, request_head
 from kvgate.policy import Decision, Reason, Refusal
-from kvgate.policy.priority import Priorities, read_priority
+from kvgate.policy.identity import Priorities, read_priority
 from kvgate.policy.route import NO_ROUTE_POLICY, RoutePolicy, read_route_policy
 from kvgate.request import Api
 

@@ -34,7 +34,7 @@ JOB_ID_HEADER = "x-kvgate-job-id"
 
 # Who the request is from and how much it matters: set only by Envoy, after it authenticated the
 # request (a client's copies are removed at the edge), and forwarded by the gate; an absent tenant
-# is ANONYMOUS_TENANT, charged like any other (kvgate.policy.priority, docs/operations.md).
+# is ANONYMOUS_TENANT, charged like any other (kvgate.policy.identity, docs/operations.md).
 TENANT_HEADER = "x-kvgate-tenant"
 ANONYMOUS_TENANT = "anonymous"
 PRIORITY_HEADER = "x-kvgate-priority"

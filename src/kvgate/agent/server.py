@@ -291,11 +291,7 @@ class _AgentServicer(pb_grpc.AgentServicer):
 
     async def _holder(self, claimed: str, context: grpc.aio.ServicerContext) -> str:
         """Who the caller holds reservations as: its certificate's identity under mTLS (what it
-        claims is then only logged), else what it claims."""
-        if len(claimed.encode()) > MAX_ID_BYTES:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"holder is longer than {MAX_ID_BYTES} bytes"
-            )
+        claims is then only logged), else what it claims (the ledger bounds its length)."""
         if not self._authenticated:
             return claimed
         identities = context.peer_identities()

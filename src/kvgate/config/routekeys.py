@@ -44,7 +44,7 @@ class RouteKey:
     name: str  # the key in route_policies: (snake_case); the chart's is `chart`
     kind: Kind
     # The ModelPolicy field it sets; None for the keys that are not a model's limits (model_policy
-    # names a whole policy, max_priority caps the request's priority: kvgate.policy.priority).
+    # names a whole policy, max_priority caps the request's priority: kvgate.policy.identity).
     policy_field: str | None
     minimum: int = 0
 

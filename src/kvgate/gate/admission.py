@@ -32,10 +32,10 @@ from kvgate.headroom import giveback
 from kvgate.headroom.giveback import unanswered
 from kvgate.headroom.snapshot import NodeView, PrefixChain, ReleaseOutcome, ReserveOutcome
 from kvgate.policy import Decision, Reason, Refusal, Route
+from kvgate.policy.identity import Priorities
 from kvgate.policy.nodes import Affinity, choose_nodes
 from kvgate.policy.overflow import interactive_saturated, no_healthy_node, overflow
 from kvgate.policy.pressure import PoolPressure
-from kvgate.policy.priority import Priorities
 from kvgate.policy.retry_forecast import RetryPlanner, RetrySettings
 from kvgate.policy.shedding import PoolKind, Verdict
 from kvgate.policy.water import pool_signals

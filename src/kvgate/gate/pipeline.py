@@ -24,9 +24,9 @@ from kvgate.gate.admission import Admission, Ticket
 from kvgate.gate.reservation_ids import ReservationIds
 from kvgate.names import ANONYMOUS_TENANT, PREFER_HEADER, TENANT_HEADER
 from kvgate.policy import Decision, Reason, Refusal, Route, decide, thresholds
+from kvgate.policy.identity import Priorities, read_priority, read_tenant
 from kvgate.policy.models import ModelMatcher
 from kvgate.policy.nodes import Affinity
-from kvgate.policy.priority import Priorities, read_priority
 from kvgate.policy.refusals import Refusals, refusal_for
 from kvgate.policy.route import (
     NO_HINTS,
@@ -79,7 +79,7 @@ class RequestHead:
     content_encoding: str | None
     has_body: bool
     declares_json: bool = False  # Content-Type says JSON: a body that does not parse is the client's error
-    # The identity's priority and tenant, as Envoy set them after authentication (kvgate.policy.priority).
+    # The identity's priority and tenant, as Envoy set them after authentication (kvgate.policy.identity).
     priority: str | None = None
     tenant: str = ANONYMOUS_TENANT
     request_id: str = ""
@@ -109,7 +109,7 @@ def request_head(
         has_body=has_body,
         declares_json=is_json_content_type(content_type),
         priority=read_priority(read(priority_header)),
-        tenant=(read(TENANT_HEADER) or "").strip(" \t") or ANONYMOUS_TENANT,
+        tenant=read_tenant(read(TENANT_HEADER)),
         # Envoy sets x-request-id on every request. It is the client's to choose: logs and the queue's
         # job alias only, never a reservation's id (kvgate.gate.reservation_ids).
         request_id=read("x-request-id") or uuid.uuid4().hex,
@@ -191,7 +191,7 @@ class Pipeline:
         self._reservation_ids = ReservationIds()
 
     def priority(self, head: RequestHead) -> str:
-        """The priority the request is admitted and forwarded with (kvgate.policy.priority)."""
+        """The priority the request is admitted and forwarded with (kvgate.policy.identity)."""
         return self._priorities.effective(head.priority, head.route.max_priority)
 
     def exact_counts_pending(self) -> int:

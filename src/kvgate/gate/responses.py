@@ -57,7 +57,7 @@ _OURS = frozenset(ROUTING_HEADERS)
 class Identity:
     """Who the request is from and the priority it was admitted with, forwarded upstream (the queue
     stores both): the tenant as Envoy set it after authentication, the priority after the route's
-    cap (kvgate.policy.priority). `priority_header` is admission.priority_header."""
+    cap (kvgate.policy.identity). `priority_header` is admission.priority_header."""
 
     tenant: str
     priority: str

@@ -12,7 +12,7 @@ The gate reads them here:
     x-kvgate-async                    prefer | allow | never: the async pool for long requests
     x-kvgate-max-priority             a name of admission.priorities: the highest priority a request
                                       on this route gets, whatever its identity carries
-                                      (kvgate.policy.priority)
+                                      (kvgate.policy.identity)
 
 The keys, their kinds and bounds are the one table of kvgate.config.routekeys; numbers are read by
 kvgate.digits (ASCII digits only, bounded). Precedence, written once (`effective_model`): Envoy

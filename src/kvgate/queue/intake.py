@@ -11,7 +11,7 @@ runs it on a thread.
 
 Tenant and priority are Envoy's (`x-kvgate-tenant`, `x-kvgate-priority`: set after it authenticated
 the request, a client's copies removed at the edge) and forwarded by the gate; an absent tenant is
-`anonymous`, and the priority rank is kvgate.policy.priority's rule, the gate's.
+`anonymous`, and the priority rank is kvgate.policy.identity's rule, the gate's.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from kvgate.config.routekeys import MAX_TOKENS
 from kvgate.digits import whole_number
 from kvgate.errors import InvalidRequestError, RequestError
 from kvgate.estimate import Estimator, PromptCosts, local_estimator
-from kvgate.names import ANONYMOUS_TENANT, TENANT_HEADER
+from kvgate.names import TENANT_HEADER
 from kvgate.policy import Reason, Refusal, decide, thresholds
+from kvgate.policy.identity import Priorities, read_priority, read_tenant
 from kvgate.policy.models import ModelMatcher
-from kvgate.policy.priority import Priorities, read_priority
 from kvgate.policy.refusals import refusal_for
 from kvgate.request import Api, ParseLimits, api_for_path, decompress, parse_body
 
@@ -64,11 +64,11 @@ class Intake:
     def tenant(self, headers: Mapping[str, str]) -> str:
         """Whose the request is: x-kvgate-tenant, or `anonymous` when absent or blank;
         InvalidRequestError (400) when it is not text or longer than MAX_TENANT_CHARS."""
-        tenant = (text_header(headers, TENANT_HEADER) or "").strip()
+        tenant = read_tenant(text_header(headers, TENANT_HEADER))
         if len(tenant) > MAX_TENANT_CHARS:
             message = f"The {TENANT_HEADER} header is longer than {MAX_TENANT_CHARS} characters."
             raise InvalidRequestError(message)
-        return tenant or ANONYMOUS_TENANT
+        return tenant
 
     def assess(
         self, path: str, body: bytes, gate_tokens: str | None, content_encoding: str | None = None

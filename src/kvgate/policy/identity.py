@@ -1,9 +1,14 @@
-"""A request's priority: what its identity carries, clamped to what its Envoy route allows.
+"""Who a request is from and how much it matters: its tenant, and its priority, which is what its
+identity carries, clamped to what its Envoy route allows.
+
+The tenant is Envoy's `x-kvgate-tenant`, set from the verified identity after Envoy removed any a
+client sent; a request without one is `anonymous`, one tenant charged like any other (`read_tenant`:
+the gate and the queue read it so).
 
 Priority is never the client's to choose. Envoy removes any `x-kvgate-priority` a client sends, ahead
 of every filter (the early header mutation), and sets it again only from a verified identity: a JWT
-claim (`jwt_authn` claim_to_headers), an `ext_authz` answer, or the operator's per-tenant mapping
-(docs/operations.md, "Security model"). The route may cap it further with `x-kvgate-max-priority`.
+claim (`jwt_authn` claim_to_headers) or an `ext_authz` answer (docs/operations.md, "Security
+model"). The route may cap it further with `x-kvgate-max-priority`.
 The rule, written once (`Priorities.effective`): the identity's priority, or the default when it has
 none or names no known priority, then no higher than the route's cap.
 
@@ -14,6 +19,8 @@ important), which is how the gate's wait and water levels and the queue's order 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from kvgate.names import ANONYMOUS_TENANT
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,3 +54,8 @@ def read_priority(value: str | None) -> str | None:
         return None
     name = value.strip(" \t").lower()
     return name or None
+
+
+def read_tenant(value: str | None) -> str:
+    """A tenant header's value, trimmed; ANONYMOUS_TENANT when absent or blank."""
+    return (value or "").strip(" \t") or ANONYMOUS_TENANT
