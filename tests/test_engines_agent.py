@@ -193,7 +193,9 @@ def test_capacity_is_vllm_s_usable_pool_and_used_tokens_follow_its_usage(
     published = {round(usage * usable) for _, usage in engine_seen}
     assert {used for _, used in agent_seen} <= published | {0}
     peak = max(published)
-    assert peak >= 6_000 and max(used for _, used in agent_seen) == peak
+    # The peak (prompt plus the last output block) may last less than one period; the prompt's blocks
+    # are held for the request's whole life, so the agent must show at least those.
+    assert peak >= 6_000 and max(used for _, used in agent_seen) >= 6_000
     lags = _lags(engine_seen, agent_seen, usable)
     # The agent reads the page every period: most changes show within one (its scrape can be slow).
     assert statistics.median(lags) <= 2 * PERIOD_MS / 1000, lags
