@@ -77,6 +77,25 @@ class ExpectedRelease:
     tokens: int
 
 
+class NodeRole(StrEnum):
+    """A node's part in a soft pool (docs/operations.md, "Soft pools")."""
+
+    LONG = "long"  # takes long requests only (chat goes elsewhere)
+    INTERACTIVE = "interactive"  # serves chat; lends what chat leaves to long requests, within limits
+
+
+@dataclass(frozen=True, slots=True)
+class HeadClaim:
+    """The waiter a node's agent holds room for: the first, in the one waiting order every gate and
+    queue shares (rank, then waiting since), that found no room on the node (kvgate.agent.backfill).
+    `slot_after_s`: when the node's expected releases first fit it (None: not within the forecast)."""
+
+    tokens: int
+    waiting_since_unix_ns: int
+    rank: int
+    slot_after_s: float | None
+
+
 @dataclass(frozen=True, slots=True)
 class GpuReading:
     uuid: str
@@ -137,6 +156,15 @@ class NodeHeadroom:
     releases: tuple[ExpectedRelease, ...] = ()
     freed_tokens_total: int = 0  # tokens freed by ended reservations since the agent started
     prefix_source: str = ""  # where the prefix index comes from (the engine's KV events, guesses)
+    # The longest gap between two messages (the agent sends on change and at least this often); 0 for
+    # an agent that sends every period.
+    heartbeat_ms: int = 0
+    role: NodeRole = NodeRole.LONG
+    # Interactive nodes: what a long request may take now (None: the node does not lend), and the
+    # largest uncached prompt it takes from one (0: no cap).
+    lend_tokens: int | None = None
+    lend_max_prompt_tokens: int = 0
+    head: HeadClaim | None = None  # the waiter the agent holds room for, if any
 
     @property
     def admissible_tokens(self) -> int:

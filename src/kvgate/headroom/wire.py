@@ -13,7 +13,9 @@ from kvgate.headroom.snapshot import (
     CapacitySource,
     ExpectedRelease,
     GpuReading,
+    HeadClaim,
     NodeHeadroom,
+    NodeRole,
     PrefixChain,
     PrefixSummary,
     ReleaseOutcome,
@@ -78,7 +80,24 @@ def _scalars_to_proto(h: NodeHeadroom) -> pb.NodeHeadroom:
         releases=[pb.ExpectedRelease(after_ms=round(r.after_s * 1000), tokens=r.tokens) for r in h.releases],
         freed_tokens_total=h.freed_tokens_total,
         prefix_source=h.prefix_source,
+        heartbeat_ms=h.heartbeat_ms,
+        role=h.role.value,
+        lend_tokens=h.lend_tokens,
+        lend_max_prompt_tokens=h.lend_max_prompt_tokens,
+        head=_head_to_proto(h.head) if h.head is not None else None,
     )
+
+
+def _head_to_proto(c: HeadClaim) -> pb.HeadClaim:
+    slot_ms = 0 if c.slot_after_s is None else max(1, round(c.slot_after_s * 1000))
+    return pb.HeadClaim(
+        tokens=c.tokens, waiting_since_unix_ns=c.waiting_since_unix_ns, rank=c.rank, slot_after_ms=slot_ms
+    )
+
+
+def _head_from_proto(m: pb.HeadClaim) -> HeadClaim:
+    slot = m.slot_after_ms / 1000 if m.slot_after_ms else None
+    return HeadClaim(m.tokens, m.waiting_since_unix_ns, m.rank, slot)
 
 
 def _prefix_to_proto(p: PrefixSummary) -> pb.PrefixSummary:
@@ -105,9 +124,17 @@ def reserve_request(
     prefix: PrefixChain | None,
     *,
     output_tokens: int = 0,
+    waiting_since_unix_ns: int = 0,
+    rank: int = 0,
 ) -> pb.ReserveRequest:
     request = pb.ReserveRequest(
-        request_id=request_id, tokens=tokens, lease_s=lease_s, holder=holder, output_tokens=output_tokens
+        request_id=request_id,
+        tokens=tokens,
+        lease_s=lease_s,
+        holder=holder,
+        output_tokens=output_tokens,
+        waiting_since_unix_ns=waiting_since_unix_ns,
+        rank=rank,
     )
     if prefix is not None:
         request.prefix_blocks.extend(prefix.blocks)
@@ -166,6 +193,10 @@ def headroom_from_proto(m: pb.NodeHeadroom, previous: PrefixSummary = NO_PREFIXE
         usage = UsageSource(m.usage_source)
     except ValueError:
         usage = UsageSource.NONE
+    try:
+        role = NodeRole(m.role or NodeRole.LONG)
+    except ValueError:
+        role = NodeRole.LONG  # a newer agent's role this gate does not know: lends nothing it can use
     return NodeHeadroom(
         node=m.node,
         endpoint=m.endpoint,
@@ -197,6 +228,11 @@ def headroom_from_proto(m: pb.NodeHeadroom, previous: PrefixSummary = NO_PREFIXE
         releases=tuple(ExpectedRelease(r.after_ms / 1000, r.tokens) for r in m.releases),
         freed_tokens_total=m.freed_tokens_total,
         prefix_source=m.prefix_source,
+        heartbeat_ms=m.heartbeat_ms,
+        role=role,
+        lend_tokens=m.lend_tokens if m.HasField("lend_tokens") else None,
+        lend_max_prompt_tokens=m.lend_max_prompt_tokens,
+        head=_head_from_proto(m.head) if m.HasField("head") else None,
     )
 
 

@@ -36,7 +36,7 @@ class GpuInfo(_message.Message):
     def __init__(self, uuid: _Optional[str] = ..., index: _Optional[int] = ..., name: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., healthy: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class NodeHeadroom(_message.Message):
-    __slots__ = ("node", "endpoint", "seq", "sample_time_unix_ns", "capacity_tokens", "safety_ratio", "used_tokens", "reserved_tokens", "reservations", "headroom_tokens", "healthy", "reason", "capacity_source", "kv_usage", "running", "waiting", "preemptions_total", "gpus", "period_ms", "engine_kind", "engines", "capacity_rule", "usage_source", "unreserved_tokens", "engine_sample_age_ms", "prefix", "decode_tokens_per_s", "releases", "freed_tokens_total", "prefix_source")
+    __slots__ = ("node", "endpoint", "seq", "sample_time_unix_ns", "capacity_tokens", "safety_ratio", "used_tokens", "reserved_tokens", "reservations", "headroom_tokens", "healthy", "reason", "capacity_source", "kv_usage", "running", "waiting", "preemptions_total", "gpus", "period_ms", "engine_kind", "engines", "capacity_rule", "usage_source", "unreserved_tokens", "engine_sample_age_ms", "prefix", "decode_tokens_per_s", "releases", "freed_tokens_total", "prefix_source", "heartbeat_ms", "role", "lend_tokens", "lend_max_prompt_tokens", "head")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,11 @@ class NodeHeadroom(_message.Message):
     RELEASES_FIELD_NUMBER: _ClassVar[int]
     FREED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    LEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LEND_MAX_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
     node: str
     endpoint: str
     seq: int
@@ -97,7 +102,24 @@ class NodeHeadroom(_message.Message):
     releases: _containers.RepeatedCompositeFieldContainer[ExpectedRelease]
     freed_tokens_total: int
     prefix_source: str
-    def __init__(self, node: _Optional[str] = ..., endpoint: _Optional[str] = ..., seq: _Optional[int] = ..., sample_time_unix_ns: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., safety_ratio: _Optional[float] = ..., used_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., reservations: _Optional[int] = ..., headroom_tokens: _Optional[int] = ..., healthy: _Optional[bool] = ..., reason: _Optional[str] = ..., capacity_source: _Optional[str] = ..., kv_usage: _Optional[float] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., period_ms: _Optional[int] = ..., engine_kind: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., capacity_rule: _Optional[str] = ..., usage_source: _Optional[str] = ..., unreserved_tokens: _Optional[int] = ..., engine_sample_age_ms: _Optional[int] = ..., prefix: _Optional[_Union[PrefixSummary, _Mapping]] = ..., decode_tokens_per_s: _Optional[float] = ..., releases: _Optional[_Iterable[_Union[ExpectedRelease, _Mapping]]] = ..., freed_tokens_total: _Optional[int] = ..., prefix_source: _Optional[str] = ...) -> None: ...
+    heartbeat_ms: int
+    role: str
+    lend_tokens: int
+    lend_max_prompt_tokens: int
+    head: HeadClaim
+    def __init__(self, node: _Optional[str] = ..., endpoint: _Optional[str] = ..., seq: _Optional[int] = ..., sample_time_unix_ns: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., safety_ratio: _Optional[float] = ..., used_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., reservations: _Optional[int] = ..., headroom_tokens: _Optional[int] = ..., healthy: _Optional[bool] = ..., reason: _Optional[str] = ..., capacity_source: _Optional[str] = ..., kv_usage: _Optional[float] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., period_ms: _Optional[int] = ..., engine_kind: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., capacity_rule: _Optional[str] = ..., usage_source: _Optional[str] = ..., unreserved_tokens: _Optional[int] = ..., engine_sample_age_ms: _Optional[int] = ..., prefix: _Optional[_Union[PrefixSummary, _Mapping]] = ..., decode_tokens_per_s: _Optional[float] = ..., releases: _Optional[_Iterable[_Union[ExpectedRelease, _Mapping]]] = ..., freed_tokens_total: _Optional[int] = ..., prefix_source: _Optional[str] = ..., heartbeat_ms: _Optional[int] = ..., role: _Optional[str] = ..., lend_tokens: _Optional[int] = ..., lend_max_prompt_tokens: _Optional[int] = ..., head: _Optional[_Union[HeadClaim, _Mapping]] = ...) -> None: ...
+
+class HeadClaim(_message.Message):
+    __slots__ = ("tokens", "waiting_since_unix_ns", "rank", "slot_after_ms")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_SINCE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SLOT_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    tokens: int
+    waiting_since_unix_ns: int
+    rank: int
+    slot_after_ms: int
+    def __init__(self, tokens: _Optional[int] = ..., waiting_since_unix_ns: _Optional[int] = ..., rank: _Optional[int] = ..., slot_after_ms: _Optional[int] = ...) -> None: ...
 
 class ExpectedRelease(_message.Message):
     __slots__ = ("after_ms", "tokens")
@@ -120,7 +142,7 @@ class PrefixSummary(_message.Message):
     def __init__(self, blocks: _Optional[_Iterable[int]] = ..., indexed_tokens: _Optional[int] = ..., saved_tokens: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "tokens", "lease_s", "holder", "prefix_blocks", "prefix_block_tokens", "output_tokens")
+    __slots__ = ("request_id", "tokens", "lease_s", "holder", "prefix_blocks", "prefix_block_tokens", "output_tokens", "waiting_since_unix_ns", "rank")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +150,8 @@ class ReserveRequest(_message.Message):
     PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_SINCE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tokens: int
     lease_s: float
@@ -135,7 +159,9 @@ class ReserveRequest(_message.Message):
     prefix_blocks: _containers.RepeatedScalarFieldContainer[int]
     prefix_block_tokens: int
     output_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[int] = ..., lease_s: _Optional[float] = ..., holder: _Optional[str] = ..., prefix_blocks: _Optional[_Iterable[int]] = ..., prefix_block_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ...) -> None: ...
+    waiting_since_unix_ns: int
+    rank: int
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[int] = ..., lease_s: _Optional[float] = ..., holder: _Optional[str] = ..., prefix_blocks: _Optional[_Iterable[int]] = ..., prefix_block_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., waiting_since_unix_ns: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("granted", "reason", "headroom_tokens", "reserved_tokens", "lease_s", "charged_tokens", "cached_tokens", "reservations")
