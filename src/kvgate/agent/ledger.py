@@ -62,6 +62,16 @@ class Reservation:
 
 
 @dataclass(frozen=True, slots=True)
+class Cap:
+    """A bound on one grant's charge beyond the node's headroom, and the refusal's reason when it is
+    passed: what the node's other rules (the head's slot, an interactive node's lending limits) leave
+    this request."""
+
+    tokens: int
+    reason: ReserveReason
+
+
+@dataclass(frozen=True, slots=True)
 class Budget:
     """What the latest sample says the node can hold; the ledger adds its own reservations."""
 
@@ -159,8 +169,10 @@ class ReservationLedger:
         *,
         prefix: PrefixChain | None = None,
         output_tokens: int = 0,
+        caps: tuple[Cap, ...] = (),
     ) -> ReserveOutcome:
-        """Charge `tokens` to `holder` if they fit in the headroom and its cap, else refuse. `lease_s`
+        """Charge `tokens` to `holder` if they fit in the headroom, its holder cap and every one of
+        `caps`, else refuse. `lease_s`
         <= 0 takes the default. A repeat by the same holder renews the lease and charges nothing more.
 
         With a `prefix` chain, the chain's blocks that live reservations hold are not charged again.
@@ -201,6 +213,9 @@ class ReservationLedger:
             return self._result(False, ReserveReason.HOLDER_CAP, budget, 0.0, cached=cached)
         if cost > self.headroom(budget):
             return self._result(False, ReserveReason.INSUFFICIENT_HEADROOM, budget, 0.0, cached=cached)
+        for bound in caps:
+            if cost > bound.tokens:
+                return self._result(False, bound.reason, budget, 0.0, cached=cached)
         held = self.prefixes.hold(chain) if chain is not None else 0
         blocks = chain.blocks if chain is not None else ()
         now = self._clock()

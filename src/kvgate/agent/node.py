@@ -196,7 +196,11 @@ class NodeState:
         *,
         prefix: PrefixChain | None = None,
         output_tokens: int = 0,
+        waiting_since_unix_ns: int = 0,
+        rank: int = 0,
     ) -> ReserveOutcome:
+        """`waiting_since_unix_ns` and `rank`: the request's place in the one waiting order (0: a first
+        try that does not wait)."""
         shares = self._engine.reading is not None and self._engine.reading.prefix_caching is True
         chain = prefix if shares else None
         result = self.ledger.reserve(

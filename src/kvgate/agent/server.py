@@ -255,6 +255,8 @@ class _AgentServicer(pb_grpc.AgentServicer):
                 holder,
                 prefix=chain_from_proto(request),
                 output_tokens=request.output_tokens,
+                waiting_since_unix_ns=request.waiting_since_unix_ns,
+                rank=request.rank,
             )
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

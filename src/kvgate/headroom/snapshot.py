@@ -221,6 +221,12 @@ class ReserveReason(StrEnum):
     RELEASED_FIRST = "released_first"
     # The holder's live reservations would be charged more than the agent lets one holder have.
     HOLDER_CAP = "holder_cap"
+    # It would take room the agent holds for an earlier waiter in the one waiting order
+    # (kvgate.agent.backfill): it fits now, but not beside that waiter's slot.
+    HELD_FOR_HEAD = "held_for_head"
+    # An interactive node lends a long request only what chat leaves, within its limits
+    # (kvgate.agent.lending).
+    LEND_LIMIT = "lend_limit"
 
 
 @dataclass(frozen=True, slots=True)
