@@ -55,6 +55,12 @@ def _agent(*flags: str) -> Iterator[tuple[str, int]]:
         "127.0.0.1:8000",
         "--period-ms",
         "100",
+        # Every period, as the jitter and lag figures mean it: an agent sends on change and scrapes a
+        # quiet engine every 500 ms by default (docs/operations.md, "Agent stream").
+        "--heartbeat-ms",
+        "0",
+        "--idle-scrape-ms",
+        "0",
         "--metrics-listen",
         "off",
         *flags,

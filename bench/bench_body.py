@@ -118,9 +118,7 @@ def inprocess_costs(sizes: list[int]) -> dict[int, dict[str, float]]:
     async def measure() -> dict[int, dict[str, float]]:
         config = parse_config(gate_config_text(MAX_TOTAL_TOKENS))
         pipeline = Pipeline(config, estimator_factory())
-        gate = ExternalProcessor(
-            pipeline, config.admission.priority_header, GateMetrics(), DecisionSpans(), "kvgate"
-        )
+        gate = ExternalProcessor(pipeline, config, GateMetrics(), DecisionSpans())
         costs = {}
         try:
             for size in sizes:

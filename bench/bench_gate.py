@@ -353,13 +353,7 @@ def envoy_messages(body: bytes, round_trips: int) -> list[bytes]:
 def gate_servicer(config: Config, pipeline: Pipeline) -> ExternalProcessor:
     """The gate's servicer, built as kvgate.gate.server.serve builds it, without agents (in process,
     with the gate's metrics on)."""
-    return ExternalProcessor(
-        pipeline,
-        config.admission.priority_header,
-        GateMetrics(),
-        DecisionSpans(),
-        config.server.metadata_namespace,
-    )
+    return ExternalProcessor(pipeline, config, GateMetrics(), DecisionSpans())
 
 
 class Servicer(Protocol):

@@ -17,8 +17,10 @@ from test_water import node
 from kvgate.agent.in_process import FakeHeadroom, ManualClock
 from kvgate.config import AdmissionConfig, ModelConfig
 from kvgate.gate.admission import Admission, Admitted
+from kvgate.gate.pipeline import wait_bound
 from kvgate.headroom.snapshot import NodeView, PrefixChain, ReleaseOutcome, ReserveReason
 from kvgate.policy import Reason, Refusal, Route
+from kvgate.policy.route import ClientHints
 from kvgate.policy.water import BreakerState, Level
 from kvgate.telemetry import GateMetrics
 
@@ -150,8 +152,8 @@ def test_a_full_queue_refuses_at_once() -> None:
         source.update("a", used_tokens=15000)
         waiters = [asyncio.create_task(admit(admission, 10000, f"w{i}")) for i in range(2)]
         await until(lambda: clock.sleeping == 2)
-        # A full queue makes the pool red too: only the top priority gets as far as the queue.
-        assert refused(await admit(admission, 10000, "third", "normal")) is Reason.SHED
+        # A full line sheds nobody: each request that finds it full overflows on its own.
+        assert refused(await admit(admission, 10000, "third", "normal")) is Reason.QUEUE_FULL
         assert refused(await admit(admission, 10000, "fourth", "high")) is Reason.QUEUE_FULL
         for task in waiters:
             task.cancel()
@@ -368,6 +370,9 @@ class SlowAgentView:
         prefix: PrefixChain | None = None,
         *,
         output_tokens: int = 0,
+        waiting_since_unix_ns: int = 0,
+        rank: int = 0,
+        hold_slot: bool = False,
     ) -> None:
         self.reserving.set()
         await asyncio.sleep(3600)
@@ -401,24 +406,30 @@ def test_a_stream_cancelled_mid_reserve_gives_the_reservation_back() -> None:
 
 
 def test_the_clients_prefer_wait_shortens_the_wait_but_never_lengthens_it() -> None:
-    async def waited(wait_s: float, max_wait_s: float) -> float:
-        """How far the clock moved before the request was refused."""
-        source, clock, admission = setup(("a", 20000), max_wait_s=max_wait_s)
+    async def waited(wait_s: float, max_wait_s: float, *, async_fallback: bool = False) -> float:
+        """How far the clock moved before the request was refused, waiting as the pipeline bounds it."""
+        settings = {"max_wait_s": max_wait_s, "async_fallback": async_fallback, "max_hold_s": 20.0}
+        source, clock, admission = setup(("a", 20000), **settings)
         source.update("a", used_tokens=15000)
         started = clock()
-        waiting = asyncio.create_task(admission.admit(long_route(10000), MODEL, None, "r1", wait_s))
+        bound = wait_bound(AdmissionConfig(**settings), MODEL, ClientHints(wait_s=wait_s))  # type: ignore[arg-type]
+        waiting = asyncio.create_task(admission.admit(long_route(10000), MODEL, None, "r1", bound))
         while True:
             await until(lambda: waiting.done() or clock.sleeping == 1)
             if waiting.done():
                 break
             clock.advance(0.25)
-        assert refused(await waiting) is Reason.NO_CAPACITY
+        decision = (await waiting).decision
+        assert decision.reason is (Reason.ASYNC if async_fallback else Reason.NO_CAPACITY), decision
         return clock() - started
 
     async def scenario() -> None:
         assert await waited(0.0, 5.0) == 0.0
         assert await waited(0.5, 5.0) == 0.5
         assert await waited(60.0, 1.0) == 1.0
+        # A request the async pool would take is held up to max_hold_s instead; Prefer still shortens.
+        assert await waited(60.0, 1.0, async_fallback=True) == 20.0
+        assert await waited(3.0, 1.0, async_fallback=True) == 3.0
 
     run(scenario)
 

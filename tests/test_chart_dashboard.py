@@ -191,7 +191,9 @@ def gate_metrics(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     )
     agents = f"{{agents: ['127.0.0.1:{agent_port}']}}"
     # Prefix-aware placement on, and a long prompt: the placement metrics get samples too.
+    # One agent stands for both pools' nodes, so long requests do not borrow (soft_pools).
     config = f"headroom: {agents}\ninteractive_headroom: {agents}\nplacement: {{prefix_affinity: true}}\n"
+    config += "soft_pools: {borrow: false}\n"
     # No waiting for room: the capacity refusal below answers at once, with its Retry-After.
     config += "admission: {max_wait_s: 0}\n"
     try:

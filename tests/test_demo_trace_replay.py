@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from kvgate.demo.cli import DEMO_ENVOY
 from kvgate.demo.peers import limits, unavailable
 from kvgate.demo.replay import run_trace_demo
 from kvgate.demo.scenario import RunName, builtin_scenario, load_scenario, parse_scenario
@@ -24,7 +25,8 @@ from kvgate.demo.trace import Window, prefix_bound, read_trace
 
 pytestmark = pytest.mark.slow
 
-REPO_ENVOY = Path(__file__).resolve().parent.parent / "envoy" / "envoy.yaml"
+# The kvgate runs' Envoy as `kvgate demo` runs it (one ext_proc round trip).
+REPO_ENVOY = Path(__file__).resolve().parent.parent / "envoy" / DEMO_ENVOY
 SPEED = 2.0
 
 # Small nodes and a short trace: an interactive limit of 2,048, long prompts up to 6k tokens.
@@ -99,6 +101,10 @@ def test_a_trace_replays_through_envoy_and_kvgate_with_prefix_placement_off_and_
     runs = report["runs"]
     assert set(runs["baseline"]["routing_cpu_s"]) == {"envoy"}
     assert set(runs["kvgate_prefix_on"]["routing_cpu_s"]) == {"envoy", "gate", "agent-long-0", "queue"}
+    # The CPU split by process into what the stack spends idle and what the requests cost.
+    split = runs["kvgate_prefix_on"]["routing_cpu_split"]
+    assert set(split) == set(runs["kvgate_prefix_on"]["routing_cpu_s"])
+    assert split["agent-long-0"]["fixed_ms_per_s"] > 0 and split["gate"]["variable_ms_per_request"] > 0
     for name in ("kvgate_prefix_off", "kvgate_prefix_on"):
         # Each conversation resends its history: the long node finds it in its prefix cache.
         assert 0 < runs[name]["prefix_hit_tokens"] <= report["prefix_bound_tokens"]

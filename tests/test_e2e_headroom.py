@@ -199,7 +199,8 @@ def test_async_fallback(
     with ExitStack() as stack:
         agent = node_with_40k_tokens(stack, tmp_path, pool_ports)
         agent_port = agent.port
-        config = gate_config(sp_model_path, [agent_port], max_wait_s=0.2, async_fallback=True)
+        # Without holding in the gate (tests/test_gate_holds.py): the wait's overflow goes async.
+        config = gate_config(sp_model_path, [agent_port], max_wait_s=0.2, async_fallback=True, max_hold_s=0)
         listener = front(stack, tmp_path, pool_ports, config, "g1")
         replies = burst(listener, long_body, 5, delay=HOLD_S)
     pools_hit = sorted(r.json()["pool"] for r in replies)

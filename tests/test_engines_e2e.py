@@ -147,8 +147,9 @@ def _gate_config(agents: list[Service], *, prefix_affinity: bool = False) -> str
     return (
         f"default_model: {{tokenizer: {TOKENIZER}}}\n"
         f"headroom: {{agents: [{listed}], {GATE_TIMING}}}\n"
-        # A long request that finds no room waits briefly, then goes to the queue, which holds it.
-        "admission: {max_wait_s: 2.0, async_fallback: true}\n"
+        # A long request that finds no room waits briefly, then goes to the queue, which holds it (no
+        # holding in the gate, max_hold_s 0: these tests are the queue's; tests/test_gate_holds.py).
+        "admission: {max_wait_s: 2.0, async_fallback: true, max_hold_s: 0}\n"
         "queue: {max_hold_s: 600}\n"
         f"{placement}"
     )

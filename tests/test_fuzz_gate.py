@@ -180,9 +180,7 @@ async def _through_the_gate(
     source.add_node("node-a", 200_000)
     admission = Admission(CONFIG.admission, source, telemetry=metrics, clock=ManualClock())
     pipeline = Pipeline(CONFIG, estimator_factory(), admission, telemetry=metrics)
-    processor = ExternalProcessor(
-        pipeline, CONFIG.admission.priority_header, metrics, DecisionSpans(TracerProvider())
-    )
+    processor = ExternalProcessor(pipeline, CONFIG, metrics, DecisionSpans(TracerProvider()))
 
     async def stream(sequence: Sequence[ProcessingRequest]) -> AsyncIterator[ProcessingRequest]:
         for message in sequence:

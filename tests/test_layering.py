@@ -233,3 +233,39 @@ def test_only_adapters_import_envoy_types() -> None:
             if name.startswith(("envoy.", "grpc")):
                 offenders.append(f"{path.relative_to(SRC)} imports {name}")
     assert not offenders, offenders
+
+
+# The gate's seam runs one way: the adapter (Envoy's messages in, ProcessingResponses out) uses the
+# pipeline (which decides) and the few modules that shape its answers, nothing of the gate past them;
+# the pipeline, and everything it stands on, knows nothing of the adapter or of Envoy.
+GATE_ADAPTER = "kvgate.gate.processor"
+GATE_ADAPTER_USES = {"kvgate.gate.pipeline", "kvgate.gate.responses", "kvgate.gate.holding"}
+GATE_DECIDER = "kvgate.gate.pipeline"
+ADAPTER_SIDE = {GATE_ADAPTER} | GATE_ADAPTER_USES - {GATE_DECIDER}
+
+
+def seam_offenders(modules: dict[str, Path]) -> list[str]:
+    offenders = [
+        f"{GATE_ADAPTER} reaches past the pipeline into {imported}"
+        for imported in sorted(kvgate_imports(modules[GATE_ADAPTER]))
+        if imported.startswith("kvgate.gate.") and imported not in GATE_ADAPTER_USES
+    ]
+    seen, todo = set(), [GATE_DECIDER]
+    while todo:  # everything the pipeline stands on, directly or not
+        name = todo.pop()
+        if name in seen or name not in modules:
+            continue
+        seen.add(name)
+        imported = imported_modules(modules[name])
+        offenders += [
+            f"{name} (under the pipeline) imports {bad}"
+            for bad in sorted(imported)
+            if bad in ADAPTER_SIDE or bad.startswith(("envoy", "grpc"))
+        ]
+        todo += [i for i in imported if i.startswith("kvgate.")]
+    return offenders
+
+
+def test_the_gates_seam_runs_one_way() -> None:
+    offenders = seam_offenders(all_modules())
+    assert not offenders, offenders

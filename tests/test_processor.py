@@ -29,7 +29,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from kvgate.config import Config, parse_config
 from kvgate.errors import InvalidRequestError
-from kvgate.gate.pipeline import Outcome, Pipeline, estimator_factory
+from kvgate.gate.holding import MIN_NOTICE_S, holding
+from kvgate.gate.pipeline import Outcome, Pipeline, Reserved, estimator_factory
 from kvgate.gate.processor import (
     ATTRIBUTES_NAMESPACE,
     ExternalProcessor,
@@ -71,7 +72,7 @@ def one_trip_body(
 def make_processor(config: Config | None = None, spans: DecisionSpans | None = None) -> ExternalProcessor:
     config = config or Config()
     pipeline = Pipeline(config, estimator_factory())
-    return ExternalProcessor(pipeline, config.admission.priority_header, GateMetrics(), spans, "kvgate")
+    return ExternalProcessor(pipeline, config, GateMetrics(), spans)
 
 
 class StreamContext:
@@ -209,9 +210,7 @@ def test_a_span_per_decision_joins_envoys_trace() -> None:
 def test_metadata_namespace_is_configurable() -> None:
     config = parse_config("server: {metadata_namespace: llm.routing}")
     pipeline = Pipeline(config, estimator_factory())
-    processor = ExternalProcessor(
-        pipeline, "x-kvgate-priority", GateMetrics(), None, config.server.metadata_namespace
-    )
+    processor = ExternalProcessor(pipeline, config, GateMetrics())
     _, routed = drive(processor, [headers(), body(chat("hi"))])
     assert "llm.routing" in routed.dynamic_metadata.fields
 
@@ -333,7 +332,7 @@ def test_a_piece_after_a_refused_gzip_body_is_still_collected() -> None:
 def test_the_gateways_own_overload_is_a_retryable_503_not_a_client_error() -> None:
     config = Config()
     processor = ExternalProcessor(
-        Pipeline(config, estimator_factory(), offload_slots=0), "x-kvgate-priority", GateMetrics()
+        Pipeline(config, estimator_factory(), offload_slots=0), config, GateMetrics()
     )
     _, answer = drive(processor, [headers(**{"content-encoding": "gzip"}), body(gzip.compress(chat("hi")))])
     immediate = answer.immediate_response
@@ -445,7 +444,7 @@ def counting_processor(config: Config | None = None) -> tuple[ExternalProcessor,
     config = config or Config()
     metrics = CountingMetrics()
     pipeline = Pipeline(config, estimator_factory(), telemetry=metrics)
-    return ExternalProcessor(pipeline, config.admission.priority_header, metrics), metrics
+    return ExternalProcessor(pipeline, config, metrics), metrics
 
 
 def planted(*_args: Any, **_kwargs: Any) -> Any:
@@ -516,17 +515,16 @@ def test_a_request_error_raised_anywhere_is_the_clients_refusal_not_an_internal_
 
 
 def test_a_reservation_held_when_the_gate_fails_is_released(monkeypatch: pytest.MonkeyPatch) -> None:
-    ticket = object()
-    released: list[object] = []
+    released: list[str] = []
+
+    async def release() -> None:
+        released.append("r-1")
 
     async def reserved(self: Pipeline, head: Any, data: bytes) -> Outcome:
-        return Outcome(Route("long", Reason.LONG, 9000, "node-a.engine:8000"), ticket=ticket)  # type: ignore[arg-type]
-
-    async def release(self: Pipeline, held: object) -> None:
-        released.append(held)
+        granted = Reserved("r-1", 9000, 0, release)
+        return Outcome(Route("long", Reason.LONG, 9000, "node-a.engine:8000"), reserved=granted)
 
     monkeypatch.setattr(Pipeline, "on_body", reserved)
-    monkeypatch.setattr(Pipeline, "release", release)
     processor, metrics = counting_processor()
     monkeypatch.setattr(metrics, "decision", planted)  # fails after the reservation was granted
 
@@ -541,7 +539,7 @@ def test_a_reservation_held_when_the_gate_fails_is_released(monkeypatch: pytest.
 
     _, answer = asyncio.run(asyncio.wait_for(run(), 10))
     assert_internal_error(answer)
-    assert released == [ticket]
+    assert released == ["r-1"]
 
 
 def test_internal_errors_are_exported_under_their_prometheus_names() -> None:
@@ -576,3 +574,110 @@ def test_a_body_in_pieces_is_read_as_the_same_body_whole() -> None:
         whole = drive(make_processor(), [headers(), body(data)])[-1]
         pieces = drive(make_processor(), [headers(), body(data[:7], end=False), body(data[7:])])[-1]
         assert pieces == whole
+
+
+HOLDING = "admission: {max_wait_s: 0.2, max_hold_s: 10, async_fallback: true}"
+
+
+def held_stream(
+    processor: ExternalProcessor, until_answered: asyncio.Event
+) -> tuple[asyncio.Task[list[ProcessingResponse]], asyncio.Queue[ProcessingResponse]]:
+    """Process a headers-and-body stream in a task, each response put on the queue as it comes."""
+    seen: asyncio.Queue[ProcessingResponse] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[ProcessingRequest]:
+        for message in (headers(), body(chat("hi"))):
+            yield message
+        await until_answered.wait()  # Envoy keeps the stream open while the request runs
+
+    async def run() -> list[ProcessingResponse]:
+        answers = []
+        async for response in processor.Process(requests(), StreamContext(())):  # type: ignore[arg-type]
+            answers.append(response)
+            seen.put_nowait(response)
+        return answers
+
+    return asyncio.ensure_future(run()), seen
+
+
+def test_a_body_whose_answer_waits_is_held_once_for_the_rest_of_the_longest_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def run() -> None:
+        room = asyncio.Event()
+
+        async def waits_for_room(self: Pipeline, head: Any, data: bytes) -> Outcome:
+            await room.wait()
+            return Outcome(Route("long", Reason.LONG, 9000, "node-a.engine:8000"))
+
+        monkeypatch.setattr(Pipeline, "on_body", waits_for_room)
+        answered = asyncio.Event()
+        stream, seen = held_stream(make_processor(parse_config(HOLDING)), answered)
+        assert (await seen.get()).WhichOneof("response") == "request_headers"
+        hold = await seen.get()
+        # Envoy ignores the other fields of a response that carries override_message_timeout.
+        assert hold.WhichOneof("response") is None
+        # Asked once the answer took half of max_wait_s (0.1 s): the rest of max_hold_s, plus a margin.
+        assert hold.override_message_timeout.ToMilliseconds() == 10_000 - 100 + 2_000
+        room.set()
+        routed = await seen.get()
+        assert set_headers(routed)["x-kvgate-pool"] == "long"
+        answered.set()
+        assert len(await stream) == 3
+
+    asyncio.run(asyncio.wait_for(run(), 10))
+
+
+def test_the_gate_holds_only_with_max_hold_s_above_max_wait_s() -> None:
+    assert holding(parse_config("admission: {max_wait_s: 2, max_hold_s: 2}").admission) is None
+    held = holding(parse_config("admission: {max_wait_s: 0, max_hold_s: 30}").admission)
+    # A max_wait_s of 0 does not cost every request an extra message.
+    assert held is not None and held.notice_s == MIN_NOTICE_S and held.longest_s == 30
+
+
+def test_a_stream_that_ends_while_held_stops_the_wait_and_releases_what_it_reserved(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    released: list[str] = []
+
+    async def release() -> None:
+        released.append("r-1")
+
+    async def run() -> None:
+        waiting = asyncio.Event()
+        stopped = asyncio.Event()
+
+        async def waits_then_reserves(self: Pipeline, head: Any, data: bytes) -> Outcome:
+            waiting.set()
+            try:
+                await asyncio.Event().wait()
+            finally:
+                stopped.set()
+            raise AssertionError("unreachable")
+
+        monkeypatch.setattr(Pipeline, "on_body", waits_then_reserves)
+        processor = make_processor(parse_config(HOLDING))
+        stream, seen = held_stream(processor, asyncio.Event())
+        await seen.get()
+        assert (await seen.get()).HasField("override_message_timeout")
+        stream.cancel()  # Envoy (or the client) ends the stream while the request waits for room
+        await stopped.wait()
+        await processor.drain_releases()
+
+        # A held request's reservation is released when its stream ends.
+        async def reserves(self: Pipeline, head: Any, data: bytes) -> Outcome:
+            await asyncio.sleep(0.15)
+            return Outcome(Route("long", Reason.LONG, 9000), reserved=Reserved("r-1", 9000, 0, release))
+
+        monkeypatch.setattr(Pipeline, "on_body", reserves)
+        answered = asyncio.Event()
+        stream, seen = held_stream(processor, answered)
+        await seen.get()
+        await seen.get()  # held
+        await seen.get()  # routed
+        stream.cancel()
+        await asyncio.gather(stream, return_exceptions=True)
+        await processor.drain_releases()
+
+    asyncio.run(asyncio.wait_for(run(), 10))
+    assert released == ["r-1"]

@@ -73,7 +73,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, sp_model_path: Path) -> Iter
         config = (
             f"default_model: {{tokenizer: {sp_model_path}}}\n"
             f"headroom: {{agents: [{agent_list}]}}\n"
-            "admission: {max_wait_s: 0.2, async_fallback: true}\n"
+            # The wait's overflow goes to the queue at once (no holding in the gate: max_hold_s 0).
+            "admission: {max_wait_s: 0.2, async_fallback: true, max_hold_s: 0}\n"
             "queue: {max_hold_s: 60}\n"
         )
         (tmp / "queue.yaml").write_text(config)

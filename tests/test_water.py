@@ -95,23 +95,20 @@ def test_the_fake_agents_and_the_gates_view_age_their_nodes_alike() -> None:
 
 
 def test_pool_signals() -> None:
-    signals = pool_signals(
-        [node("a", 10000), node("b", 30000), node("c", 0, fresh=False)], waiting=16, queue_size=64
-    )
+    signals = pool_signals([node("a", 10000), node("b", 30000), node("c", 0, fresh=False)])
     assert signals.kv == 0.5, "(30000 + 10000 used) / (2 x 40000), from the engines' usage"
-    assert signals.queue == 0.25
     assert abs(signals.stale - 1 / 3) < 1e-9
 
 
 def test_level_rises_at_once_and_falls_with_hysteresis() -> None:
     water = WaterLevel(WaterThresholds())
-    assert water.update(PoolSignals(0.5, 0, 0)) is Level.GREEN
-    assert water.update(PoolSignals(0.96, 0, 0)) is Level.RED
-    assert water.update(PoolSignals(0.90, 0, 0)) is Level.RED, "inside the hysteresis band: stays red"
-    assert water.update(PoolSignals(0.84, 0, 0)) is Level.YELLOW
-    assert water.update(PoolSignals(0.76, 0, 0)) is Level.YELLOW
-    assert water.update(PoolSignals(0.74, 0, 0)) is Level.GREEN
-    assert water.update(PoolSignals(0.1, 0.8, 0)) is Level.RED, "a long queue alone makes it red"
+    assert water.update(PoolSignals(0.5, 0)) is Level.GREEN
+    assert water.update(PoolSignals(0.96, 0)) is Level.RED
+    assert water.update(PoolSignals(0.90, 0)) is Level.RED, "inside the hysteresis band: stays red"
+    assert water.update(PoolSignals(0.84, 0)) is Level.YELLOW
+    assert water.update(PoolSignals(0.76, 0)) is Level.YELLOW
+    assert water.update(PoolSignals(0.74, 0)) is Level.GREEN
+    assert water.update(PoolSignals(0.1, 0.8)) is Level.RED, "most agents stale alone makes it red"
 
 
 def test_breaker_opens_on_red_half_opens_and_closes_after_good_probes() -> None:
@@ -172,18 +169,18 @@ def test_wait_queue_orders_by_priority_then_arrival() -> None:
     async def scenario() -> None:
         clock = ManualClock()
         queue = WaitQueue(size=3, clock=clock)
-        low = queue.join(2)
-        normal = queue.join(1)
-        high = queue.join(0)
-        assert queue.join(0) is None, "bounded"
-        assert low is not None and normal is not None and high is not None
-        assert queue.is_head(high)
-        queue.leave(high)
+        low = queue.join(2, 100, 1000)
+        normal = queue.join(1, 300, 1000)
+        older = queue.join(1, 200, 1000)
+        assert queue.join(0, 50, 1000) is None, "bounded"
+        assert low is not None and normal is not None and older is not None
+        assert queue.is_head(older), "a rank, then since when it waits"
+        queue.leave(older)
         assert queue.is_head(normal)
-        woke = asyncio.create_task(queue.wait_change(clock() + 5))
+        woke = asyncio.create_task(queue.wait_change(low, clock() + 5))
         await asyncio.sleep(0)
         queue.leave(normal)
-        await asyncio.wait_for(woke, 1)
+        await asyncio.wait_for(woke, 1)  # the head left: the new head is woken
         assert queue.is_head(low)
 
     asyncio.run(scenario())
@@ -193,7 +190,9 @@ def test_a_wait_in_the_queue_ends_when_its_clock_reaches_the_deadline() -> None:
     async def scenario() -> None:
         clock = ManualClock()
         queue = WaitQueue(size=1, clock=clock)
-        waiting = asyncio.create_task(queue.wait_change(clock() + 5))
+        place = queue.join(1, 100, 1000)
+        assert place is not None
+        waiting = asyncio.create_task(queue.wait_change(place, clock() + 5))
         while clock.sleeping == 0:
             await asyncio.sleep(0)
         clock.advance(4)

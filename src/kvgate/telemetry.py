@@ -53,6 +53,16 @@ AGENT_PREFIX_SAVED = "kvgate.agent.prefix.saved"
 AGENT_PREFIX_INDEXED = "kvgate.agent.prefix.indexed"
 AGENT_PREFIX_SHARED = "kvgate.agent.prefix.shared"
 AGENT_PREFIX_FORGOTTEN = "kvgate.agent.prefix.forgotten"
+# The admissible ratio steered by the engine's preemptions, and its steps (kvgate.agent.ratio).
+AGENT_SAFETY_RATIO = "kvgate.agent.safety_ratio"
+AGENT_SAFETY_RATIO_STEPS = "kvgate.agent.safety_ratio.steps"
+# Stream messages sent, by cause, and engine scrapes (kvgate.agent.push, kvgate.agent.cadence).
+AGENT_STREAM_MESSAGES = "kvgate.agent.stream.messages"
+AGENT_ENGINE_SCRAPES = "kvgate.agent.engine.scrapes"
+# What each class of traffic (chat, long) cost the node, in all (kvgate.agent.class_usage).
+AGENT_CLASS_KV = "kvgate.agent.class.kv_token_seconds"
+AGENT_CLASS_PREFILL_TOKENS = "kvgate.agent.class.prefill_tokens"
+AGENT_CLASS_PREFILL = "kvgate.agent.class.prefill"
 PREFIX_HIT_TOKENS = "kvgate.gate.prefix.hit"
 PREFIX_SAVED_TOKENS = "kvgate.gate.prefix.saved"
 PLACEMENTS = "kvgate.gate.placements"

@@ -48,6 +48,13 @@ args:
   - {{ $values.agent.periodMs | quote }}
   - --safety-ratio
   - {{ $values.agent.safetyRatio | quote }}
+  {{- range $key, $flag := dict "safetyRatioMin" "--safety-ratio-min" "safetyRatioMax" "--safety-ratio-max" "heartbeatMs" "--heartbeat-ms" "idleScrapeMs" "--idle-scrape-ms" }}
+  {{- $value := index $values.agent $key }}
+  {{- if not (kindIs "invalid" $value) }}
+  - {{ $flag }}
+  - {{ $value | quote }}
+  {{- end }}
+  {{- end }}
   - --node-name
   - {{ ternary "$(POD_NAME)" "$(NODE_NAME)" .simulated }}
   {{- if gt (int $capacity) 0 }}
@@ -58,6 +65,16 @@ args:
   {{- if not (kindIs "invalid" $unreserved) }}
   - --unreserved-request-tokens
   - {{ $unreserved | int | quote }}
+  {{- end }}
+  # Soft pools (docs/operations.md, "Soft pools"): the node's role and, interactive, its lending limits.
+  - --role
+  - {{ $poolValues.role | default .pool | quote }}
+  {{- range $key, $flag := dict "chatReserveMinShare" "--chat-reserve-min-share" "chatReserveFactor" "--chat-reserve-factor" "chatReserveWindowSeconds" "--chat-reserve-window-s" "maxPromptTokens" "--lend-max-prompt-tokens" "prefillBudgetTokens" "--lend-prefill-budget-tokens" "prefillTokensPerS" "--prefill-tokens-per-s" }}
+  {{- $value := index ($poolValues.lending | default dict) $key }}
+  {{- if not (kindIs "invalid" $value) }}
+  - {{ $flag }}
+  - {{ $value | quote }}
+  {{- end }}
   {{- end }}
   {{- if $tls.enabled }}
   - --tls-cert

@@ -168,6 +168,8 @@ static_resources:
                       allow_mode_override: true
                       {{- end }}
                       message_timeout: {{ printf "%.3fs" (divf (int $envoy.messageTimeoutMs) 1000.0) }}
+                      # How long the gate may hold a request waiting for room (override_message_timeout).
+                      max_message_timeout: {{ printf "%.3fs" (divf (int $envoy.maxMessageTimeoutMs) 1000.0) }}
                       processing_mode:
                         request_header_mode: {{ ternary "SKIP" "SEND" $oneTrip }}
                         request_body_mode: BUFFERED

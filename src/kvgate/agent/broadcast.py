@@ -35,6 +35,7 @@ class Broadcast(Generic[T]):
         self._boxes: set[_Mailbox[T]] = set()
         self._latest: T | None = None
         self._closed = False
+        self.published = 0  # values published in all
 
     @property
     def listeners(self) -> int:
@@ -42,6 +43,7 @@ class Broadcast(Generic[T]):
 
     def publish(self, value: T) -> None:
         self._latest = value
+        self.published += 1
         for box in self._boxes:
             box.put(value)
 

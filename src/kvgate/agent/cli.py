@@ -15,11 +15,15 @@ import time
 from typing import TYPE_CHECKING
 
 from kvgate.addresses import join_host_port, split_host_port
+from kvgate.agent.cadence import KV_LEVEL, RECENT_S
 from kvgate.agent.capacity import DTYPE_BYTES, ModelShape
 from kvgate.agent.kv_events import check_endpoint
+from kvgate.agent.lending import LendLimits
 from kvgate.agent.node import MAX_HOLDER_TOKENS, MAX_LEASE_S, NodeSettings
+from kvgate.agent.ratio import CEILING, FLOOR_BELOW_START, FREEZE_S, STEP_DOWN, STEP_UP, WINDOW_S
 from kvgate.agent.sources.scrape import metrics_url
 from kvgate.errors import ConfigError, HeadroomError
+from kvgate.headroom.snapshot import NodeRole
 from kvgate.telemetry import start_prometheus
 from kvgate.tls import ClientTls, ServerTls
 
@@ -94,10 +98,20 @@ def _register_agent(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
         default=5.0,
         help="an NVML call running this long makes the node unhealthy (default 5)",
     )
-    parser.add_argument("--period-ms", type=int, default=100, help="sampling and push period (default 100)")
+    parser.add_argument(
+        "--period-ms",
+        type=int,
+        default=100,
+        help="sampling period: the stream sends at most one message, and scrapes the engine at most "
+        "once, per period (default 100)",
+    )
     parser.add_argument("--capacity-tokens", type=int, help="KV capacity in tokens, set by hand")
     parser.add_argument(
-        "--safety-ratio", type=float, default=0.9, help="fraction of capacity to admit against (default 0.9)"
+        "--safety-ratio",
+        type=float,
+        default=0.9,
+        help="fraction of capacity to admit against at start; the engine's preemption counter then steers "
+        "it between --safety-ratio-min and --safety-ratio-max (default 0.9)",
     )
     parser.add_argument(
         "--node-name",
@@ -149,6 +163,8 @@ def _register_agent(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
         metavar="N",
         help="prefix blocks the stream shows the gates, most recently used first (default 1024: 8 KiB)",
     )
+    _register_roles(parser)
+    _register_control(parser)
     events = parser.add_argument_group("the engine's KV-cache events (vLLM --kv-events-config)")
     where = events.add_mutually_exclusive_group()
     where.add_argument(
@@ -200,6 +216,170 @@ def _register_agent(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
     parser.set_defaults(func=run)
 
 
+def _register_roles(parser: argparse.ArgumentParser) -> None:
+    limits = LendLimits()
+    roles = parser.add_argument_group(
+        'soft pools (docs/operations.md, "Soft pools")',
+        "An interactive node serves chat and lends what chat leaves to long requests: every Reserve on it "
+        "is a long request borrowing, and takes at most capacity x safety ratio - the chat reserve - what "
+        "reservations hold, refused with lend_limit past that or past the prompt cap or prefill budget.",
+    )
+    roles.add_argument(
+        "--role",
+        choices=[role.value for role in NodeRole],
+        default=NodeRole.LONG.value,
+        help="long: the node takes long requests only; interactive: it serves chat and lends (default long)",
+    )
+    roles.add_argument(
+        "--chat-reserve-min-share",
+        type=float,
+        default=limits.min_share,
+        metavar="F",
+        help=f"interactive: the chat reserve's floor, a share of capacity (default {limits.min_share:g})",
+    )
+    roles.add_argument(
+        "--chat-reserve-factor",
+        type=float,
+        default=limits.factor,
+        metavar="X",
+        help=f"interactive: the chat reserve is X x the p99 of chat's per-second peak use over the window, "
+        f"when above the floor (default {limits.factor:g})",
+    )
+    roles.add_argument(
+        "--chat-reserve-window-s",
+        type=float,
+        default=limits.window_s,
+        metavar="S",
+        help=f"interactive: the window chat's use is measured over (default {limits.window_s:g})",
+    )
+    roles.add_argument(
+        "--lend-max-prompt-tokens",
+        type=int,
+        default=limits.max_prompt_tokens,
+        metavar="N",
+        help=f"interactive: the largest uncached prompt of one lent request "
+        f"(default {limits.max_prompt_tokens})",
+    )
+    roles.add_argument(
+        "--lend-prefill-budget-tokens",
+        type=int,
+        default=limits.prefill_budget_tokens,
+        metavar="N",
+        help=f"interactive: uncached prompt tokens of lent requests still to prefill, at most (default "
+        f"{limits.prefill_budget_tokens}; at least --lend-max-prompt-tokens)",
+    )
+    roles.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=limits.prefill_tokens_per_s,
+        metavar="R",
+        help=f"the engine's prefill rate: how fast the lent prefill drains, and what turns prefill tokens "
+        f"into the per-class prefill seconds (default {limits.prefill_tokens_per_s:g})",
+    )
+
+
+def _lend_limits(args: argparse.Namespace) -> LendLimits:
+    try:
+        return LendLimits(
+            min_share=args.chat_reserve_min_share,
+            factor=args.chat_reserve_factor,
+            window_s=args.chat_reserve_window_s,
+            max_prompt_tokens=args.lend_max_prompt_tokens,
+            prefill_budget_tokens=args.lend_prefill_budget_tokens,
+            prefill_tokens_per_s=args.prefill_tokens_per_s,
+        )
+    except ValueError as exc:
+        flags = (
+            "--chat-reserve-min-share, --chat-reserve-factor, --chat-reserve-window-s, "
+            "--lend-max-prompt-tokens, --lend-prefill-budget-tokens, --prefill-tokens-per-s"
+        )
+        raise ConfigError(f"{flags}: {exc}") from exc
+
+
+def _register_control(parser: argparse.ArgumentParser) -> None:
+    ratio = parser.add_argument_group(
+        'the admissible ratio (docs/operations.md, "Steered admissible ratio")',
+        f"The share of capacity granted against starts at --safety-ratio. It rises by {STEP_UP:g} at the "
+        f"end of each {WINDOW_S:g} s in which a request waited for room here (refused for room, or sent "
+        f"by a waiter) and the engine preempted nothing (vllm:num_preemptions_total, "
+        f"sglang:num_retracted_requests_total); on a preemption it falls by {STEP_DOWN:g} at once, stays "
+        f"put for --safety-ratio-freeze-s, and stays under the level that preempted for a while. An engine "
+        f"without a preemption counter keeps --safety-ratio; bounds equal to it fix the ratio.",
+    )
+    ratio.add_argument(
+        "--safety-ratio-min",
+        type=float,
+        metavar="F",
+        help=f"the lowest it falls to (default --safety-ratio - {FLOOR_BELOW_START:g})",
+    )
+    ratio.add_argument(
+        "--safety-ratio-max",
+        type=float,
+        metavar="F",
+        help=f"the highest it rises to (default {CEILING:g}, or --safety-ratio when higher)",
+    )
+    ratio.add_argument(
+        "--safety-ratio-freeze-s",
+        type=float,
+        default=FREEZE_S,
+        metavar="S",
+        help=f"after a preemption, how long it stays put before it may rise again (default {FREEZE_S:g})",
+    )
+    stream = parser.add_argument_group(
+        'the stream and the engine scrape (docs/operations.md, "Agent stream: on change, with a heartbeat")'
+    )
+    stream.add_argument(
+        "--heartbeat-ms",
+        type=int,
+        default=1000,
+        metavar="MS",
+        help="send a message when something a gate uses changed (at most once a period) and at least "
+        "this often; gates judge the node stale after 3 heartbeats without one. 0: send every period, "
+        "as agents before it did (default 1000)",
+    )
+    stream.add_argument(
+        "--idle-scrape-ms",
+        type=int,
+        default=500,
+        metavar="MS",
+        help=f"scrape the engine this often when the node is not under pressure; every period while KV is "
+        f"above {KV_LEVEL:g} of admissible, the engine queues, a request waited or reservations changed "
+        f"in the last {RECENT_S:g} s, or the node is unhealthy (default 500; at least a period: 0 "
+        f"scrapes every period). With a scrape's timeout it must stay under --engine-stale-after-s",
+    )
+
+
+def _check_control(args: argparse.Namespace) -> None:
+    """The steered ratio's and the stream's flags, each against the flags it depends on."""
+    start = args.safety_ratio
+    low, high = args.safety_ratio_min, args.safety_ratio_max
+    if low is not None and not 0 < low <= start:
+        raise ConfigError(f"--safety-ratio-min must be in (0, --safety-ratio {start:g}], got {low:g}")
+    if high is not None and not start <= high <= 1:
+        raise ConfigError(f"--safety-ratio-max must be in [--safety-ratio {start:g}, 1], got {high:g}")
+    if args.safety_ratio_freeze_s < 0:
+        raise ConfigError(f"--safety-ratio-freeze-s must be >= 0, got {args.safety_ratio_freeze_s:g}")
+    if args.heartbeat_ms < 0 or 0 < args.heartbeat_ms < args.period_ms:
+        raise ConfigError(
+            f"--heartbeat-ms must be 0 (every period) or at least --period-ms ({args.period_ms}), "
+            f"got {args.heartbeat_ms}"
+        )
+    if args.idle_scrape_ms < 0:
+        raise ConfigError(f"--idle-scrape-ms must be >= 0, got {args.idle_scrape_ms}")
+    # The oldest figures a quiet node holds: the slow interval, plus a scrape's timeout (half a period).
+    oldest_s = (_idle_scrape_ms(args) + args.period_ms / 2) / 1000
+    if args.engine_metrics is not None and args.engine_stale_after_s <= oldest_s:
+        raise ConfigError(
+            f"--engine-stale-after-s ({args.engine_stale_after_s:g}) must exceed --idle-scrape-ms "
+            f"({args.idle_scrape_ms}) plus a scrape's timeout (half of --period-ms {args.period_ms}): "
+            f"{oldest_s:g} s, or a quiet node flaps unhealthy; raise it or lower --idle-scrape-ms"
+        )
+
+
+def _idle_scrape_ms(args: argparse.Namespace) -> int:
+    return int(max(args.idle_scrape_ms, args.period_ms))
+
+
 def settings_from_args(args: argparse.Namespace) -> NodeSettings:
     split_host_port(args.listen, "--listen", allow_port_zero=True)
     split_host_port(args.endpoint, "--endpoint")
@@ -220,6 +400,7 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
         raise ConfigError("--prefix-index-blocks and --prefix-summary-blocks must be >= 1")
     if args.engine_stale_after_s <= 0 or args.nvml_hung_after_s <= 0 or args.fake_gpus < 0:
         raise ConfigError("--engine-stale-after-s and --nvml-hung-after-s must be > 0, --fake-gpus >= 0")
+    _check_control(args)
     kv_events = _kv_events_endpoint(args)
     shape = None
     if args.kv_layers is not None:
@@ -256,6 +437,14 @@ def settings_from_args(args: argparse.Namespace) -> NodeSettings:
         prefix_summary_blocks=args.prefix_summary_blocks,
         kv_events=kv_events,
         kv_events_max_blocks=args.engine_kv_events_max_blocks,
+        role=NodeRole(args.role),
+        lending=_lend_limits(args),
+        safety_ratio_min=args.safety_ratio_min,
+        safety_ratio_max=args.safety_ratio_max,
+        safety_ratio_freeze_s=args.safety_ratio_freeze_s,
+        heartbeat_s=args.heartbeat_ms / 1000,
+        # Without engine metrics there is nothing to scrape.
+        idle_scrape_s=_idle_scrape_ms(args) / 1000 if args.engine_metrics else None,
     )
 
 

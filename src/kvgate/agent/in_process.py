@@ -22,16 +22,20 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvgate.agent.backfill import Waiter, WaitingClaims
 from kvgate.agent.ledger import Budget, ReservationLedger
 from kvgate.agent.releases import expected_releases
+from kvgate.config.headroom import stale_after
 from kvgate.errors import AgentCallError, HeadroomError
 from kvgate.headroom.snapshot import (
     CapacitySource,
+    ExpectedRelease,
     NodeHeadroom,
     NodeView,
     PrefixChain,
     ReleaseOutcome,
     ReserveOutcome,
+    admissible,
 )
 
 
@@ -82,6 +86,7 @@ class _Node:
     healthy: bool
     reason: str
     ledger: ReservationLedger
+    claims: WaitingClaims
     received_at: float
     seq: int = 1
     connected: bool = True
@@ -89,6 +94,7 @@ class _Node:
     failing_reserves: int = 0
     granting_unanswered: bool = False
     decode_tokens_per_s: float | None = None
+    heartbeat_ms: int = 0  # 0: the agent sends every period; else on change and at least this often
 
     def budget(self) -> Budget:
         return Budget(self.capacity_tokens, self.safety_ratio, self.used_tokens, self.healthy, self.reason)
@@ -107,6 +113,8 @@ class FakeHeadroom:
         self._nodes: dict[str, _Node] = {}
         self._update = asyncio.Event()
         self.released: list[tuple[str, str]] = []
+        # Every Reserve answered, in order: (node, request id, whether it holds its slot there).
+        self.reserves: list[tuple[str, str, bool]] = []
 
     def add_node(
         self,
@@ -116,7 +124,10 @@ class FakeHeadroom:
         used_tokens: int = 0,
         safety_ratio: float = 1.0,
         healthy: bool = True,
+        heartbeat_ms: int = 0,
     ) -> None:
+        """`heartbeat_ms`: the node's agent sends on change and at least this often (0: every period);
+        the node stays fresh for a few heartbeats without a message (kvgate.config.headroom)."""
         self._nodes[name] = _Node(
             name=name,
             endpoint=f"{name}.engine:8000",
@@ -127,7 +138,9 @@ class FakeHeadroom:
             healthy=healthy,
             reason="" if healthy else "unhealthy",
             ledger=self._new_ledger(),
+            claims=WaitingClaims(self._clock),
             received_at=self._clock(),
+            heartbeat_ms=heartbeat_ms,
         )
         self._notify()
 
@@ -171,6 +184,7 @@ class FakeHeadroom:
         """The agent process starts again: its reservations are forgotten."""
         node = self._nodes[name]
         node.ledger = self._new_ledger()
+        node.claims = WaitingClaims(self._clock)
         self.update(name)
 
     def fail_reserves(self, name: str, times: int = 1, *, granted: bool = False) -> None:
@@ -204,7 +218,7 @@ class FakeHeadroom:
                 node.received_at,
                 now=now,
                 connected=node.connected,
-                stale_after_s=self._stale_after_s,
+                stale_after_s=stale_after(self._stale_after_s, node.heartbeat_ms),
             )
             for name, node in sorted(self._nodes.items())
         )
@@ -226,7 +240,12 @@ class FakeHeadroom:
         prefix: PrefixChain | None = None,
         *,
         output_tokens: int = 0,
+        waiting_since_unix_ns: int = 0,
+        rank: int = 0,
+        hold_slot: bool = False,
     ) -> ReserveOutcome:
+        """As the agent's Reserve: its ledger, capped and claimed by the node's waiting order
+        (kvgate.agent.backfill) as NodeState.reserve does."""
         state = self._answering(node)
         if state.failing_reserves > 0:
             state.failing_reserves -= 1
@@ -234,15 +253,24 @@ class FakeHeadroom:
                 state.ledger.reserve(request_id, tokens, self._lease_s, state.budget(), prefix=prefix)
                 self._notify()
             raise AgentCallError(f"agent {node}: Reserve failed: DEADLINE_EXCEEDED: no answer in time")
+        budget = state.budget()
+        waiter = Waiter("", request_id, rank, waiting_since_unix_ns)
+        caps = state.claims.caps(waiter, state.ledger.headroom(budget), lambda: self._releases(state))
         outcome = state.ledger.reserve(
-            request_id, tokens, self._lease_s, state.budget(), prefix=prefix, output_tokens=output_tokens
+            request_id, tokens, self._lease_s, budget, prefix=prefix, output_tokens=output_tokens, caps=caps
         )
+        admissible_tokens = admissible(budget.capacity_tokens, budget.safety_ratio)
+        state.claims.answered(
+            outcome, waiter, tokens, hold_slot=hold_slot, admissible_tokens=admissible_tokens
+        )
+        self.reserves.append((node, request_id, hold_slot))
         await asyncio.sleep(0)  # an answer arrives on a later turn of the loop, as over gRPC
         return outcome
 
     async def release(self, node: str, request_id: str, *, unanswered: bool = False) -> ReleaseOutcome:
         state = self._answering(node)
         released = state.ledger.release(request_id, unanswered_reserve=unanswered)
+        state.claims.drop(Waiter("", request_id))
         self.released.append((node, request_id))
         self._notify()
         return state.ledger.release_answer(released, state.budget())
@@ -257,6 +285,9 @@ class FakeHeadroom:
 
     def _headroom(self, node: _Node) -> NodeHeadroom:
         budget = node.budget()
+        headroom = node.ledger.headroom(budget)
+        # As of the node's last message, as an agent's are.
+        releases = expected_releases(node.ledger.live(), node.received_at, node.decode_tokens_per_s)
         return NodeHeadroom(
             node=node.name,
             endpoint=node.endpoint,
@@ -267,7 +298,7 @@ class FakeHeadroom:
             used_tokens=node.used_tokens,
             reserved_tokens=node.ledger.reserved_tokens,
             reservations=node.ledger.count,
-            headroom_tokens=node.ledger.headroom(budget),
+            headroom_tokens=headroom,
             healthy=node.healthy,
             reason=node.reason,
             capacity_source=CapacitySource.MANUAL,
@@ -277,12 +308,16 @@ class FakeHeadroom:
             preemptions_total=None,
             gpus=(),
             period_ms=100,
+            heartbeat_ms=node.heartbeat_ms,
             prefix=node.ledger.prefixes.summary(node.ledger.saved_tokens),
             decode_tokens_per_s=node.decode_tokens_per_s,
-            # As of the node's last message, as an agent's are.
-            releases=expected_releases(node.ledger.live(), node.received_at, node.decode_tokens_per_s),
+            releases=releases,
             freed_tokens_total=node.ledger.freed_tokens,
+            head=node.claims.published(headroom, releases),
         )
+
+    def _releases(self, node: _Node) -> tuple[ExpectedRelease, ...]:
+        return expected_releases(node.ledger.live(), self._clock(), node.decode_tokens_per_s)
 
     def _new_ledger(self) -> ReservationLedger:
         return ReservationLedger(self._clock, self._lease_s, max(self._lease_s, 3600.0))

@@ -20,6 +20,17 @@ certificate under mTLS, else the name it sends). Only that holder renews or rele
 request id from anyone else is a conflict, and their Release frees nothing. One holder's live
 reservations are charged at most `max_holder_tokens` together, so a single caller cannot take a node
 whole. Ids and holders are at most `MAX_ID_BYTES`, which bounds every id the ledger keeps.
+
+What the reservations commit the node to follows their use once the node's per-sequence decode rate
+is measured (`decode_rate`): each is projected over its life, its uncached prompt from the grant and
+its output as it is generated (kvgate.agent.footprint), at the output this node's requests really
+generate rather than the budget they declared (kvgate.agent.output_budget), and a grant must keep the
+peak over time of all of them, the new one included, within the admissible tokens. The engine's usage
+reconciles the projection every time it is read: what the engine holds beyond what the reservations
+hold now is drift, carried on top of the peak; less than them is never credited. So the commitment is
+never below the engine's usage. Without a rate, every reservation holds its whole charge for its
+whole life: admissible - max(engine usage, Σ reserved), as before
+(kvgate.headroom.snapshot.headroom_tokens).
 """
 
 from __future__ import annotations
@@ -29,13 +40,15 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvgate.agent.footprint import Footprint, held_now, peak, project
+from kvgate.agent.output_budget import OutputHistory
 from kvgate.agent.prefix_blocks import PrefixBlocks
 from kvgate.headroom.snapshot import (
     PrefixChain,
     ReleaseOutcome,
     ReserveOutcome,
     ReserveReason,
-    headroom_tokens,
+    admissible,
 )
 
 # How long, and for how many request ids at most, a Release of an unanswered Reserve that found
@@ -82,6 +95,21 @@ class Budget:
     reason: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class Commitment:
+    """What the live reservations commit the node to: admission compares admissible - `tokens` with
+    a request's size, and a grant must keep it within admissible with the request included."""
+
+    tokens: int  # peak + drift
+    # The most the reservations hold together from now on, prefix blocks included: their projected
+    # peak over time, or Σ reserved when the rate is unknown.
+    peak: int
+    # What the engine holds beyond what the reservations hold now: carried as if held for as long as
+    # any reservation projects. Without a rate, engine usage beyond Σ reserved.
+    drift: int
+    follows_use: bool  # False: the decode rate is unknown and every reservation holds its charge
+
+
 class ReservationLedger:
     def __init__(
         self,
@@ -91,9 +119,14 @@ class ReservationLedger:
         prefixes: PrefixBlocks | None = None,
         *,
         max_holder_tokens: int | None = None,
+        decode_rate: Callable[[], float | None] | None = None,
+        outputs: OutputHistory | None = None,
     ) -> None:
         """`max_holder_tokens`: what one holder's live reservations may be charged together; None for
-        no cap beyond the node's headroom."""
+        no cap beyond the node's headroom. `decode_rate`: the node's measured output tokens per second
+        per running request, None while unknown (kvgate.agent.decode_rate); without one the ledger
+        keeps every charge for its reservation's whole life. `outputs`: what ended reservations
+        generated, learned here."""
         if not 0 < default_lease_s <= max_lease_s:
             raise ValueError("leases must satisfy 0 < default_lease_s <= max_lease_s")
         if max_holder_tokens is not None and max_holder_tokens <= 0:
@@ -112,6 +145,9 @@ class ReservationLedger:
         self._next_expiry = math.inf
         self._released_early: dict[tuple[str, str], float] = {}  # (holder, request_id) -> until, oldest first
         self._held_by: dict[str, int] = {}  # holder -> what its live reservations' grants charged
+        self._own = 0  # own tokens of live reservations: _reserved - _own is the held prefix blocks
+        self._decode_rate = decode_rate if decode_rate is not None else _unknown_rate
+        self.outputs = outputs if outputs is not None else OutputHistory()
 
     @property
     def reserved_tokens(self) -> int:
@@ -150,9 +186,50 @@ class ReservationLedger:
         return expired
 
     def headroom(self, budget: Budget) -> int:
-        return headroom_tokens(
-            budget.capacity_tokens, budget.safety_ratio, budget.observed_tokens, self.reserved_tokens
-        )
+        """admissible - the commitment: the largest request of any shape (all prompt, never ending)
+        that a grant would take now. A larger one may still be granted when its peak does not meet the
+        others'."""
+        return admissible(budget.capacity_tokens, budget.safety_ratio) - self.commitment(budget).tokens
+
+    def commitment(self, budget: Budget) -> Commitment:
+        self.expire()
+        return self._commitment(budget)
+
+    def _commitment(self, budget: Budget, new: _Ask | None = None) -> Commitment:
+        """With `new`, as if it were granted now."""
+        observed = budget.observed_tokens
+        rate = self._decode_rate()
+        if rate is None or rate <= 0:
+            reserved = self._reserved
+            drift = 0 if observed is None else max(0, observed - reserved)
+            added = new.own + new.shared if new is not None else 0
+            return Commitment(reserved + drift + added, reserved + added, drift, False)
+        now = self._clock()
+        levels = self.outputs.levels()
+        footprints = [
+            self._project(r.own_tokens, r.output_tokens, now - r.granted_at, rate, levels)
+            for r in self._live.values()
+        ]
+        prefix = self._reserved - self._own  # held prefix blocks: counted until the end, conservatively
+        # Every reservation counts, the ones the engine has not written yet too: subtracting only those
+        # it surely holds would count a fresh prompt twice (in the usage as it is written, and in the
+        # peak) and, on the Mooncake replay's model, make more long requests wait than today's rule.
+        # The same masking as today's max(usage, Σ reserved), and never below the usage.
+        drift = 0 if observed is None else max(0, observed - prefix - held_now(footprints))
+        if new is not None:
+            footprints.append(self._project(new.own, new.output, 0.0, rate, levels))
+            prefix += new.shared
+        top = prefix + peak(footprints)
+        return Commitment(top + drift, top, drift, True)
+
+    def _project(
+        self, own: int, output: int, age_s: float, rate: float, levels: tuple[int, ...]
+    ) -> Footprint:
+        declared = min(output, own)  # a prefix chain may cover what the caller said was output
+        prompt = own - declared
+        if declared == 0:
+            return Footprint(prompt, 0, 0, math.inf)  # no output budget: no expected end
+        return project(prompt, declared, age_s, rate, lambda g: self.outputs.projected(declared, g, levels))
 
     def held_by(self, holder: str) -> int:
         """What `holder`'s live reservations were charged when granted (its part of the cap)."""
@@ -211,7 +288,8 @@ class ReservationLedger:
         cap = self._max_holder_tokens
         if cap is not None and self._held_by.get(holder, 0) + cost > cap:
             return self._result(False, ReserveReason.HOLDER_CAP, budget, 0.0, cached=cached)
-        if cost > self.headroom(budget):
+        ask = _Ask(own, output_tokens, cost - own)
+        if self._commitment(budget, ask).tokens > admissible(budget.capacity_tokens, budget.safety_ratio):
             return self._result(False, ReserveReason.INSUFFICIENT_HEADROOM, budget, 0.0, cached=cached)
         for bound in caps:
             if cost > bound.tokens:
@@ -224,6 +302,7 @@ class ReservationLedger:
             Reservation(request_id, tokens, now + lease, holder, blocks, own, now, output_tokens, charged)
         )
         self._reserved += charged
+        self._own += own
         self._asked += tokens
         self._held_by[holder] = self._held_by.get(holder, 0) + charged
         return self._result(True, ReserveReason.GRANTED, budget, lease, charged=charged, cached=cached)
@@ -236,10 +315,24 @@ class ReservationLedger:
         self.expire()
         existing = self._live.get(request_id)
         if existing is not None:
-            return existing.holder == holder and self._drop(request_id)
+            if existing.holder != holder:
+                return False
+            self._learn(existing)
+            return self._drop(request_id)
         if unanswered_reserve:
             self._remember_early_release((holder, request_id))
         return False
+
+    def _learn(self, ended: Reservation) -> None:
+        """Learn what a released reservation generated: its hold x the decode rate, within its budget.
+        The hold counts its prefill and its trip to the engine too, so the output learned errs high.
+        An expired one is not learned: its request may have ended long before."""
+        rate = self._decode_rate()
+        declared = min(ended.output_tokens, ended.own_tokens)
+        if rate is None or rate <= 0 or declared == 0:
+            return
+        held = max(0.0, self._clock() - ended.granted_at)
+        self.outputs.learn(min(declared, math.floor(held * rate)))
 
     def _remember_early_release(self, key: tuple[str, str]) -> None:
         now = self._clock()
@@ -267,6 +360,7 @@ class ReservationLedger:
             return False
         freed = reservation.own_tokens + self.prefixes.release(reservation.blocks)
         self._reserved -= freed
+        self._own -= reservation.own_tokens
         self._freed += freed
         self._asked -= reservation.tokens
         holder = reservation.holder
@@ -295,6 +389,20 @@ class ReservationLedger:
         return ReserveOutcome(
             granted, reason, self.headroom(budget), self._reserved, lease, charged, cached, len(self._live)
         )
+
+
+@dataclass(frozen=True, slots=True)
+class _Ask:
+    """A Reserve being decided: its own tokens, its output budget, and the prefix blocks it would hold
+    that no live reservation holds yet."""
+
+    own: int
+    output: int
+    shared: int
+
+
+def _unknown_rate() -> float | None:
+    return None
 
 
 def check_ids(request_id: str, holder: str) -> None:

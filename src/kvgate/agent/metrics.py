@@ -4,18 +4,25 @@ Capacity carries where it came from (`source`: manual, engine, static) and the e
 (`engine`); usage carries what it is (`source`: engine KV figures, or reservations when the node is
 reservation-only), so a dashboard never mistakes an estimate for a measurement. The prefix figures
 say what reservations that carry a prefix chain expected to find cached, what sharing saved, and what
-the agent believes its engine's prefix cache holds.
+the agent believes its engine's prefix cache holds. Per class (`class`: chat, long; kvgate.agent.class_usage),
+the KV token-seconds and prefill tokens each used, and the prefill in seconds at the node's prefill rate
+(--prefill-tokens-per-s): what an operator sizes the soft pools' roles from.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
-from opentelemetry.metrics import Observation
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
+from kvgate.agent.class_usage import ClassFigures
 from kvgate.headroom.snapshot import NodeHeadroom
 from kvgate.telemetry import (
     AGENT_CAPACITY,
+    AGENT_CLASS_KV,
+    AGENT_CLASS_PREFILL,
+    AGENT_CLASS_PREFILL_TOKENS,
+    AGENT_ENGINE_SCRAPES,
     AGENT_HEADROOM,
     AGENT_HEALTHY,
     AGENT_PREFIX_CACHED,
@@ -26,6 +33,9 @@ from kvgate.telemetry import (
     AGENT_RESERVATIONS,
     AGENT_RESERVATIONS_LIVE,
     AGENT_RESERVED,
+    AGENT_SAFETY_RATIO,
+    AGENT_SAFETY_RATIO_STEPS,
+    AGENT_STREAM_MESSAGES,
     AGENT_USED,
     GPU_MEMORY_LIMIT,
     GPU_MEMORY_USAGE,
@@ -35,13 +45,37 @@ from kvgate.telemetry import (
 )
 
 Reading = list[tuple[float, dict[str, str]]]
+ClassCallback = Callable[[CallbackOptions], list[Observation]]
 
 
 class AgentMetrics:
     def __init__(
-        self, latest: Callable[[], NodeHeadroom | None], prefix_forgotten: Callable[[], int] = lambda: 0
+        self,
+        latest: Callable[[], NodeHeadroom | None],
+        prefix_forgotten: Callable[[], int] = lambda: 0,
+        classes: Callable[[], ClassFigures] | None = None,
+        prefill_tokens_per_s: float = 1.0,
+        *,
+        ratio_steps: Callable[[], Mapping[str, int]] = dict,
     ) -> None:
         m = meter("kvgate.agent")
+        self._messages = Tally(
+            m,
+            AGENT_STREAM_MESSAGES,
+            "{message}",
+            "Stream messages sent, by cause: first, change, heartbeat, or period (--heartbeat-ms 0)",
+            ("cause",),
+        )
+        self._scrapes = Tally(m, AGENT_ENGINE_SCRAPES, "{scrape}", "Engine metrics scrapes", ())
+        m.create_observable_counter(
+            AGENT_SAFETY_RATIO_STEPS,
+            callbacks=[lambda _options: [Observation(n, {"direction": d}) for d, n in ratio_steps().items()]],
+            unit="{step}",
+            description="Steps of the admissible ratio: up (requests waited, no preemption), down "
+            "(the engine preempted)",
+        )
+        if classes is not None:
+            _observe_classes(m, classes, prefill_tokens_per_s)
         self._reservations = Tally(
             m,
             AGENT_RESERVATIONS,
@@ -130,6 +164,13 @@ class AgentMetrics:
             node_value(lambda h: h.reservations),
         )
         observe(
+            m,
+            AGENT_SAFETY_RATIO,
+            "1",
+            "The share of capacity granted against, steered by the engine's preemptions",
+            node_value(lambda h: h.safety_ratio),
+        )
+        observe(
             m, AGENT_HEALTHY, "1", "1 when the node can take requests", node_value(lambda h: float(h.healthy))
         )
         observe(
@@ -158,6 +199,12 @@ class AgentMetrics:
     def reserve(self, granted: bool, reason: str) -> None:
         self._reservations.add("granted" if granted else "refused", reason)
 
+    def sent(self, cause: str) -> None:
+        self._messages.add(cause)
+
+    def scraped(self) -> None:
+        self._scrapes.add()
+
     def released(self) -> None:
         self._reservations.add("released", "")
 
@@ -167,3 +214,37 @@ class AgentMetrics:
     def prefix_granted(self, cached_tokens: int, saved_tokens: int) -> None:
         self._prefix.add(n=cached_tokens)
         self._saved.add(n=saved_tokens)
+
+
+def _observe_classes(m: Meter, classes: Callable[[], ClassFigures], prefill_tokens_per_s: float) -> None:
+    """Counters per class; a class whose figure is unknown (chat without engine figures) is absent."""
+
+    def per_class(read: Callable[[ClassFigures], tuple[float | None, float | None]]) -> ClassCallback:
+        def counter(_options: CallbackOptions) -> list[Observation]:
+            chat, long = read(classes())
+            found = [(chat, "chat"), (long, "long")]
+            return [Observation(value, {"class": name}) for value, name in found if value is not None]
+
+        return counter
+
+    def prefill_s(tokens: int | None) -> float | None:
+        return None if tokens is None else tokens / prefill_tokens_per_s
+
+    m.create_observable_counter(
+        AGENT_CLASS_KV,
+        callbacks=[per_class(lambda f: (f.chat_kv_token_seconds, f.long_kv_token_seconds))],
+        unit="{token_second}",
+        description="KV token-seconds held per class: long = reservations, chat = the engine's other use",
+    )
+    m.create_observable_counter(
+        AGENT_CLASS_PREFILL_TOKENS,
+        callbacks=[per_class(lambda f: (f.chat_prefill_tokens, f.long_prefill_tokens))],
+        unit="{token}",
+        description="Prompt tokens prefilled per class (long: uncached prompts of grants)",
+    )
+    m.create_observable_counter(
+        AGENT_CLASS_PREFILL,
+        callbacks=[per_class(lambda f: (prefill_s(f.chat_prefill_tokens), prefill_s(f.long_prefill_tokens)))],
+        unit="s",
+        description="Prefill per class, in seconds at the node's prefill rate (--prefill-tokens-per-s)",
+    )

@@ -19,36 +19,49 @@ fills and when its hit counters fall short (kvgate.agent.prefix_audit). On any o
 is ignored: every request is charged in full. With the engine's KV events (vLLM's
 --kv-events-config, `kv_events` here), what the engine says it holds replaces those guesses wherever
 it can be told (kvgate.agent.prefix_events).
+The share of capacity granted against starts at --safety-ratio and is steered by the engine's
+preemption counter (kvgate.agent.ratio): it rises while requests wait for room here and the engine
+preempts nothing, and falls at once when it does.
 Each message also says when the live reservations are expected to end (kvgate.agent.releases), at
 the per-request decode rate measured from the engine's generation counter
 (kvgate.agent.decode_rate), and how many tokens ended reservations have freed in all: what a gate
 needs to tell a refused client when to come back.
+Every Reserve takes its place in the one waiting order every gate and queue shares: the first waiter
+that found no room holds its slot, and whoever is behind it takes only what leaves the slot whole
+(kvgate.agent.backfill); the messages show that head.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from kvgate.agent.backfill import NO_ROOM, Waiter, WaitingClaims
 from kvgate.agent.capacity import ModelShape, kv_bytes_per_token, static_capacity_tokens
+from kvgate.agent.class_usage import ClassUsage
 from kvgate.agent.decode_rate import DecodeRate
 from kvgate.agent.kv_events import Batch
-from kvgate.agent.ledger import Budget, ReservationLedger
+from kvgate.agent.ledger import Budget, Cap, Reservation, ReservationLedger
+from kvgate.agent.lending import Lending, LendLimits, LendOffer
 from kvgate.agent.prefix_audit import PrefixAudit
 from kvgate.agent.prefix_blocks import PrefixBlocks
 from kvgate.agent.prefix_events import PrefixEvents
+from kvgate.agent.ratio import FREEZE_S, RatioSettings, SteeredRatio
 from kvgate.agent.releases import expected_releases
 from kvgate.agent.sources.engines import EngineReading, PageState
 from kvgate.headroom.snapshot import (
     CapacitySource,
+    ExpectedRelease,
     NodeHeadroom,
+    NodeRole,
     NvmlReading,
     PrefixChain,
     ReleaseOutcome,
     ReserveOutcome,
     ReserveReason,
     UsageSource,
+    admissible,
 )
 
 # A granted request reaches its engine (and the engine's request count) within this long.
@@ -62,6 +75,8 @@ MAX_LEASE_S = 900.0
 # far above the demo's and tests' nodes, so a single gate is never held back by it; a bound on a
 # holder that leaks reservations or takes the node whole (docs/operations.md, agent --max-holder-tokens).
 MAX_HOLDER_TOKENS = 1 << 20
+# Refusals that say a request waits for room here: what lets the admissible ratio rise.
+_ROOM_WANTED = NO_ROOM | {ReserveReason.LEND_LIMIT}
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +102,41 @@ class NodeSettings:
     # blocks are followed at most.
     kv_events: str = ""
     kv_events_max_blocks: int = 262_144
+    # The node's part in a soft pool, and, for an interactive node, what it lends long requests
+    # (kvgate.agent.lending; its prefill rate also turns prefill tokens into seconds per class).
+    role: NodeRole = NodeRole.LONG
+    lending: LendLimits = field(default_factory=LendLimits)
+    # The admissible ratio steered by the engine's preemptions (kvgate.agent.ratio): safety_ratio is
+    # where it starts; None bounds: the start - 0.10 and 0.98. Bounds equal to the start fix it.
+    safety_ratio_min: float | None = None
+    safety_ratio_max: float | None = None
+    safety_ratio_freeze_s: float = FREEZE_S
+    # The stream sends on change and at least every heartbeat_s (0: every period, as agents did
+    # before; kvgate.agent.push); the engine is scraped every period under pressure and every
+    # idle_scrape_s otherwise (None: every period; kvgate.agent.cadence). `kvgate agent` defaults to
+    # 1 s and 0.5 s; these defaults keep the every-period agent for embedders and tests.
+    heartbeat_s: float = 0.0
+    idle_scrape_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_s and self.heartbeat_s < self.period_s:
+            raise ValueError(f"heartbeat_s must be 0 or >= period_s, got {self.heartbeat_s}")
+        if self.idle_scrape_s is not None:
+            if self.idle_scrape_s < self.period_s:
+                raise ValueError(f"idle_scrape_s must be >= period_s, got {self.idle_scrape_s}")
+            # The oldest figures a slow scrape leaves: its interval plus its timeout (half a period).
+            oldest = self.idle_scrape_s + self.period_s / 2
+            if self.engine_stale_after_s <= oldest:
+                raise ValueError(
+                    f"engine_stale_after_s ({self.engine_stale_after_s}) must exceed the idle scrape "
+                    f"interval plus its timeout ({oldest:g} s): a quiet node would flap unhealthy"
+                )
+        self.ratio()  # ValueError for bounds that do not hold
+
+    def ratio(self) -> RatioSettings:
+        return RatioSettings.around(
+            self.safety_ratio, self.safety_ratio_min, self.safety_ratio_max, self.safety_ratio_freeze_s
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +172,8 @@ class NodeState:
             settings.max_lease_s,
             prefixes,
             max_holder_tokens=settings.max_holder_tokens,
+            # Reservations follow use once the engine's decode rate is measured (read when needed).
+            decode_rate=lambda: self.decode_rate.tokens_per_s,
         )
         self._audit = PrefixAudit(ARRIVAL_S)
         self.prefix_events = (
@@ -136,6 +188,13 @@ class NodeState:
         self._grants: deque[float] = deque()  # when reservations were granted, the last ARRIVAL_S
         self._bytes_per_token = kv_bytes_per_token(settings.model_shape) if settings.model_shape else None
         self.decode_rate = DecodeRate()
+        self.claims = WaitingClaims(clock)
+        self.lending = Lending(settings.lending) if settings.role is NodeRole.INTERACTIVE else None
+        self.class_usage = ClassUsage()
+        self.ratio = SteeredRatio(settings.ratio(), clock())
+        # The latest grant, release, expiry or request waiting for room: the engine is scraped every
+        # period for a while after (kvgate.agent.cadence).
+        self.activity_at = float("-inf")
 
     def observe_engine(self, reading: EngineReading) -> None:
         now = self._clock()
@@ -148,6 +207,17 @@ class NodeState:
         self._engine = _EngineSample(reading, now, "", changed)
         self._age_prefixes(now, reading)
         self.decode_rate.observe(now, reading.generation_tokens_total, reading.running)
+        self._observe_classes(now, reading)
+        self.ratio.observe(now, reading.preemptions_total)
+
+    def _observe_classes(self, now: float, reading: EngineReading) -> None:
+        """Chat's use (the engine's less what reservations hold) for the lending rule and the
+        per-class figures (kvgate.agent.class_usage)."""
+        reserved = self.ledger.reserved_tokens
+        self.class_usage.observe(now, reserved, reading.used_tokens)
+        self.class_usage.observe_prefill(reading.prompt_tokens_total, reading.prefix_hits_total)
+        if self.lending is not None and reading.used_tokens is not None:
+            self.lending.observe_chat(now, max(0, reading.used_tokens - reserved))
 
     def _age_prefixes(self, now: float, reading: EngineReading) -> None:
         """Forget idle prefix blocks the engine can no longer hold: they must fit in its free KV (it
@@ -198,27 +268,83 @@ class NodeState:
         output_tokens: int = 0,
         waiting_since_unix_ns: int = 0,
         rank: int = 0,
+        hold_slot: bool = False,
     ) -> ReserveOutcome:
-        """`waiting_since_unix_ns` and `rank`: the request's place in the one waiting order (0: a first
-        try that does not wait)."""
+        """`waiting_since_unix_ns` and `rank`: the request's place in the one waiting order (0: a try
+        that names none, behind every waiter); `hold_slot`: a waiter that finds no room here keeps its
+        claim on the node (kvgate.agent.backfill)."""
         shares = self._engine.reading is not None and self._engine.reading.prefix_caching is True
         chain = prefix if shares else None
+        budget = self.budget()
+        waiter = Waiter(holder, request_id, rank, waiting_since_unix_ns)
+        head_cap = self.claims.caps(waiter, self.ledger.headroom(budget), self._releases)
         result = self.ledger.reserve(
-            request_id, tokens, lease_s, self.budget(), holder, prefix=chain, output_tokens=output_tokens
+            request_id,
+            tokens,
+            lease_s,
+            budget,
+            holder,
+            prefix=chain,
+            output_tokens=output_tokens,
+            caps=self._lend_caps(budget, tokens - output_tokens, chain) + head_cap,
         )
+        admissible_tokens = admissible(budget.capacity_tokens, budget.safety_ratio)
+        self.claims.answered(result, waiter, tokens, hold_slot=hold_slot, admissible_tokens=admissible_tokens)
+        if result.reason in _ROOM_WANTED or waiting_since_unix_ns > 0:
+            self.ratio.waited()
+            self.activity_at = self._clock()
         if result.reason == ReserveReason.GRANTED:
             now = self._clock()
+            self.activity_at = now
             self._grants.append(now)
             self._audit.expect(now, result.cached_tokens)
+            uncached = max(0, tokens - output_tokens - result.cached_tokens)
+            self.class_usage.granted(uncached)
+            if self.lending is not None:
+                self.lending.granted(now, uncached)
             if self.prefix_events is not None and chain is not None and chain.blocks:
                 self.prefix_events.granted(request_id, chain, now, tokens - output_tokens)
         return result
+
+    def _releases(self) -> tuple[ExpectedRelease, ...]:
+        """When the live reservations are expected to end, from now."""
+        return expected_releases(self.ledger.live(), self._clock(), self.decode_rate.tokens_per_s)
+
+    def _lend_caps(self, budget: Budget, prompt_tokens: int, chain: PrefixChain | None) -> tuple[Cap, ...]:
+        """On an interactive node every Reserve is a long request borrowing: it may take what the node
+        lends (kvgate.agent.lending), and nothing when its uncached prompt is past the node's cap."""
+        if self.lending is None:
+            return ()
+        offer = self._lend_offer(budget)
+        cached = self.ledger.prefixes.cached_blocks(chain) * chain.block_tokens if chain is not None else 0
+        fits = prompt_tokens - cached <= offer.max_prompt_tokens
+        return (Cap(offer.tokens if fits else 0, ReserveReason.LEND_LIMIT),)
+
+    def _lend_offer(self, budget: Budget) -> LendOffer:
+        assert self.lending is not None
+        return self.lending.offer(
+            self._clock(),
+            admissible(budget.capacity_tokens, budget.safety_ratio),
+            budget.capacity_tokens,
+            self.ledger.reserved_tokens,
+        )
 
     def release(
         self, request_id: str, holder: str = "", *, unanswered_reserve: bool = False
     ) -> ReleaseOutcome:
         released = self.ledger.release(request_id, holder, unanswered_reserve=unanswered_reserve)
+        # A waiter that went elsewhere or gave up says so with a Release: its claim goes with it.
+        self.claims.drop(Waiter(holder, request_id))
+        if released:
+            self.activity_at = self._clock()
         return self.ledger.release_answer(released, self.budget())
+
+    def expire(self) -> list[Reservation]:
+        """End the reservations whose lease ran out; the ones ended."""
+        lapsed = self.ledger.expire()
+        if lapsed:
+            self.activity_at = self._clock()
+        return lapsed
 
     def snapshot(self, sample_time_unix_ns: int) -> NodeHeadroom:
         """The next message of the stream (its seq is one more than the last one's)."""
@@ -231,13 +357,15 @@ class NodeState:
         if a.usage is UsageSource.RESERVATIONS and budget.capacity_tokens > 0:
             kv_usage = (budget.observed_tokens or 0) / budget.capacity_tokens
         last = self._engine.reading
+        offer = self._lend_offer(budget) if self.lending is not None else None
+        releases = self._releases()
         return NodeHeadroom(
             node=self.settings.node,
             endpoint=self.settings.endpoint,
             seq=self._seq,
             sample_time_unix_ns=sample_time_unix_ns,
             capacity_tokens=budget.capacity_tokens,
-            safety_ratio=self.settings.safety_ratio,
+            safety_ratio=budget.safety_ratio,
             used_tokens=budget.observed_tokens,
             reserved_tokens=self.ledger.reserved_tokens,
             reservations=self.ledger.count,
@@ -261,9 +389,14 @@ class NodeState:
             ),
             prefix=self.ledger.prefixes.summary(self.ledger.saved_tokens),
             decode_tokens_per_s=self.decode_rate.tokens_per_s,
-            releases=expected_releases(self.ledger.live(), now, self.decode_rate.tokens_per_s),
+            releases=releases,
             freed_tokens_total=self.ledger.freed_tokens,
             prefix_source=self._prefix_source(last),
+            role=self.settings.role,
+            lend_tokens=offer.tokens if offer is not None else None,
+            lend_max_prompt_tokens=offer.max_prompt_tokens if offer is not None else 0,
+            heartbeat_ms=round(self.settings.heartbeat_s * 1000),
+            head=self.claims.published(self.ledger.headroom(budget), releases),
         )
 
     def _prefix_source(self, engine: EngineReading | None) -> str:
@@ -280,7 +413,7 @@ class NodeState:
         usage, observed, unreserved, note = self._usage(engine, capacity)
         problem = self._problem(engine, capacity)
         healthy = not problem
-        budget = Budget(capacity, self.settings.safety_ratio, observed, healthy, problem or note)
+        budget = Budget(capacity, self.ratio.value, observed, healthy, problem or note)
         return _Assessment(budget, source, rule, usage, engine, unreserved)
 
     def _fresh_engine(self) -> EngineReading | None:

@@ -1,9 +1,11 @@
 """The agent's gRPC adapter: a sampling loop on a fixed cadence, the Agent service and gRPC health.
 
-Every period the loop scrapes the engine's metrics (bounded by the scraper's timeout, half the
-period), takes NVML's latest reading (sampled on its own thread, see nvml.NvmlPoller) and the engine's
-KV-event batches received since the last period (on their own thread, see kv_events.KvEventFeed),
-folds them into the NodeState, and pushes one NodeHeadroom to every subscriber.
+Every period the loop scrapes the engine's metrics when due (every period under pressure, else every
+--idle-scrape-ms: kvgate.agent.cadence; bounded by the scraper's timeout, half the period), takes
+NVML's latest reading (sampled on its own thread, see nvml.NvmlPoller) and the engine's KV-event
+batches received since the last period (on their own thread, see kv_events.KvEventFeed), folds them
+into the NodeState, and pushes the NodeHeadroom to every subscriber when something a gate uses
+changed, or a heartbeat has passed (kvgate.agent.push; every period with --heartbeat-ms 0).
 Ticks are scheduled on absolute deadlines so a slow sample delays one push, not all that follow.
 Reserve and Release run on the same event loop as the ledger and never await between check and
 charge: that is what makes this agent the single authority for its node.
@@ -30,10 +32,12 @@ from grpc_health.v1.health import aio as health_aio
 from kvgate._proto.headroom.v1 import headroom_pb2 as pb
 from kvgate._proto.headroom.v1 import headroom_pb2_grpc as pb_grpc
 from kvgate.agent.broadcast import Broadcast
+from kvgate.agent.cadence import ScrapeCadence
 from kvgate.agent.kv_events import Batch
 from kvgate.agent.ledger import MAX_ID_BYTES
 from kvgate.agent.metrics import AgentMetrics
 from kvgate.agent.node import NodeSettings, NodeState
+from kvgate.agent.push import StreamPacer
 from kvgate.agent.sources.engines import EngineReading
 from kvgate.errors import HeadroomError
 from kvgate.headroom.credentials import add_port
@@ -89,7 +93,7 @@ class Agent:
     ) -> None:
         self.settings = settings
         self.state = NodeState(settings, clock, uses_engine=engine is not None, uses_nvml=nvml is not None)
-        # Serialized NodeHeadroom messages: encoded once per period, whatever the number of subscribers.
+        # Serialized NodeHeadroom messages: encoded once per message sent, whatever the number of subscribers.
         self.stream: Broadcast[bytes] = Broadcast()
         self._encoder = HeadroomEncoder()
         self._engine = engine
@@ -101,7 +105,16 @@ class Agent:
         self._server: grpc.aio.Server | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._latest: NodeHeadroom | None = None
-        self.metrics = AgentMetrics(lambda: self._latest, lambda: self.state.prefix_forgotten)
+        self._clock = clock
+        self._pacer = StreamPacer(settings.period_s, settings.heartbeat_s)
+        self._cadence = ScrapeCadence(settings.period_s, settings.idle_scrape_s or settings.period_s)
+        self.metrics = AgentMetrics(
+            lambda: self._latest,
+            lambda: self.state.prefix_forgotten,
+            self.state.class_usage.figures,
+            settings.lending.prefill_tokens_per_s,
+            ratio_steps=lambda: self.state.ratio.steps,
+        )
 
     async def start(self, listen: str, tls: ServerTls | None = None) -> int:
         """Serve on `listen` (host:port, port 0 picks one) and start sampling; returns the bound port.
@@ -159,14 +172,16 @@ class Agent:
             await self._server.wait_for_termination()
 
     async def tick(self) -> NodeHeadroom:
-        """Sample every source once, publish the result to subscribers, and return it."""
-        if self._engine is not None:
+        """Sample every source once (the engine when due), publish the result to subscribers when it is
+        worth a message, and return it."""
+        scrape = self._cadence.due(self._clock(), self._latest, self.state.activity_at)
+        if self._engine is not None and scrape:
             await self._sample_engine()
         if self._nvml is not None:
             self.state.observe_nvml(self._nvml.latest())
         if self._kv_events is not None:
             self.state.observe_kv_events(self._kv_events.drain())
-        for lapsed in self.state.ledger.expire():
+        for lapsed in self.state.expire():
             self.metrics.expired()
             # A lease that runs out means a gate never released: a lost end-of-request signal.
             log.warning(
@@ -177,7 +192,12 @@ class Agent:
             )
         headroom = self.state.snapshot(self._wall_clock_ns())
         self._latest = headroom
-        self.stream.publish(self._encoder.encode(headroom))
+        now = self._clock()
+        cause = self._pacer.due(headroom, now)
+        if cause is not None:
+            self.stream.publish(self._encoder.encode(headroom))
+            self._pacer.sent(headroom, now)
+            self.metrics.sent(cause)
         if headroom.healthy != self._healthy:
             self._healthy = headroom.healthy
             status = (
@@ -210,6 +230,8 @@ class Agent:
     async def _sample_engine(self) -> None:
         """One scrape; the scraper's own timeout (half the period) bounds it."""
         assert self._engine is not None
+        self._cadence.scraped(self._clock())
+        self.metrics.scraped()
         try:
             reading = await self._engine.sample()
         except HeadroomError as exc:
@@ -257,6 +279,7 @@ class _AgentServicer(pb_grpc.AgentServicer):
                 output_tokens=request.output_tokens,
                 waiting_since_unix_ns=request.waiting_since_unix_ns,
                 rank=request.rank,
+                hold_slot=request.hold_slot,
             )
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -56,6 +56,11 @@ def status_json(h: NodeHeadroom, agent: str, age_s: float) -> dict[str, Any]:
         ],
         "period_ms": h.period_ms,
         "seq": h.seq,
+        "role": {
+            "role": h.role.value,
+            "lend_tokens": h.lend_tokens,
+            "lend_max_prompt_tokens": h.lend_max_prompt_tokens,
+        },
     }
 
 
@@ -97,6 +102,13 @@ def status_text(h: NodeHeadroom, agent: str, age_s: float) -> str:
             ends = f"; {len(h.releases)} reservations expected to end in {h.releases[0].after_s:.1f}"
             ends += f"-{h.releases[-1].after_s:.1f} s" if len(h.releases) > 1 else " s"
         lines.append(f"decode    {h.decode_tokens_per_s:.1f} tokens/s per running request{ends}")
+    if h.lend_tokens is not None:
+        lines.append(
+            f"role      {h.role.value}: lends long requests {h.lend_tokens:,} tokens now, an uncached prompt "
+            f"of at most {h.lend_max_prompt_tokens:,}"
+        )
+    else:
+        lines.append(f"role      {h.role.value}")
     if h.gpus:
         sick = [g.uuid for g in h.gpus if not g.healthy]
         lines.append(

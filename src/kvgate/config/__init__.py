@@ -136,13 +136,14 @@ class RequestConfig:
 
 @dataclass(frozen=True, slots=True)
 class WaterThresholds:
-    """Rising thresholds of a pool's water level; a level falls only `hysteresis` below them."""
+    """Rising thresholds of a pool's water level; a level falls only `hysteresis` below them.
+
+    Only what the engines report (KV) and the agents' staleness raise a level: the gate's own line of
+    waiting requests does not (see REMOVED_KEYS)."""
 
     # Engine-reported KV usage over its whole capacity (reservations stop at capacity x safety ratio).
     yellow_kv: float = field(default=0.85, metadata=at_least(0))
     red_kv: float = field(default=0.95, metadata=at_least(0))
-    yellow_queue: float = field(default=0.25, metadata=at_least(0))
-    red_queue: float = field(default=0.75, metadata=at_least(0))
     yellow_stale: float = field(default=0.25, metadata=at_least(0))
     red_stale: float = field(default=0.75, metadata=at_least(0))
     hysteresis: float = field(default=0.10, metadata=at_least(0))
@@ -162,6 +163,12 @@ class AdmissionConfig:
     stale_nodes: Literal["probe", "exclude"] = "probe"
     # After the wait: hand the request to the async pool instead of answering 429.
     async_fallback: bool = False
+    # A long request that would go to the async pool after max_wait_s is held in the gate instead, up
+    # to max_hold_s in all: the gate extends Envoy's ext_proc deadline (override_message_timeout), which
+    # Envoy honours up to its max_message_timeout (set it >= max_hold_s + 5 s). Only what outlives the
+    # hold goes to the async pool. At or below max_wait_s: no holding (docs/operations.md, "Holding a
+    # request in the gate").
+    max_hold_s: float = field(default=30.0, metadata={"min": 0, "max": 3595})
     retry_after_s: int = field(default=2, metadata=at_least(1))
     # Retry-After of a long request refused for want of capacity: `forecast` answers when the agents
     # expect enough KV to free for it (later by up to retry_jitter of itself, within retry_after_min_s
@@ -174,6 +181,11 @@ class AdmissionConfig:
     breaker_open_s: float = field(default=2.0, metadata=at_least(0))
     breaker_probes: int = field(default=2, metadata=at_least(1))
     water: WaterThresholds = WaterThresholds()
+
+    @property
+    def longest_wait_s(self) -> float:
+        """The longest any long request waits in the gate: max_hold_s when the gate holds requests."""
+        return max(self.max_wait_s, self.max_hold_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +206,17 @@ class PlacementConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SoftPoolsConfig:
+    """Roles instead of hard pools (docs/operations.md, "Soft pools"): what each node lends is its
+    agent's to say (`kvgate agent --role interactive` and its limits); the gate only chooses whether
+    long requests borrow."""
+
+    # Long requests try the long pool's nodes first, then the interactive pool's nodes whose agents
+    # lend (interactive_headroom), for at most what each lends.
+    borrow: bool = True
+
+
+@dataclass(frozen=True, slots=True)
 class RefusalsConfig:
     # 413 is the field report's answer to a request past max_total_tokens; 400 with the same
     # `context_length_exceeded` code is what OpenAI, vLLM and Anthropic answer, so the official SDKs
@@ -210,8 +233,10 @@ class Config:
     refusals: RefusalsConfig = RefusalsConfig()
     # Agents of the long-context pool: reservations and its water level.
     headroom: HeadroomSettings = field(default_factory=HeadroomSettings)
-    # Agents of the interactive pool, if any: only its water level (no per-request reservations).
+    # Agents of the interactive pool, if any: its water level, and, where they lend (soft_pools), room
+    # for long requests.
     interactive_headroom: HeadroomSettings = field(default_factory=HeadroomSettings)
+    soft_pools: SoftPoolsConfig = SoftPoolsConfig()
     default_model: ModelConfig = ModelConfig()
     models: tuple[ModelConfig, ...] = ()
     # Named overrides for Envoy routes and virtual hosts (x-kvgate-model-policy: NAME).
@@ -222,6 +247,20 @@ class Config:
     queue: QueueSettings = field(default_factory=QueueSettings)
     source: str = "<defaults>"
 
+
+# Keys kvgate.yaml took once and no longer does, by dotted path, each with why it went: a file that
+# still sets one fails to load naming it, rather than loading as if the setting still applied.
+_QUEUE_SIGNAL_GONE = (
+    "removed: the gate's line of waiting requests no longer turns a pool yellow or red (it used to open "
+    "the breaker and shed every normal request because of a line the gate itself holds); a pool's level "
+    "now follows only the engines' KV usage and stale agents, and the line overflows one request at a "
+    "time by admission.queue_size (queue_full) and admission.max_wait_s (no_capacity). Delete this key "
+    '(docs/operations.md, "Shedding")'
+)
+REMOVED_KEYS: Mapping[str, str] = {
+    "admission.water.yellow_queue": _QUEUE_SIGNAL_GONE,
+    "admission.water.red_queue": _QUEUE_SIGNAL_GONE,
+}
 
 # YAML keys that are Python keywords map onto a trailing-underscore field.
 _KEY_ALIASES = {"async": "async_"}
@@ -252,6 +291,8 @@ class _Loader:
             key = key_node.value
             name = _KEY_ALIASES.get(key, key)
             path = f"{where}.{key}" if where else key
+            if path in REMOVED_KEYS:
+                raise self.fail(key_node, path, REMOVED_KEYS[path])
             if name not in fields or (name.endswith("_") and key == name):
                 known = ", ".join(sorted(_yaml_key(n) for n in fields))
                 raise self.fail(key_node, path, f"unknown key (known keys: {known})")
@@ -409,6 +450,14 @@ def _check(config: Config, loader: _Loader) -> None:
             f"{config.source}: admission.retry_after_min_s ({admission.retry_after_min_s:g}) must not "
             f"exceed admission.retry_after_max_s ({admission.retry_after_max_s:g})"
         )
+    for i, agent in enumerate(config.interactive_headroom.agents if config.soft_pools.borrow else ()):
+        if agent in config.headroom.agents:
+            # One agent in both pools would be asked for long requests twice, under two roles.
+            raise ConfigError(
+                f"{config.source}: interactive_headroom.agents[{i}]: {agent} is also in headroom.agents; "
+                "an agent belongs to one pool (its role says whether it lends: docs/operations.md, "
+                '"Soft pools")'
+            )
     if config.request.max_decompressed_bytes < config.request.max_body_bytes:
         raise ConfigError(
             f"{config.source}: request.max_decompressed_bytes must be >= request.max_body_bytes"

@@ -12,6 +12,14 @@ address it resolves to) or lies in `allowed_endpoints` (CIDRs or addresses; a ho
 taken as written), and, when `endpoint_ports` is set, only on one of those ports. That confines a
 misbehaving agent to its own host; it does not tell a real agent from a pod that poses as one on its
 own address (TLS to the agents, with their certificates' names checked, does: docs/tls.md).
+
+How long an agent may stay silent follows what it says it does (NodeHeadroom.heartbeat_ms). An agent
+that sends every period (heartbeat 0) is stale after `stale_after_s` without a message and hung
+(its stream dropped and reopened) after `idle_timeout_s`. One that sends on change sends at least
+every heartbeat, so it is stale only after `STALE_HEARTBEATS` (3) heartbeats without a message, and
+hung after `HUNG_HEARTBEATS` (5): a quiet node is neither (kvgate.agent.push). The heartbeat is
+believed up to `MAX_HEARTBEAT_S` (10 s), so no agent can make itself fresh for long by claiming a
+long one.
 """
 
 from __future__ import annotations
@@ -23,6 +31,12 @@ from kvgate.addresses import split_host_port
 from kvgate.bounds import at_least
 from kvgate.errors import ConfigError
 
+# Missed heartbeats before a node is stale, and before its stream is taken for hung. Three leave room
+# for a late tick or two on a busy host; hung comes later, since reconnecting costs more than skipping.
+STALE_HEARTBEATS = 3
+HUNG_HEARTBEATS = 5
+MAX_HEARTBEAT_S = 10.0
+
 IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -32,9 +46,11 @@ class HeadroomSettings:
     agents: tuple[str, ...] = ()
     dns: str | None = None
     resolve_interval_s: float = field(default=10.0, metadata=at_least(0.1))
-    # A node whose last message is older than this is stale (3.5 periods of the default 100 ms).
+    # A node whose last message is older than this is stale (3.5 periods of the default 100 ms), or
+    # than STALE_HEARTBEATS of its agent's heartbeats when that is longer (see the module doc).
     stale_after_s: float = field(default=0.35, metadata=at_least(0.01))
-    # No message for this long on an open stream: the agent is hung; drop the stream and reconnect.
+    # No message for this long on an open stream, or for HUNG_HEARTBEATS of the agent's heartbeats
+    # when that is longer: the agent is hung; drop the stream and reconnect.
     idle_timeout_s: float = field(default=1.0, metadata=at_least(0.05))
     reserve_timeout_s: float = field(default=0.05, metadata=at_least(0.001))
     # Safety net only: the gate releases at the end of the request; a lost release expires here.
@@ -59,6 +75,21 @@ class HeadroomSettings:
 
     def endpoint_rule(self) -> EndpointRule:
         return EndpointRule.parse(self.allowed_endpoints, self.endpoint_ports)
+
+
+def silence_allowed(floor_s: float, heartbeat_ms: int, heartbeats: int) -> float:
+    """`floor_s`, or `heartbeats` of an agent's heartbeat when longer (0: it sends every period)."""
+    return max(floor_s, heartbeats * min(heartbeat_ms / 1000, MAX_HEARTBEAT_S))
+
+
+def stale_after(stale_after_s: float, heartbeat_ms: int) -> float:
+    """How old a node's latest message may be while it is fresh."""
+    return silence_allowed(stale_after_s, heartbeat_ms, STALE_HEARTBEATS)
+
+
+def hung_after(idle_timeout_s: float, heartbeat_ms: int) -> float:
+    """How long a stream may stay silent before it is reopened."""
+    return silence_allowed(idle_timeout_s, heartbeat_ms, HUNG_HEARTBEATS)
 
 
 def ip_or_none(host: str) -> IpAddress | None:

@@ -52,7 +52,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--envoy-config",
         type=Path,
         default=None,
-        help="Envoy config of the kvgate run (default: envoy/envoy.yaml of this checkout)",
+        help="Envoy config of the kvgate runs (default: envoy/envoy-one-trip.yaml of this checkout, "
+        "one ext_proc round trip a request; envoy/envoy.yaml is the two-trip set-up)",
     )
     parser.add_argument(
         "--only", choices=RUN_NAMES, default=None, help="run this one of the scenario's stacks only"
@@ -90,14 +91,20 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.set_defaults(func=run)
 
 
+# The kvgate runs' Envoy: one ext_proc round trip a request (the body, with the headers the gate reads
+# as attributes) costs the gate 12-22% less CPU than two (docs/benchmarks.md, "One round trip"), and
+# every figure the demo reads holds with it (docs/benchmarks.md, "Routing CPU by process").
+DEMO_ENVOY = "envoy-one-trip.yaml"
+
+
 def default_envoy_config() -> Path:
-    local = Path("envoy/envoy.yaml")
+    local = Path("envoy") / DEMO_ENVOY
     if local.is_file():
         return local
-    checkout = Path(kvgate.__file__).resolve().parents[2] / "envoy" / "envoy.yaml"
+    checkout = Path(kvgate.__file__).resolve().parents[2] / "envoy" / DEMO_ENVOY
     if checkout.is_file():
         return checkout
-    raise ConfigError("no envoy/envoy.yaml here or in the kvgate checkout: pass --envoy-config FILE")
+    raise ConfigError(f"no envoy/{DEMO_ENVOY} here or in the kvgate checkout: pass --envoy-config FILE")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -126,9 +133,12 @@ def run(args: argparse.Namespace) -> int:
     if args.trace is None:
         print_report(report, args.out)
         return 0
+    from kvgate.demo.soft_pools import soft_pool_lines
     from kvgate.demo.trace_report import format_trace_table
 
     print(format_trace_table(report))
+    if soft := soft_pool_lines(report["runs"]):
+        print(f"\nsoft pools (kvgate agents' per-class figures):\n{soft}")
     for name, reason in report["not_run"].items():
         print(f"not run: {name}: {reason}")
     print(f"\nwrote {args.out / 'report.json'}, report.md and report.png")

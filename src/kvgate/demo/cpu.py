@@ -3,12 +3,17 @@
 A process counts with its descendants (a router's helpers, a gate's workers): its own utime + stime,
 what its waited-for children left (cutime + cstime), and each live descendant's the same way. Read
 once before a replay and once after it, the difference is what the routing layer cost while the
-traffic ran; the load generator is the demo's own process, never among them.
+traffic ran; the load generator is the demo's own process, never among them. Read over a quiet spell
+before the replay (`idle_cpu_per_s`), it is what each process costs with no traffic at all: its
+timers (an agent's engine scrapes and headroom messages, the queue's store polls), which the replay
+report charges as the fixed part of its CPU (kvgate.demo.trace_report.cpu_split).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -57,18 +62,31 @@ def tree_cpu_seconds(pids: Iterable[int]) -> dict[int, float]:
 
 
 class CpuMeter:
-    """CPU seconds of named processes between `start` and `stop`."""
+    """CPU seconds of named processes between `start` and `stop`; `seconds`: how long that was."""
 
     def __init__(self, pids: Mapping[str, int]) -> None:
         self._pids = dict(pids)
         self._before: dict[int, float] = {}
+        self._started = 0.0
+        self.seconds = 0.0
 
     def start(self) -> None:
         self._before = tree_cpu_seconds(self._pids.values())
+        self._started = time.monotonic()
 
     def stop(self) -> dict[str, float]:
         after = tree_cpu_seconds(self._pids.values())
+        self.seconds = time.monotonic() - self._started
         return {
             name: round(max(0.0, after[pid] - self._before.get(pid, 0.0)), 3)
             for name, pid in self._pids.items()
         }
+
+
+async def idle_cpu_per_s(pids: Mapping[str, int], seconds: float) -> dict[str, float]:
+    """CPU seconds per second each process spends over `seconds` with no traffic."""
+    meter = CpuMeter(pids)
+    meter.start()
+    await asyncio.sleep(seconds)
+    spent = meter.stop()
+    return {name: round(value / meter.seconds, 5) for name, value in spent.items()}

@@ -1,7 +1,7 @@
 """The baseline run's Envoy: a plain Envoy as most deployments start it.
 
-One shared pool, round-robin, no health checks, no outlier detection, no retries. (The kvgate run
-uses the repository's `envoy/envoy.yaml` unchanged but for its ports: kvgate.harness.envoy.)
+One shared pool, round-robin, no health checks, no outlier detection, no retries. (The kvgate runs
+use the repository's `envoy/envoy-one-trip.yaml` unchanged but for its ports: kvgate.harness.envoy.)
 """
 
 from __future__ import annotations

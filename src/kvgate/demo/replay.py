@@ -2,7 +2,8 @@
 
 Each run starts its stack on fresh nodes (kvgate.demo.runs), waits until it can place a long request,
 replays the window open-loop (kvgate.demo.trace: arrivals / speed, nodes `speed` times faster) while
-sampling every node, reads the routing layer's CPU before and after, then the nodes' counters, and
+sampling every node, reads the routing layer's CPU before and after (and, over 10 s before, its idle
+CPU: the report's fixed part), then the nodes' counters, and
 stops the stack. A peer router that is not installed is recorded with the reason and skipped.
 report.json holds the runs' figures (kvgate.demo.trace_report) and, at the top level, the trace, its
 window, the speed, and `prefix_bound_tokens`: what an infinite prefix cache would hit on the window.
@@ -19,13 +20,14 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvgate.demo.cpu import CpuMeter
+from kvgate.demo.cpu import CpuMeter, idle_cpu_per_s
 from kvgate.demo.load import LazyBodies, LoadGenerator
 from kvgate.demo.peers import PEER_RUNS, limits, unavailable
 from kvgate.demo.runner import Progress, replay, write_requests
 from kvgate.demo.runs import gate_follows_agents, start_stack
 from kvgate.demo.scenario import Planned, RunName, Scenario
 from kvgate.demo.scrape import Sampler, final_metrics
+from kvgate.demo.soft_pools import agent_pages, soft_pool_figures
 from kvgate.demo.trace import (
     CLASSES,
     TraceRequest,
@@ -42,6 +44,8 @@ from kvgate.errors import ConfigError
 from kvgate.harness.processes import ProcessGroup
 
 _SAMPLE_S = 1.0
+# How long the routing layer's idle CPU is read before the replay (kvgate.demo.trace_report.cpu_split).
+_IDLE_S = 10.0
 
 
 async def _replay_one(
@@ -61,7 +65,10 @@ async def _replay_one(
         progress.done(f"{name}: starting the stack")
         stack = await start_stack(name, group, scenario, Path(tmp), envoy_config)
         await gate_follows_agents(stack)
-        meter = CpuMeter({process: group[process].process.pid for process in stack.routing})
+        routing = {process: group[process].process.pid for process in stack.routing}
+        # The stack's fixed CPU, its timers with no traffic: the report charges it per second of replay.
+        idle = await idle_cpu_per_s(routing, _IDLE_S)
+        meter = CpuMeter(routing)
         nodes_meter = CpuMeter({node.name: group[node.name].process.pid for node in stack.nodes})
         own_before = time.process_time()
         load = LoadGenerator(stack.url, scenario, stack.async_nodes)
@@ -80,7 +87,11 @@ async def _replay_one(
         load_after = os.getloadavg()
         group.check_alive()
         final = await final_metrics(stack.nodes, wait_s=scenario.node.restart_s + 2.0)
-    summary = summarize_trace_run(results, final, cpu, speed)
+        pages = await agent_pages(stack.agent_metrics)
+    summary = summarize_trace_run(results, final, cpu, speed, idle_cpu_per_s=idle, metered_s=meter.seconds)
+    if pages:
+        pools = {node.name: node.pool for node in stack.nodes}
+        summary["soft_pools"] = soft_pool_figures(pages, results, pools)
     summary["load_average_1m"] = [round(load_before[0], 2), round(load_after[0], 2)]
     # Not the routing layer's, for the record: the simulated nodes' CPU and the load generator's own.
     summary["nodes_cpu_ms_per_request"] = round(sum(nodes_cpu.values()) * 1000 / len(results), 3)

@@ -26,6 +26,7 @@ from kvgate.demo.retry_figures import RetryFigures, read_retry_figures
 from kvgate.demo.runs import start_stack
 from kvgate.demo.scenario import Planned, RunName, Scenario, long_shape, plan
 from kvgate.demo.scrape import Sampler, fetch_page, final_metrics, with_sampled_peaks
+from kvgate.demo.soft_pools import agent_pages, soft_pool_figures, soft_pool_lines
 from kvgate.demo.stacks import Stack
 from kvgate.harness.processes import ProcessGroup
 
@@ -128,6 +129,7 @@ async def _run_one(
         final = await final_metrics(stack.nodes, wait_s=scenario.node.restart_s + 2.0, parse=stack.parse_page)
         final = with_sampled_peaks(final, sampler.timeline)
         retry = await _retry_figures(stack)
+        pages = await agent_pages(stack.agent_metrics)
     long_capacity = (
         None  # the simulator's capacity model does not describe a real engine
         if scenario.engine is not None
@@ -135,6 +137,8 @@ async def _run_one(
     )
     pools = {node.name: node.pool for node in stack.nodes}
     summary = summarize_run(burst, no_burst, final, pools, long_capacity, retry=retry)
+    if pages:
+        summary["soft_pools"] = soft_pool_figures(pages, burst, pools)
     return RunTrace(summary, burst, sampler.timeline)
 
 
@@ -180,4 +184,6 @@ def write_requests(results: list[Result], path: Path) -> None:
 
 def print_report(report: Mapping[str, Mapping[str, Any]], out_dir: Path, stream: TextIO = sys.stdout) -> None:
     stream.write(format_table(report) + "\n")
+    if soft := soft_pool_lines(report):
+        stream.write(f"\nsoft pools (kvgate agents' per-class figures):\n{soft}\n")
     stream.write(f"\nwrote {out_dir / 'report.json'} and {out_dir / 'report.png'}\n")

@@ -44,6 +44,10 @@ class Layout:
     queue: bool = True
     # Or separate batch engines as the async pool (the queue and these are alternatives).
     async_nodes: int = 0
+    # Soft pools: kvgate's interactive nodes get the long nodes' engine configuration (max_model_len)
+    # and an agent with --role interactive, and lend long requests what chat leaves
+    # (docs/operations.md, "Soft pools"); false: a hard split, interactive nodes without agents.
+    interactive_lends: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,9 @@
 - baseline: simulated nodes in one shared pool behind a plain round-robin Envoy.
 - kvgate: an interactive pool, a long-context pool with one `kvgate agent` per node, an optional
   async pool, the gate (prefix-aware placement off, its default, or on), and Envoy with the
-  repository's config.
+  repository's config. With `layout.interactive_lends` (soft pools), each interactive node has the
+  long nodes' engine configuration and an agent with --role interactive, which lends long requests
+  what chat leaves (docs/operations.md, "Soft pools").
 - a peer router over the baseline's nodes: kvgate.demo.peers.
 All use the same node profile and the same number of nodes for the interactive and long traffic.
 A stack names the processes of its routing layer (`routing`), whose CPU the demo reports.
@@ -14,8 +16,8 @@ the scenario names an `engine`, real engines (kvgate.demo.engines); the stacks a
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -41,6 +43,8 @@ class Stack:
     routing: tuple[str, ...] = ()
     # How the nodes' /metrics pages read (the simulator's, or a real engine's).
     parse_page: Callable[[str], NodeMetrics] = parse_sim_metrics
+    # Each agent's /metrics, by the node it serves (kvgate runs): its per-class figures.
+    agent_metrics: Mapping[str, str] = field(default_factory=dict)
 
 
 class NodeKind(Protocol):
@@ -156,9 +160,11 @@ def gate_config(
     agent_ports: list[int],
     prefix_affinity: bool = False,
     queue: bool = False,
+    *,
+    interactive_agent_ports: Sequence[int] = (),
 ) -> dict[str, Any]:
     """The gate's YAML for this run (the queue reads it too): pool limits from the node profile, one
-    agent per long node."""
+    agent per long node, and one per interactive node that lends (its long requests borrow there)."""
     placement = {"placement": {"prefix_affinity": True}} if prefix_affinity else {}
     tokenizer = {} if scenario.tokenizer is None else {"tokenizer": str(tokenizer_file(scenario.tokenizer))}
     return {
@@ -174,8 +180,27 @@ def gate_config(
             "async_fallback": queue or scenario.layout.async_nodes > 0,
         },
         "headroom": {"agents": [f"127.0.0.1:{port}" for port in agent_ports], **_headroom_timing(scenario)},
+        **_interactive_headroom(scenario, interactive_agent_ports),
         **placement,
     }
+
+
+def _interactive_headroom(scenario: Scenario, ports: Sequence[int]) -> dict[str, Any]:
+    if not ports:
+        return {}
+    agents = [f"127.0.0.1:{port}" for port in ports]
+    return {"interactive_headroom": {"agents": agents, **_headroom_timing(scenario)}}
+
+
+def _lend_flags(scenario: Scenario) -> list[str]:
+    """An interactive node's agent: it lends, draining lent prefill at the node's rate (a simulated
+    node's profile; a real engine's is the agent's default)."""
+    rate = (
+        []
+        if scenario.engine is not None
+        else ["--prefill-tokens-per-s", str(scenario.node.prefill_tokens_per_s)]
+    )
+    return ["--role", "interactive", *rate]
 
 
 def _headroom_timing(scenario: Scenario) -> dict[str, float]:
@@ -193,19 +218,26 @@ def _agent_flags(scenario: Scenario) -> list[str]:
 
 
 def _start_agents(
-    group: ProcessGroup, long_nodes: list[Node], ports: Iterator[int], flags: Sequence[str] = ()
+    group: ProcessGroup,
+    nodes: list[Node],
+    ports: Iterator[int],
+    flags: Sequence[str] = (),
+    metrics: dict[str, str] | None = None,
 ) -> dict[str, int]:
-    """One agent per long-context node, reading that node's /metrics; returns name -> port."""
+    """One agent per node, reading that node's /metrics; returns name -> port, and puts each one's
+    own /metrics URL in `metrics`, by node."""
     agents: dict[str, int] = {}
-    for node in long_nodes:
-        name, port = f"agent-{node.name}", next(ports)
+    for node in nodes:
+        name, port, metrics_port = f"agent-{node.name}", next(ports), next(ports)
         agents[name] = port
+        if metrics is not None:
+            metrics[node.name] = f"http://127.0.0.1:{metrics_port}/metrics"
         group.start(
             name,
             kvgate_command(
                 "agent", "--listen", f"127.0.0.1:{port}", "--endpoint", node.address,
                 "--engine-metrics", node.metrics_url, "--nvml", "off", "--node-name", node.name,
-                "--metrics-listen", "off", *flags,
+                "--metrics-listen", f"127.0.0.1:{metrics_port}", *flags,
             ),
         )  # fmt: skip
     return agents
@@ -224,21 +256,35 @@ async def start_kvgate(
     nodes, as soon as one of their agents reserves for it."""
     layout = scenario.layout
     sizes = {"interactive": layout.interactive_nodes, "long": layout.long_nodes, "async": layout.async_nodes}
-    # Nodes, agents, then the gate, its metrics, Envoy's listener and admin, the queue.
-    ports = iter(free_ports(sum(sizes.values()) + layout.long_nodes + 5))
+    lenders = layout.interactive_nodes if layout.interactive_lends else 0
+    # Nodes, agents (and their metrics), then the gate, its metrics, Envoy's listener and admin, the queue.
+    ports = iter(free_ports(sum(sizes.values()) + 2 * (layout.long_nodes + lenders) + 5))
     nodes = [Node(f"{pool}-{i}", next(ports), pool) for pool, size in sizes.items() for i in range(size)]
     model_len = {
-        "interactive": scenario.node.interactive_max_model_len,
+        # A node that lends serves long requests too: the long nodes' engine configuration. The gate's
+        # interactive_max_tokens still decides what is chat.
+        "interactive": (scenario.node.max_model_len if lenders else scenario.node.interactive_max_model_len),
         "long": scenario.node.max_model_len,
         "async": scenario.node.max_model_len,
     }
     kind = node_kind(scenario)
     await kind.start(group, scenario, nodes, model_len)
     long_nodes = [n for n in nodes if n.pool == "long"]
-    agents = _start_agents(group, long_nodes, ports, _agent_flags(scenario))
+    agent_metrics: dict[str, str] = {}
+    agents = _start_agents(group, long_nodes, ports, _agent_flags(scenario), agent_metrics)
+    lending = [n for n in nodes if n.pool == "interactive"] if lenders else []
+    flags = [*_agent_flags(scenario), *_lend_flags(scenario)]
+    lending_agents = _start_agents(group, lending, ports, flags, agent_metrics)
     gate_port = next(ports)
     gate_yaml = write_yaml(
-        gate_config(scenario, gate_port, list(agents.values()), prefix_affinity, queue),
+        gate_config(
+            scenario,
+            gate_port,
+            list(agents.values()),
+            prefix_affinity,
+            queue,
+            interactive_agent_ports=list(lending_agents.values()),
+        ),
         work_dir / "kvgate-gate.yaml",
     )
     # A port of its own for the gate's /metrics: the default one may be taken by another gate.
@@ -250,7 +296,7 @@ async def start_kvgate(
         pool: [n.port for n in nodes if n.pool == pool] for pool in ("interactive", "long", "async")
     }
     queue_port = next(ports)
-    ready = {**{n.name: n.port for n in nodes}, **agents, "gate": gate_port, "envoy": listen}
+    ready = {n.name: n.port for n in nodes} | agents | lending_agents | {"gate": gate_port, "envoy": listen}
     if queue:
         store = f"sqlite:///{work_dir / 'queue.db'}"
         group.start(
@@ -266,7 +312,7 @@ async def start_kvgate(
     await wait_all(group, ready)
     url = f"http://127.0.0.1:{listen}/v1/chat/completions"
     async_nodes = frozenset(n.name for n in nodes if n.pool == "async")
-    routing = ("envoy", "gate", *agents, *(("queue",) if queue else ()))
+    routing = ("envoy", "gate", *agents, *lending_agents, *(("queue",) if queue else ()))
     return Stack(
         url,
         tuple(nodes),
@@ -275,4 +321,5 @@ async def start_kvgate(
         f"http://{gate_metrics}/metrics",
         routing,
         kind.parse_page,
+        agent_metrics,
     )

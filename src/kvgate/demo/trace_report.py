@@ -14,7 +14,13 @@ Per run, from the requests' results, the nodes' counters after the replay and th
   trace (replay seconds x speed), from the first request sent to the last one finished;
 - `routing_cpu_ms_per_request`: CPU of the routing layer's processes while the replay ran, per
   request (`routing_cpu_s` per process): Envoy + gate + agents + queue for kvgate, the router for a
-  peer, Envoy for the baseline;
+  peer, Envoy for the baseline. Split (`cpu_split`) into a fixed part, what the stack spends with no
+  traffic (`routing_cpu_fixed_ms_per_s`, measured before the replay: agents' sampling and streams,
+  the queue's store polls), charged for the replay's length, and the variable rest, what the requests
+  cost: `routing_cpu_fixed_ms_per_request` + `routing_cpu_variable_ms_per_request`, and both per
+  process in `routing_cpu_split`. The fixed part per request depends on `--speed`: the same trace
+  replayed twice as fast lasts half as long, so its fixed share per request halves; the variable part
+  does not (to first order);
 - `nodes_stalled_pct`: the share of the replay the simulated nodes lost because this host ran their
   engine steps late (its CPU busy), summed over the nodes over nodes x the replay's span: above a few
   percent the nodes were slower than their rates, and a run's latencies say as much about the host as
@@ -23,7 +29,7 @@ Per run, from the requests' results, the nodes' counters after the replay and th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from kvgate.demo.load import Result
@@ -61,12 +67,44 @@ def _span_s(results: Sequence[Result]) -> float:
     return max(ends, default=0.0) - min((r.sent_s for r in results), default=0.0)
 
 
+def cpu_split(
+    cpu_s: Mapping[str, float], idle_cpu_per_s: Mapping[str, float], metered_s: float, requests: int
+) -> dict[str, Any]:
+    """The routing layer's CPU in a fixed part (each process's idle rate x the metered seconds, at most
+    what it spent) and a variable part (the rest), in milliseconds per request, in all and per process.
+    """
+    per_request = 1000 / max(requests, 1)
+    split: dict[str, dict[str, float]] = {}
+    for name, spent in cpu_s.items():
+        fixed = min(spent, idle_cpu_per_s.get(name, 0.0) * metered_s)
+        split[name] = {
+            "ms_per_request": round(spent * per_request, 3),
+            "fixed_ms_per_s": round(idle_cpu_per_s.get(name, 0.0) * 1000, 2),
+            "fixed_ms_per_request": round(fixed * per_request, 3),
+            "variable_ms_per_request": round((spent - fixed) * per_request, 3),
+        }
+    return {
+        "routing_cpu_fixed_ms_per_s": round(sum(p["fixed_ms_per_s"] for p in split.values()), 2),
+        "routing_cpu_fixed_ms_per_request": round(sum(p["fixed_ms_per_request"] for p in split.values()), 3),
+        "routing_cpu_variable_ms_per_request": round(
+            sum(p["variable_ms_per_request"] for p in split.values()), 3
+        ),
+        "routing_cpu_split": split,
+    }
+
+
 def summarize_trace_run(
     results: Sequence[Result],
     nodes: Mapping[str, NodeMetrics | None],
     cpu_s: Mapping[str, float],
     speed: float,
+    *,
+    idle_cpu_per_s: Mapping[str, float] | None = None,
+    metered_s: float = 0.0,
 ) -> dict[str, Any]:
+    """One run's figures (the module doc); with `idle_cpu_per_s` (each routing process's CPU seconds
+    per second before the replay) and `metered_s` (the seconds `cpu_s` was metered over), the CPU's
+    split too."""
     counts = {o: sum(1 for r in results if r.outcome == o) for o in ("lost", "413", "429", "503", "other")}
     known = [m for m in nodes.values() if m is not None]
     peaks = [m.peak_kv_tokens / m.capacity_tokens for m in known]
@@ -110,6 +148,7 @@ def summarize_trace_run(
         "goodput_tokens_per_s": round(goodput(results, speed), 1),
         "routing_cpu_s": dict(cpu_s),
         "routing_cpu_ms_per_request": round(cpu_total * 1000 / len(results), 3) if results else None,
+        **(cpu_split(cpu_s, idle_cpu_per_s, metered_s, len(results)) if idle_cpu_per_s is not None else {}),
     }
 
 
@@ -120,12 +159,34 @@ def _class_cell(name: str, stat: str) -> Callable[[Mapping[str, Any]], object]:
     return get
 
 
+def _process_cell(name: str) -> Callable[[Mapping[str, Any]], object]:
+    """One process's CPU per request: total (fixed + variable), '-' where the run has no such process."""
+
+    def get(run: Mapping[str, Any]) -> object:
+        split = run.get("routing_cpu_split", {}).get(name)
+        if split is None:
+            return None
+        total, fixed, variable = (
+            split[k] for k in ("ms_per_request", "fixed_ms_per_request", "variable_ms_per_request")
+        )
+        return f"{total:.2f} ({fixed:.2f} + {variable:.2f})"
+
+    return get
+
+
+def _processes(runs: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The routing processes of every run, in the order the runs name them, each once."""
+    return list(dict.fromkeys(name for run in runs for name in run.get("routing_cpu_split", {})))
+
+
 def _load(run: Mapping[str, Any]) -> object:
     load = run.get("load_average_1m")
     return None if not load else " / ".join(f"{value:.1f}" for value in load)
 
 
-def _rows(bound: int) -> list[tuple[str, Callable[[Mapping[str, Any]], object]]]:
+def _rows(
+    bound: int, processes: Sequence[str] = ()
+) -> list[tuple[str, Callable[[Mapping[str, Any]], object]]]:
     def key(name: str) -> Callable[[Mapping[str, Any]], object]:
         return lambda run: run.get(name)
 
@@ -149,6 +210,12 @@ def _rows(bound: int) -> list[tuple[str, Callable[[Mapping[str, Any]], object]]]
         ("kv_peak", key("kv_peak")),
         ("goodput_tokens_per_s", key("goodput_tokens_per_s")),
         ("routing_cpu_ms_per_request", key("routing_cpu_ms_per_request")),
+        ("  fixed: idle ms/s", key("routing_cpu_fixed_ms_per_s")),
+        ("  fixed ms/request (x 1/speed)", key("routing_cpu_fixed_ms_per_request")),
+        ("  variable ms/request", key("routing_cpu_variable_ms_per_request")),
+    ]
+    rows += [(f"  {name} ms/request (fixed + var)", _process_cell(name)) for name in processes]
+    rows += [
         ("nodes_stalled_pct", key("nodes_stalled_pct")),
         ("load average, start / end", _load),
     ]
@@ -159,7 +226,7 @@ def _table(report: Mapping[str, Any]) -> tuple[list[str], list[tuple[str, list[s
     runs: Mapping[str, Mapping[str, Any]] = report["runs"]
     rows = [
         (label, [_format(get(runs[run])) for run in runs])
-        for label, get in _rows(int(report.get("prefix_bound_tokens") or 0))
+        for label, get in _rows(int(report.get("prefix_bound_tokens") or 0), _processes(runs.values()))
     ]
     return list(runs), rows
 

@@ -362,6 +362,8 @@ def ext_proc_filter(settings: EnvoySettings) -> HttpFilter:
         allow_mode_override=not one_trip,
         # Envoy's 200 ms default is too short to ship a multi-megabyte body to the gate.
         message_timeout=datetime.timedelta(milliseconds=settings.message_timeout_ms),
+        # The gate holds a long request waiting for room by asking for more time, up to this.
+        max_message_timeout=datetime.timedelta(milliseconds=settings.max_message_timeout_ms),
         request_attributes=list(request_attributes(settings.priority_header)) if one_trip else [],
         processing_mode=ProcessingMode(
             request_header_mode=(

@@ -79,6 +79,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="ext_proc per-message timeout (default 5000; must exceed admission.max_wait_s)",
     )
     parser.add_argument(
+        "--max-message-timeout-ms",
+        type=_positive_int,
+        default=None,
+        help="the longest the gate may ask Envoy to wait for one answer, holding a long request for "
+        "room (ext_proc max_message_timeout; default 60000, or admission.max_hold_s + 5 s if longer)",
+    )
+    parser.add_argument(
         "--fail-closed",
         action="store_true",
         help="answer 500 when the gate is unreachable (default: fail open)",
@@ -364,6 +371,7 @@ def run(args: argparse.Namespace) -> int:
         gate=parse_host_port(args.gate, "--gate") if args.gate else None,
         default_pool=args.default_pool,
         message_timeout_ms=args.message_timeout_ms,
+        max_message_timeout_ms=args.max_message_timeout_ms,
         fail_open=not args.fail_closed,
         route_timeout_seconds=args.route_timeout_seconds,
         round_trips=args.round_trips,

@@ -28,6 +28,12 @@ RoundTrips = Literal[1, 2]
 # idle timeout (Envoy's stream idle timeout is 300 s by default, docs/root/faq/configuration/timeouts.rst)
 # must leave that answer time to arrive.
 QUEUE_IDLE_MARGIN_S = 30
+# Envoy's ext_proc max_message_timeout: the gate holds a long request waiting for room past
+# message_timeout by asking for more time (override_message_timeout, kvgate.gate.holding), up to its
+# admission.max_hold_s (30 s by default) plus HOLD_MARGIN_S; Envoy ignores a longer ask (and any ask
+# when this is unset), and the request then fails open. Envoy caps it at 1 h (ext_proc.proto).
+DEFAULT_MAX_MESSAGE_TIMEOUT_MS = 60_000
+HOLD_MARGIN_S = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +78,8 @@ class EnvoySettings:
     priority_header: str
     round_trips: RoundTrips = 2
     message_timeout_ms: int = 5000
+    # The longest the gate may ask Envoy to wait for one answer, holding a request (kvgate.gate.holding).
+    max_message_timeout_ms: int = DEFAULT_MAX_MESSAGE_TIMEOUT_MS
     fail_open: bool = True
     # 0 disables the upstream timeout: long generations stream for minutes.
     route_timeout_seconds: int = 0
@@ -103,6 +111,7 @@ def envoy_settings(
     gate: HostPort | None = None,
     default_pool: str | None = None,
     message_timeout_ms: int = 2000,
+    max_message_timeout_ms: int | None = None,
     fail_open: bool = True,
     route_timeout_seconds: int = 0,
     round_trips: RoundTrips = 2,
@@ -145,6 +154,7 @@ def envoy_settings(
             "gRPC message"
         )
     _check_gate_tls(config, gate_tls)
+    max_message_timeout_ms = _max_message_timeout_ms(config, max_message_timeout_ms)
     if gate is None:
         listen_on = parse_host_port(config.server.listen, "server.listen")
         gate = HostPort("127.0.0.1", listen_on.port) if listen_on.host in _ANY_HOST else listen_on
@@ -162,6 +172,7 @@ def envoy_settings(
         priority_header=config.admission.priority_header.lower(),
         round_trips=round_trips,
         message_timeout_ms=message_timeout_ms,
+        max_message_timeout_ms=max_message_timeout_ms,
         fail_open=fail_open,
         route_timeout_seconds=route_timeout_seconds,
         gate_tls=gate_tls,
@@ -171,6 +182,23 @@ def envoy_settings(
         identity=identity,
         limits=limits or Limits(),
     )
+
+
+def _max_message_timeout_ms(config: Config, asked_ms: int | None) -> int:
+    """Envoy's max_message_timeout: what was asked (default 60 s), checked against the gate's holds."""
+    admission = config.admission
+    holds = admission.max_hold_s > admission.max_wait_s
+    needed_ms = math.ceil((admission.max_hold_s + HOLD_MARGIN_S) * 1000) if holds else 0
+    if asked_ms is None:
+        return max(DEFAULT_MAX_MESSAGE_TIMEOUT_MS, needed_ms)
+    if asked_ms < needed_ms:
+        raise ConfigError(
+            f"{config.source}: the gate holds requests up to admission.max_hold_s "
+            f"({admission.max_hold_s:g} s), so Envoy's max_message_timeout must be at least {needed_ms} ms "
+            f"(got {asked_ms}): "
+            "raise --max-message-timeout-ms, or lower admission.max_hold_s"
+        )
+    return asked_ms
 
 
 def _check_gate_tls(config: Config, gate_tls: GateTls | None) -> None:

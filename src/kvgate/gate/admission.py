@@ -21,27 +21,34 @@ import asyncio
 import dataclasses
 import logging
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from kvgate.config import AdmissionConfig, ModelConfig
 from kvgate.errors import HeadroomError
-from kvgate.gate.waitqueue import MONOTONIC, Clock, WaitQueue
+from kvgate.gate.waitqueue import MONOTONIC, Clock, Place, WaitQueue
 from kvgate.headroom import giveback
 from kvgate.headroom.giveback import unanswered
-from kvgate.headroom.snapshot import NodeView, PrefixChain, ReleaseOutcome, ReserveOutcome
+from kvgate.headroom.snapshot import HeadClaim, NodeView, PrefixChain, ReleaseOutcome, ReserveOutcome
 from kvgate.policy import Decision, Reason, Refusal, Route
 from kvgate.policy.identity import Priorities
-from kvgate.policy.nodes import Affinity, choose_nodes
+from kvgate.policy.nodes import Affinity, NodeChoice, choose_nodes
 from kvgate.policy.overflow import interactive_saturated, no_healthy_node, overflow
 from kvgate.policy.pressure import PoolPressure
 from kvgate.policy.retry_forecast import RetryPlanner, RetrySettings
 from kvgate.policy.shedding import PoolKind, Verdict
+from kvgate.policy.slot import fits_beside_heads, slot_node
 from kvgate.policy.water import pool_signals
 from kvgate.telemetry import AdmissionGauges, GateMetrics, NodeGauges, PoolGauges
 
 log = logging.getLogger(__name__)
+
+# How often a waiting head tells the agent it holds its place on that it still waits: a quarter of the
+# agent's claim lifetime (kvgate.agent.backfill.CLAIM_TTL_S, 2 s), so a late or lost Reserve or two
+# does not drop its place.
+CLAIM_RENEW_S = 0.5
 
 
 class HeadroomSource(Protocol):
@@ -57,10 +64,15 @@ class HeadroomSource(Protocol):
         prefix: PrefixChain | None = None,
         *,
         output_tokens: int = 0,
+        waiting_since_unix_ns: int = 0,
+        rank: int = 0,
+        hold_slot: bool = False,
     ) -> ReserveOutcome:
         """The agent's answer, a refusal included; HeadroomError when it gives none. Blocks of `prefix`
         that live reservations on the node hold are not charged again; `output_tokens` (the request's
-        output budget, 0 when unknown) tells the agent when the reservation is expected to end."""
+        output budget, 0 when unknown) tells the agent when the reservation is expected to end;
+        `waiting_since_unix_ns`, `rank` and `hold_slot` are the request's place in the one waiting
+        order and whether it holds its place there (kvgate.agent.backfill)."""
         ...
 
     async def release(self, node: str, request_id: str, *, unanswered: bool = False) -> ReleaseOutcome:
@@ -91,18 +103,27 @@ class Ticket:
         return self.outcome.cached_tokens
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Ask:
-    """One long request asking for a node."""
+    """One long request asking for a node, and where it holds its place while it waits."""
 
     request_id: str
     rank: int
     max_wait_s: float
     affinity: Affinity | None
     output_tokens: int
+    tokens: int
+    waiting_since_unix_ns: int  # the wall clock when it arrived: its place in the one waiting order
     # Agents whose Reserve went unanswered: their give-back is in flight, so this request does not
     # ask them again (the give-back could release the new grant).
     unanswered_by: set[str] = dataclasses.field(default_factory=set)
+    holds_on: str | None = None  # the agent it holds its place on (hold_slot), once it is the head
+    held_at: float = float("-inf")  # when it last told that agent so (admission's clock)
+
+    @property
+    def claim(self) -> HeadClaim:
+        """Its place as a head claim (the slot is the agent's to work out)."""
+        return HeadClaim(self.tokens, self.waiting_since_unix_ns, self.rank, None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,8 +142,15 @@ class Admission:
         clock: Clock = MONOTONIC,
         *,
         rng: Callable[[], float] = random.random,
+        wall_ns: Callable[[], int] = time.time_ns,
     ) -> None:
+        """`wall_ns`: the wall clock a request's place in the one waiting order is read from; the
+        agents compare it with other gates' and the queue's, so it is the host's real time."""
         self._config = config
+        self._wall_ns = wall_ns
+        # The head of this gate's line while it holds its place on an agent: behind it, this gate asks
+        # and wakes only where the room that agent holds for it is left whole.
+        self._holding: _Ask | None = None
         self._long = long
         self._interactive = interactive
         self._clock = clock
@@ -165,6 +193,11 @@ class Admission:
             self._pump.cancel()
             await asyncio.gather(self._pump, return_exceptions=True)
 
+    @property
+    def waiters_woken(self) -> int:
+        """Waiters woken to try again, in all (each wake is a Reserve round at most)."""
+        return self._queue.wakeups
+
     def rank(self, priority: str | None) -> int:
         return self._priorities.rank(priority)
 
@@ -181,7 +214,9 @@ class Admission:
     ) -> Admitted:
         """A long request reserves under `reservation_id`, which the gate made for it: an id a client
         chose could name another request's reservation (kvgate.gate.reservation_ids).
-        `wait_s` (the client's `Prefer: wait=N`) can only shorten admission.max_wait_s. With
+        `wait_s` (the pipeline's bound for this request: the client's `Prefer: wait=N` within
+        admission.max_wait_s, or max_hold_s for a request the gate holds) is capped at the longest
+        wait, admission.longest_wait_s; None: admission.max_wait_s. With
         `affinity`, nodes that hold the prompt's prefix are tried first (kvgate.policy.nodes).
         `output_tokens` is the request's output budget within route.tokens (0 when unknown)."""
         rank = self.rank(priority)
@@ -190,16 +225,16 @@ class Admission:
         if route.reason is not Reason.LONG or self._long is None:
             return Admitted(route)
         nodes = self._long.snapshot()
-        if not choose_nodes(nodes, route.tokens, self._config.stale_nodes).any_usable:
+        choice = choose_nodes(nodes, route.tokens, self._config.stale_nodes, affinity)
+        if not choice.any_usable:
             return Admitted(no_healthy_node(route))
-        signals = pool_signals(nodes, len(self._queue), self._config.queue_size)
-        if self._long_pressure.judge(signals, self._clock(), rank) is Verdict.SHED:
+        if self._long_pressure.judge(pool_signals(nodes), self._clock(), rank) is Verdict.SHED:
             why = f"the long-context pool is {self._long_pressure.level.name.lower()}"
             shed = overflow(route, model, Reason.SHED, why, self._config.async_fallback)
             return Admitted(self._come_back(shed, self._long, output_tokens))
-        max_wait_s = self._config.max_wait_s if wait_s is None else min(wait_s, self._config.max_wait_s)
-        ask = _Ask(reservation_id, rank, max_wait_s, affinity, output_tokens)
-        return await self._place(self._long, route, model, ask)
+        max_wait_s = self._config.max_wait_s if wait_s is None else min(wait_s, self._config.longest_wait_s)
+        ask = _Ask(reservation_id, rank, max_wait_s, affinity, output_tokens, route.tokens, self._wall_ns())
+        return await self._place(self._long, route, model, ask, choice)
 
     def _come_back(self, decision: Decision, source: HeadroomSource, output_tokens: int) -> Decision:
         """A capacity refusal with when to come back (retry_forecast); any other decision as it is."""
@@ -212,57 +247,167 @@ class Admission:
     def _admit_interactive(self, route: Route, rank: int) -> Decision:
         if self._interactive is None:
             return route
-        signals = pool_signals(self._interactive.snapshot(), 0, 1)
+        signals = pool_signals(self._interactive.snapshot())
         if self._interactive_pressure.judge(signals, self._clock(), rank) is Verdict.SHED:
             return interactive_saturated(route)
         return route
 
-    async def _place(self, source: HeadroomSource, route: Route, model: ModelConfig, ask: _Ask) -> Admitted:
-        """Wait in priority order, at most max_wait_s, until a node's agent grants the reservation.
+    async def _place(
+        self, source: HeadroomSource, route: Route, model: ModelConfig, ask: _Ask, choice: NodeChoice
+    ) -> Admitted:
+        """Reserve at once where the request fits beside the room the agents hold for the waiting
+        order's heads; else wait in the one order, at most max_wait_s, until an agent grants it.
 
-        The wait is measured on admission's clock; the head of the queue always tries at least once,
-        so max_wait_s 0 means "no waiting", not "never".
+        Only the head of this gate's line holds its place on an agent (kvgate.policy.slot) and is
+        woken on every change; a waiter behind it is woken only when it fits beside the heads
+        (kvgate.gate.waitqueue). Each try reads the view once (one `choose_nodes`). The wait is
+        measured on admission's clock; max_wait_s 0 means one try and no waiting.
         """
-        place = self._queue.join(ask.rank)
+        nodes = source.snapshot()
+        admitted = await self._attempt(source, route, ask, nodes, choice)
+        if admitted is not None:
+            return admitted
+        if ask.max_wait_s <= 0:
+            return self._no_room(source, route, model, ask)
+        place = self._queue.join(ask.rank, ask.waiting_since_unix_ns, ask.tokens)
         if place is None:
             why = "the admission queue is full"
             full = overflow(route, model, Reason.QUEUE_FULL, why, self._config.async_fallback)
             return Admitted(self._come_back(full, source, ask.output_tokens))
         deadline = self._clock() + ask.max_wait_s
-        affinity = ask.affinity
+        just_tried = True  # the nodes it fits on were asked a moment ago: the head only holds its place
         try:
             while True:
                 if self._queue.is_head(place):
-                    choice = choose_nodes(source.snapshot(), route.tokens, self._config.stale_nodes, affinity)
-                    if not choice.any_usable:
-                        return Admitted(no_healthy_node(route))
-                    prefix = affinity.chain if affinity is not None else None
-                    for node in choice.candidates:
-                        if node.agent in ask.unanswered_by:
-                            continue
-                        ticket = await self._try_reserve(source, node.agent, route.tokens, ask, prefix)
-                        if ticket is not None and node.headroom is not None:
-                            if prefix is not None:
-                                saved = ticket.tokens - ticket.charged_tokens
-                                self._metrics.placed(
-                                    choice.placement, ticket.cached_tokens, saved, prefix.tokens
-                                )
-                            pinned = Route(route.pool, Reason.LONG, route.tokens, node.headroom.endpoint)
-                            return Admitted(pinned, ticket)
+                    admitted = await self._attempt(
+                        source, route, ask, nodes, choice, head=True, candidates=not just_tried
+                    )
+                    if admitted is not None:
+                        return admitted
                 if self._clock() >= deadline:
-                    why = "no node has room"
-                    refused = overflow(route, model, Reason.NO_CAPACITY, why, self._config.async_fallback)
-                    return Admitted(self._come_back(refused, source, ask.output_tokens))
-                await self._queue.wait_change(deadline)
+                    return self._no_room(source, route, model, ask)
+                await self._queue.wait_change(place, self._wake_at(ask, deadline))
+                nodes = source.snapshot()
+                choice = choose_nodes(nodes, route.tokens, self._config.stale_nodes, ask.affinity)
+                just_tried = False
+                if not choice.any_usable:
+                    return Admitted(no_healthy_node(route))
+                if not self._queue.is_head(place):
+                    # Woken behind the head: it fits beside the heads' slots by the latest messages.
+                    admitted = await self._attempt(source, route, ask, nodes, choice)
+                    if admitted is not None:
+                        return admitted
+                    just_tried = True
         finally:
             self._queue.leave(place)
+            self._let_go(ask)
+
+    async def _attempt(
+        self,
+        source: HeadroomSource,
+        route: Route,
+        ask: _Ask,
+        nodes: tuple[NodeView, ...],
+        choice: NodeChoice,
+        *,
+        head: bool = False,
+        candidates: bool = True,
+    ) -> Admitted | None:
+        """One try: a Reserve on each candidate where the request fits beside the heads' slots (a stale
+        node, which shows nothing to go by, is asked as the stale policy says), best first. The head
+        of the line asks as the first in the order, holds its place on its slot node, and tells that
+        agent so at least every CLAIM_RENEW_S."""
+        prefix = ask.affinity.chain if ask.affinity is not None else None
+        slot = slot_node(nodes, ask.tokens, ask.output_tokens, ask.holds_on) if head else None
+        asked: set[str] = set()
+        for node, cached in zip(choice.candidates, choice.cached_tokens, strict=True):
+            if not candidates or node.agent in ask.unanswered_by:
+                continue
+            if node.fresh and not fits_beside_heads(
+                node, ask.tokens - cached, ask.rank, ask.waiting_since_unix_ns, self._local_claim(node, ask)
+            ):
+                continue
+            asked.add(node.agent)
+            ticket = await self._try_reserve(source, node.agent, ask, prefix, hold=node.agent == slot)
+            if ticket is not None and node.headroom is not None:
+                return self._granted(route, ask, choice, node, ticket)
+        renew = ask.holds_on != slot or self._clock() - ask.held_at >= CLAIM_RENEW_S
+        if slot is None or slot in asked or slot in ask.unanswered_by or not renew:
+            return None
+        ticket = await self._try_reserve(source, slot, ask, prefix, hold=True)
+        held = next((n for n in nodes if n.agent == slot), None)
+        if ticket is not None and held is not None and held.headroom is not None:
+            return self._granted(route, ask, choice, held, ticket)
+        return None
+
+    def _granted(
+        self,
+        route: Route,
+        ask: _Ask,
+        choice: NodeChoice,
+        node: NodeView,
+        ticket: Ticket,
+    ) -> Admitted:
+        assert node.headroom is not None
+        if ask.affinity is not None:
+            prefix = ask.affinity.chain
+            saved = ticket.tokens - ticket.charged_tokens
+            self._metrics.placed(choice.placement, ticket.cached_tokens, saved, prefix.tokens)
+        if ask.holds_on == node.agent:
+            ask.holds_on = None  # the agent ended its claim with the grant
+        self._let_go(ask)
+        pinned = Route(route.pool, Reason.LONG, route.tokens, node.headroom.endpoint)
+        return Admitted(pinned, ticket)
+
+    def _no_room(self, source: HeadroomSource, route: Route, model: ModelConfig, ask: _Ask) -> Admitted:
+        why = "no node has room"
+        refused = overflow(route, model, Reason.NO_CAPACITY, why, self._config.async_fallback)
+        return Admitted(self._come_back(refused, source, ask.output_tokens))
+
+    def _local_claim(self, node: NodeView, ask: _Ask) -> HeadClaim | None:
+        """This gate's head, where it holds its place on `node` and `ask` is not it: the node's
+        messages may not show its claim yet."""
+        holding = self._holding
+        if holding is None or holding is ask or holding.holds_on != node.agent:
+            return None
+        return holding.claim
+
+    @staticmethod
+    def _wake_at(ask: _Ask, deadline: float) -> float:
+        """A head holding its place wakes in time to tell its agent again before the claim lapses."""
+        if ask.holds_on is None:
+            return deadline
+        return min(deadline, ask.held_at + CLAIM_RENEW_S)
+
+    def _let_go(self, ask: _Ask) -> None:
+        """`ask` waits no more: its claim, if it holds one, is dropped at once (a Release of the id
+        ends it) rather than holding the agent's room until it lapses."""
+        if self._holding is ask:
+            self._holding = None
+        if ask.holds_on is not None:
+            self._release_later(ask.holds_on, ask.request_id)
+            ask.holds_on = None
 
     async def _try_reserve(
-        self, source: HeadroomSource, agent: str, tokens: int, ask: _Ask, prefix: PrefixChain | None
+        self, source: HeadroomSource, agent: str, ask: _Ask, prefix: PrefixChain | None, *, hold: bool
     ) -> Ticket | None:
+        if hold:
+            if ask.holds_on is not None and ask.holds_on != agent:
+                self._release_later(ask.holds_on, ask.request_id)  # it holds its place on one node only
+            ask.holds_on, ask.held_at = agent, self._clock()
+            self._holding = ask
         request_id = ask.request_id
         try:
-            outcome = await source.reserve(agent, request_id, tokens, prefix, output_tokens=ask.output_tokens)
+            outcome = await source.reserve(
+                agent,
+                request_id,
+                ask.tokens,
+                prefix,
+                output_tokens=ask.output_tokens,
+                waiting_since_unix_ns=ask.waiting_since_unix_ns,
+                rank=ask.rank,
+                hold_slot=hold,
+            )
         except asyncio.CancelledError:
             # The stream went away mid-Reserve (client abort, Envoy timeout): the agent may have granted
             # already, so give it back now rather than hold the capacity until the lease runs out.
@@ -279,7 +424,7 @@ class Admission:
         self._metrics.reservation("granted" if outcome.granted else "refused")
         if not outcome.granted:
             return None
-        return Ticket(agent, request_id, tokens, outcome)
+        return Ticket(agent, request_id, ask.tokens, outcome)
 
     def _release_later(self, agent: str, request_id: str, *, unanswered: bool = False) -> None:
         task = asyncio.create_task(self._release(agent, request_id, unanswered=unanswered))
@@ -292,14 +437,32 @@ class Admission:
     async def _release(self, agent: str, request_id: str, *, unanswered: bool = False) -> None:
         assert self._long is not None, "a reservation exists only where a long pool granted it"
         await giveback.release(self._long, agent, request_id, unanswered=unanswered)
-        self._queue.pulse()
+        self._pulse()
 
     async def _pump_updates(self, source: HeadroomSource) -> None:
         while True:
             await source.wait_update(1.0)
-            self._queue.pulse()
+            self._pulse()
             for checked in self._retries.check(source.snapshot()):
                 self._metrics.retry_checked(checked.basis.value, checked.error_s)
+
+    def _pulse(self) -> None:
+        """Room may have freed: wake the head of the line, and each waiter behind it that fits beside
+        the heads' slots by the latest messages."""
+        if len(self._queue) <= 1 or self._long is None:
+            self._queue.pulse()
+            return
+        nodes = self._long.snapshot()
+        holding = self._holding
+        local = {holding.holds_on: holding.claim} if holding is not None and holding.holds_on else {}
+
+        def fits(place: Place) -> bool:
+            since = place.waiting_since_unix_ns
+            return any(
+                fits_beside_heads(n, place.tokens, place.rank, since, local.get(n.agent)) for n in nodes
+            )
+
+        self._queue.pulse(fits)
 
 
 def _node_gauges(node: NodeView) -> NodeGauges:

@@ -1,39 +1,44 @@
 """One request's way through the gate, free of Envoy types: headers → body → shape → estimate → decision.
 
 The ext_proc adapter (`processor.py`) feeds it what Envoy sends and turns its decisions into
-ProcessingResponses. Work that can take milliseconds (inflating and parsing multi-megabyte bodies)
-runs on a thread pool with a bounded queue, so one huge prompt never stalls the event loop.
+ProcessingResponses. The seam is one-way: this module knows nothing of the adapter, and the adapter
+knows nothing past this module (no admission, no tickets): an admitted request's Outcome carries what
+ends its reservation (`Reserved.release`). Work that can take milliseconds (inflating and parsing
+multi-megabyte bodies) runs on a thread pool with a bounded queue, so one huge prompt never stalls the
+event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
-from kvgate.config import Config, ModelConfig
+from kvgate.config import AdmissionConfig, Config, ModelConfig
 from kvgate.errors import RequestError
 from kvgate.estimate import Estimator, PromptCosts, TokenEstimate, Unavailable, build_estimator
-from kvgate.gate.admission import Admission, Ticket
+from kvgate.gate.admission import Admission
 from kvgate.gate.reservation_ids import ReservationIds
 from kvgate.names import ANONYMOUS_TENANT, PREFER_HEADER, TENANT_HEADER
 from kvgate.policy import Decision, Reason, Refusal, Route, decide, thresholds
 from kvgate.policy.identity import Priorities, read_priority, read_tenant
 from kvgate.policy.models import ModelMatcher
 from kvgate.policy.nodes import Affinity
-from kvgate.policy.refusals import Refusals, refusal_for
+from kvgate.policy.refusals import refusal_for
 from kvgate.policy.route import (
     NO_HINTS,
     NO_ROUTE_POLICY,
     ROUTE_KEYS,
     ClientHints,
     RoutePolicy,
+    async_allowed,
     deferred,
     effective_model,
     limits_capped,
@@ -134,12 +139,36 @@ def headers_read(priority_header: str) -> tuple[str, ...]:
     )
 
 
+Release = Callable[[], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class Reserved:
+    """What a node's agent reserved for an admitted request, and what ends it: `release`, made by the
+    admission, called once when the request ends (Envoy closes its stream)."""
+
+    session: str  # the gate's reservation id (kvgate.gate.reservation_ids), not the client's
+    charged_tokens: int  # what the agent added to its reserved tokens (less with shared prefixes)
+    cached_tokens: int  # prompt tokens the engine is expected to find in its prefix cache
+    release: Release
+
+
 @dataclass(frozen=True, slots=True)
 class Outcome:
     decision: Decision
     shape: RequestShape | None = None
     estimate: TokenEstimate | None = None
-    ticket: Ticket | None = None
+    reserved: Reserved | None = None
+
+
+def wait_bound(admission: AdmissionConfig, model: ModelConfig, hints: ClientHints) -> float:
+    """How long a long request may wait in the gate for room. One that would go to the async pool
+    after admission.max_wait_s is held instead, up to admission.max_hold_s (docs/operations.md,
+    "Holding a request in the gate"); the client's `Prefer: wait=N` only shortens the wait."""
+    bound = admission.max_wait_s
+    if admission.max_hold_s > bound and async_allowed(model, admission.async_fallback):
+        bound = admission.max_hold_s
+    return bound if hints.wait_s is None else min(hints.wait_s, bound)
 
 
 EstimatorFactory = Callable[[ModelConfig], Estimator]
@@ -178,7 +207,6 @@ class Pipeline:
         self._metrics = telemetry or GateMetrics()
         self._routes: dict[tuple[tuple[str, str], ...], RoutePolicy] = {}
         self._effective: dict[tuple[ModelConfig, RoutePolicy], ModelConfig] = {}
-        self.refusals = Refusals(config.refusals.too_long_status, config.admission.retry_after_s)
         self._parse_limits = ParseLimits(config.request.max_messages, config.request.max_json_depth)
         self._models = ModelMatcher(config)
         # Built at start-up: a missing tokenizer file fails here, not on a request. Model entries are
@@ -298,11 +326,16 @@ class Pipeline:
             model,
             self.priority(head),
             self._reservation_ids.next(),
-            head.hints.wait_s,
+            wait_bound(self._config.admission, model, head.hints),
             affinity=affinity,
             output_tokens=estimate.output_tokens,
         )
-        return Outcome(admitted.decision, shape, estimate, admitted.ticket)
+        ticket = admitted.ticket
+        if ticket is None:
+            return Outcome(admitted.decision, shape, estimate)
+        release = functools.partial(self._admission.release, ticket)
+        reserved = Reserved(ticket.request_id, ticket.charged_tokens, ticket.cached_tokens, release)
+        return Outcome(admitted.decision, shape, estimate, reserved)
 
     def _affinity(
         self, head: RequestHead, body: Body, shape: RequestShape, estimate: TokenEstimate, entry: ModelConfig
@@ -322,10 +355,6 @@ class Pipeline:
             shape.texts, text_tokens, placement.block_tokens, placement.max_blocks, shape.model or ""
         )
         return None if chain is None else Affinity(chain, placement.load_bound)
-
-    async def release(self, ticket: Ticket) -> None:
-        assert self._admission is not None
-        await self._admission.release(ticket)
 
     async def _understand(self, api: Api, head: RequestHead, body: Body) -> RequestShape | Refusal | None:
         """The request's shape; None when the body is not JSON and did not claim to be."""

@@ -11,11 +11,15 @@ Two Envoy set-ups are understood, told apart by the first message of a stream:
   into the upstream headers. One gRPC message each way instead of two: 12-22% less CPU per
   request in the gate (`python -m bench gate`).
 Everything between the messages and the answer is the Pipeline's business; this module only
-translates, and is the stream's one error boundary: an exception never reaches Envoy (which, failing
+translates, uses nothing of the gate past the Pipeline (the seam is one-way: kvgate.gate.pipeline), and
+is the stream's one error boundary: an exception never reaches Envoy (which, failing
 open, would send the request on un-admitted). A RequestError is the client's and gets its refusal
 (400 invalid_request and kin); anything else is answered with the refusal table's internal_error row
 (503, Retry-After), logged once with the request id and counted (kvgate_gate_internal_errors_total),
 and the stream ends there, its reservation, if any, released.
+
+A body whose answer takes long (a long request waiting for room) is held: the gate asks Envoy for more
+time before Envoy's message_timeout runs out (kvgate.gate.holding).
 """
 
 from __future__ import annotations
@@ -40,13 +44,14 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 )
 from opentelemetry.util.types import AttributeValue
 
+from kvgate.config import Config
 from kvgate.errors import RequestError
 from kvgate.gate import responses
-from kvgate.gate.admission import Ticket
-from kvgate.gate.pipeline import Outcome, Pipeline, RequestHead, headers_read, request_head
-from kvgate.names import HEADER_PREFIX, META_PREFIX_HIT_TOKENS, META_RESERVED_TOKENS, METADATA_NAMESPACE
+from kvgate.gate.holding import holding
+from kvgate.gate.pipeline import Outcome, Pipeline, RequestHead, Reserved, headers_read, request_head
+from kvgate.names import HEADER_PREFIX, META_PREFIX_HIT_TOKENS, META_RESERVED_TOKENS
 from kvgate.policy import Decision, Reason, Refusal
-from kvgate.policy.refusals import INTERNAL_ERROR, refusal_for
+from kvgate.policy.refusals import INTERNAL_ERROR, Refusals, refusal_for
 from kvgate.policy.route import NO_ROUTE_POLICY, RoutePolicy
 from kvgate.request import Api, Body
 from kvgate.telemetry import DecisionSpans, GateMetrics
@@ -64,14 +69,14 @@ _PASS_THROUGH = {
 class _Stream:
     """Per-request state between the headers and the body message."""
 
-    __slots__ = ("body", "buffered", "decided", "forged", "head", "route", "ticket")
+    __slots__ = ("body", "buffered", "decided", "forged", "head", "reserved", "route")
 
     def __init__(self) -> None:
         self.head: RequestHead | None = None
         self.decided: Decision | None = None
         self.forged: list[str] = []
         self.body = bytearray()
-        self.ticket: Ticket | None = None
+        self.reserved: Reserved | None = None
         # Envoy said (protocol_config, on its first message) that it buffers the whole body.
         self.buffered = False
         self.route = NO_ROUTE_POLICY
@@ -148,17 +153,20 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
     def __init__(
         self,
         pipeline: Pipeline,
-        priority_header: str,
+        config: Config,
         telemetry: GateMetrics,
         spans: DecisionSpans | None = None,
-        metadata_namespace: str = METADATA_NAMESPACE,
     ) -> None:
         self._pipeline = pipeline
         self._metrics = telemetry
         self._spans = spans or DecisionSpans()
-        self._namespace = metadata_namespace
-        self._priority_header = priority_header.lower()
-        self._releases: set[asyncio.Task[None]] = set()
+        self._namespace = config.server.metadata_namespace
+        self._priority_header = config.admission.priority_header.lower()
+        # Refusals are answered here, in the API's shape (kvgate.policy.refusals), with this
+        # deployment's settings.
+        self._refusals = Refusals(config.refusals.too_long_status, config.admission.retry_after_s)
+        self._holding = holding(config.admission)
+        self._releases: set[asyncio.Future[None]] = set()
 
     async def Process(
         self, requests: AsyncIterator[ProcessingRequest], context: grpc.aio.ServicerContext
@@ -173,7 +181,19 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
                         # The route's policy (Envoy's per-route ext_proc metadata), read once per
                         # stream, at its first message: inside the error boundary.
                         stream.route, metadata = self._pipeline.route_policy(metadata), None
-                    response = await self._answer(message, kind, stream)
+                    if self._holding is None or kind != "request_body":
+                        response = await self._answer(message, kind, stream)
+                    else:
+                        # The body's answer may wait for room: past the notice, Envoy is asked to
+                        # keep waiting (kvgate.gate.holding), once, for the longest wait.
+                        answering = asyncio.ensure_future(self._answer(message, kind, stream))
+                        try:
+                            if not await _settles_within(answering, self._holding.notice_s):
+                                yield responses.hold(self._holding.extension_s(self._holding.notice_s))
+                            response = await answering
+                        except BaseException:
+                            self._abandon(answering, stream)
+                            raise
                 except Exception as error:  # the stream's one error boundary (module docstring)
                     yield self._failed(error, message, kind, stream)
                     return
@@ -181,12 +201,23 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
                     yield response
         finally:
             # Envoy ends the stream when the HTTP request ends (completed, reset or aborted by the
-            # client): that is when the reserved KV capacity is free again. A task, because this may
-            # run while the stream is being cancelled.
-            if stream.ticket is not None:
-                task = asyncio.create_task(self._pipeline.release(stream.ticket))
-                self._releases.add(task)
-                task.add_done_callback(self._releases.discard)
+            # client): that is when the reserved KV capacity is free again.
+            self._release(stream)
+
+    def _release(self, stream: _Stream) -> None:
+        """End the stream's reservation, if it holds one, once. A task, because this may run while the
+        stream is being cancelled."""
+        reserved, stream.reserved = stream.reserved, None
+        if reserved is not None:
+            task = asyncio.ensure_future(reserved.release())
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
+
+    def _abandon(self, answering: asyncio.Future[ProcessingResponse | None], stream: _Stream) -> None:
+        """The stream went away while its body's answer was still being made: stop making it (the
+        admission gives back a Reserve it cancels), and end any reservation it still makes."""
+        answering.cancel()
+        answering.add_done_callback(lambda _: self._release(stream))
 
     async def _answer(
         self, message: ProcessingRequest, kind: str | None, stream: _Stream
@@ -238,11 +269,11 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
 
     def _refuse(self, refusal: Refusal, api: Api | None) -> ProcessingResponse:
         """The refusal in the shape of the API the client called (kvgate.policy.refusals)."""
-        return responses.refuse(self._pipeline.refusals.answer(refusal, api), refusal.reason)
+        return responses.refuse(self._refusals.answer(refusal, api), refusal.reason)
 
     def _record(self, decision: Decision, method: str, seconds: float) -> None:
         if isinstance(decision, Refusal):
-            status = self._pipeline.refusals.status(decision.reason)
+            status = self._refusals.status(decision.reason)
             self._metrics.decision(str(status), decision.reason.value, method, decision.tokens, seconds)
         else:
             self._metrics.decision(decision.pool, decision.reason.value, method, decision.tokens, seconds)
@@ -285,7 +316,7 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
         started_ns = time.time_ns()
         started = time.perf_counter()
         outcome = await self._pipeline.on_body(head, body)
-        stream.ticket = outcome.ticket
+        stream.reserved = reserved = outcome.reserved
         decision = outcome.decision
         method = outcome.estimate.method if outcome.estimate is not None else "none"
         self._record(decision, method, time.perf_counter() - started)
@@ -294,7 +325,7 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
                 dict(head.trace_context),
                 started_ns,
                 time.time_ns(),
-                _span_attributes(outcome, len(body), self._pipeline.refusals.status),
+                _span_attributes(outcome, len(body), self._refusals.status),
             )
         extra: dict[str, str | float] = {}
         if outcome.estimate is not None:
@@ -302,11 +333,12 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
             extra["prompt_tokens"] = outcome.estimate.prompt_tokens
         if outcome.shape is not None and outcome.shape.model:
             extra["model"] = outcome.shape.model
-        if outcome.ticket is not None:
+        session = None
+        if reserved is not None:
             # What the node's agent charged, and what it expects the engine to find cached.
-            extra[META_RESERVED_TOKENS] = outcome.ticket.charged_tokens
-            extra[META_PREFIX_HIT_TOKENS] = outcome.ticket.cached_tokens
-        session = outcome.ticket.request_id if outcome.ticket is not None else None
+            extra[META_RESERVED_TOKENS] = reserved.charged_tokens
+            extra[META_PREFIX_HIT_TOKENS] = reserved.cached_tokens
+            session = reserved.session
         return self._answer_body(decision, head, stream, extra, session)
 
     def _answer_body(
@@ -325,6 +357,12 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
 
     def _identity(self, head: RequestHead) -> responses.Identity:
         return responses.Identity(head.tenant, self._pipeline.priority(head), self._priority_header)
+
+
+async def _settles_within(answering: asyncio.Future[ProcessingResponse | None], seconds: float) -> bool:
+    """Whether `answering` is done within `seconds` (it goes on either way)."""
+    done, _ = await asyncio.wait((answering,), timeout=seconds)
+    return bool(done)
 
 
 def _request_id(message: ProcessingRequest, stream: _Stream) -> str:

@@ -162,6 +162,20 @@ CONTINUE_HEADERS = ProcessingResponse(request_headers=HeadersResponse())
 CONTINUE_BODY = ProcessingResponse(request_body=BodyResponse())
 
 
+def hold(seconds: float) -> ProcessingResponse:
+    """Ask Envoy to wait `seconds` more for the answer to the message it is waiting on.
+
+    A ProcessingResponse that carries only `override_message_timeout`: Envoy restarts that message's
+    timer with this value and ignores every other field; it honours one such message per message it
+    waits on, and only between 1 ms and its max_message_timeout (else it counts
+    override_message_timeout_ignored and keeps the first timer). envoyproxy/envoy
+    source/extensions/filters/http/ext_proc/ext_proc.cc, Filter::onReceiveMessage and
+    Filter::onNewTimeout; processor_states.cc, ProcessorState::restartMessageTimer (Envoy 1.40)."""
+    response = ProcessingResponse()
+    response.override_message_timeout.FromMilliseconds(max(1, round(seconds * 1000)))
+    return response
+
+
 def refuse(answer: HttpAnswer, reason: Reason) -> ProcessingResponse:
     immediate = ImmediateResponse(
         status=HttpStatus(code=answer.status),

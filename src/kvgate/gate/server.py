@@ -20,9 +20,10 @@ from grpc_health.v1.health import aio as health_aio
 from kvgate.allocator import keep_big_buffers
 from kvgate.config import Config
 from kvgate.config.headroom import HeadroomSettings
-from kvgate.gate.admission import Admission
+from kvgate.gate.admission import Admission, HeadroomSource
 from kvgate.gate.pipeline import Pipeline, estimator_factory
 from kvgate.gate.processor import ExternalProcessor
+from kvgate.gate.soft_pool import SoftPool
 from kvgate.headroom.credentials import ChannelSecurity, add_port
 from kvgate.headroom.view import HeadroomView
 from kvgate.telemetry import (
@@ -70,7 +71,8 @@ async def serve(
     telemetry = GateMetrics()
     long_view, interactive_view = _view(config, config.headroom), _view(config, config.interactive_headroom)
     views = [view for view in (long_view, interactive_view) if view is not None]
-    admission = Admission(config.admission, long_view, interactive_view, telemetry) if views else None
+    long = _long_source(config, long_view, interactive_view)
+    admission = Admission(config.admission, long, interactive_view, telemetry) if views else None
     for view in views:
         await view.start()
     if admission is not None:
@@ -85,13 +87,7 @@ async def serve(
         lambda: [(pipeline.exact_counts_pending(), {})],
     )
     server = grpc.aio.server(options=_grpc_options(config))
-    processor = ExternalProcessor(
-        pipeline,
-        config.admission.priority_header,
-        telemetry,
-        DecisionSpans(),
-        config.server.metadata_namespace,
-    )
+    processor = ExternalProcessor(pipeline, config, telemetry, DecisionSpans())
     external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(processor, server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -137,6 +133,16 @@ def _view(config: Config, settings: HeadroomSettings) -> HeadroomView | None:
     agents_tls = config.tls.agents
     # One each: a ChannelSecurity reports a file change once, to the view that reconnects.
     return HeadroomView(settings, security=ChannelSecurity(agents_tls) if agents_tls.enabled else None)
+
+
+def _long_source(
+    config: Config, long: HeadroomView | None, interactive: HeadroomView | None
+) -> HeadroomSource | None:
+    """Where long requests reserve: the long pool's agents, then, with soft_pools.borrow, the
+    interactive pool's agents that lend (kvgate.gate.soft_pool)."""
+    if long is None or interactive is None or not config.soft_pools.borrow:
+        return long
+    return SoftPool(long, interactive)
 
 
 def run_worker(config: Config, metrics_listen: str | None, otlp_endpoint: str | None) -> None:

@@ -1,9 +1,13 @@
-"""The bounded, priority-ordered wait for capacity. Only the head of the queue tries to reserve.
+"""The gate's bounded line of requests waiting for capacity, in the one waiting order.
 
-Letting only the head try keeps the order honest: a low-priority request that happens to fit cannot
-overtake a high-priority one that is waiting for room. Everyone is woken on every change (a headroom
-update, a release, the head leaving), and whoever is head then tries.
+A waiter's place is its rank (0 most important), then since when it waits by the wall clock, the same
+order every gate replica and `kvgate queue` send the agents with each Reserve (kvgate.agent.backfill).
+When room may have freed, only the head is woken, and each waiter behind it that the caller's `fits`
+says fits now without touching the head's slot (EASY backfilling: kvgate.headroom.shadow); the rest
+sleep on. Waking every waiter on every change made each of them a task that read the view and
+found nothing, many times a second under load.
 
+A wake is never lost: a waiter woken while it is busy trying finds its wake on its next wait.
 Waits end on the queue's injected clock: `MONOTONIC` in the gate, a test's manual clock in tests,
 which then drive time instead of sleeping.
 """
@@ -11,9 +15,11 @@ which then drive time instead of sleeping.
 from __future__ import annotations
 
 import asyncio
-import heapq
+import bisect
 import itertools
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 
@@ -38,47 +44,67 @@ class _Monotonic:
 MONOTONIC: Clock = _Monotonic()
 
 
+@dataclass(frozen=True, slots=True, order=True)
+class Place:
+    """A waiter's place in the line: rank, then waiting since (wall clock, ns), then joining order."""
+
+    rank: int
+    waiting_since_unix_ns: int
+    seq: int
+    tokens: int = field(compare=False)
+
+
 class WaitQueue:
     def __init__(self, size: int, clock: Clock = MONOTONIC) -> None:
         self._size = size
         self._clock = clock
-        self._heap: list[tuple[int, int]] = []
+        self._line: list[Place] = []  # in order: the head first
+        self._woken: dict[Place, asyncio.Event] = {}
         self._order = itertools.count()
-        self._changed = asyncio.Event()
+        self.wakeups = 0  # wakes sent to waiters, in all: what pulses cost
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._line)
 
-    def join(self, rank: int) -> tuple[int, int] | None:
-        """A place in the queue, or None when the queue is full."""
-        if len(self._heap) >= self._size:
+    def join(self, rank: int, waiting_since_unix_ns: int, tokens: int) -> Place | None:
+        """A place in the line, or None when the line is full."""
+        if len(self._line) >= self._size:
             return None
-        place = (rank, next(self._order))
-        heapq.heappush(self._heap, place)
+        place = Place(rank, waiting_since_unix_ns, next(self._order), tokens)
+        bisect.insort(self._line, place)
+        self._woken[place] = asyncio.Event()
         return place
 
-    def is_head(self, place: tuple[int, int]) -> bool:
-        return bool(self._heap) and self._heap[0] == place
+    def is_head(self, place: Place) -> bool:
+        return bool(self._line) and self._line[0] == place
 
-    def leave(self, place: tuple[int, int]) -> None:
+    def leave(self, place: Place) -> None:
         was_head = self.is_head(place)
-        self._heap.remove(place)
-        heapq.heapify(self._heap)
-        if was_head:
-            self.pulse()
+        self._line.remove(place)
+        del self._woken[place]
+        if was_head and self._line:
+            self._wake(self._line[0])
 
-    def pulse(self) -> None:
-        """Something changed: wake every waiter."""
-        self._changed.set()
-        self._changed = asyncio.Event()
+    def pulse(self, fits: Callable[[Place], bool] = lambda place: False) -> None:
+        """Room may have freed: wake the head, and each waiter behind it that `fits` now."""
+        for index, place in enumerate(self._line):
+            if index == 0 or fits(place):
+                self._wake(place)
 
-    async def wait_change(self, deadline: float) -> None:
-        """Until something changes or the queue's clock reaches `deadline`, whichever comes first."""
+    def _wake(self, place: Place) -> None:
+        # Counted per wake sent: a waiter woken twice before it runs tries once.
+        self._woken[place].set()
+        self.wakeups += 1
+
+    async def wait_change(self, place: Place, deadline: float) -> None:
+        """Until `place` is woken or the queue's clock reaches `deadline`, whichever comes first."""
+        woken = self._woken[place]
         # Not asyncio.wait_for: on Python 3.11 it can swallow a cancel that meets a set event.
-        changed = asyncio.ensure_future(self._changed.wait())
+        changed = asyncio.ensure_future(woken.wait())
         timer = asyncio.ensure_future(self._clock.sleep(deadline - self._clock()))
         try:
             await asyncio.wait((changed, timer), return_when=asyncio.FIRST_COMPLETED)
         finally:
             changed.cancel()
             timer.cancel()
+            woken.clear()

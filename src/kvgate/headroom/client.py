@@ -81,8 +81,21 @@ class AgentClient:
         *,
         prefix: PrefixChain | None = None,
         output_tokens: int = 0,
+        waiting_since_unix_ns: int = 0,
+        rank: int = 0,
+        hold_slot: bool = False,
     ) -> ReserveOutcome:
-        request = reserve_request(request_id, tokens, lease_s, holder, prefix, output_tokens=output_tokens)
+        request = reserve_request(
+            request_id,
+            tokens,
+            lease_s,
+            holder,
+            prefix,
+            output_tokens=output_tokens,
+            waiting_since_unix_ns=waiting_since_unix_ns,
+            rank=rank,
+            hold_slot=hold_slot,
+        )
         try:
             response: pb.ReserveResponse = await self._stub.Reserve(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:

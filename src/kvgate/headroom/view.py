@@ -4,7 +4,9 @@ The view holds data, not decisions: which node to choose, and what to do with a 
 one, is the policy's business. For each agent it keeps the latest NodeHeadroom, when it arrived
 (by the injected monotonic clock), and whether the stream is up. A stream that ends, fails or stays
 silent for `idle_timeout_s` is reopened after a jittered exponential backoff, so a restarted agent is
-found again and a fleet of gates does not reconnect in lock step. With TLS (a ChannelSecurity) the view
+found again and a fleet of gates does not reconnect in lock step. An agent that sends on change says
+how often it sends at least (its heartbeat): it is stale, and its stream hung, only after a few
+heartbeats without a message (kvgate.config.headroom). With TLS (a ChannelSecurity) the view
 looks at the certificate files every `reload_interval_s` and, when they changed, reconnects to every
 agent with them.
 
@@ -34,7 +36,7 @@ import time
 from collections.abc import Callable
 
 from kvgate.addresses import split_host_port
-from kvgate.config.headroom import HeadroomSettings, IpAddress, ip_or_none
+from kvgate.config.headroom import HeadroomSettings, IpAddress, hung_after, ip_or_none, stale_after
 from kvgate.errors import ConfigError, HeadroomError
 from kvgate.headroom.client import AgentClient, HeadroomStream
 from kvgate.headroom.credentials import ChannelSecurity
@@ -109,10 +111,14 @@ class HeadroomView:
 
     def snapshot(self) -> tuple[NodeView, ...]:
         now = self._clock()
-        stale = self.settings.stale_after_s
         return tuple(
             NodeView.seen(
-                address, link.latest, link.received_at, now=now, connected=link.connected, stale_after_s=stale
+                address,
+                link.latest,
+                link.received_at,
+                now=now,
+                connected=link.connected,
+                stale_after_s=stale_after(self.settings.stale_after_s, _heartbeat_ms(link.latest)),
             )
             for address, link in sorted(self._links.items())
         )
@@ -137,9 +143,13 @@ class HeadroomView:
         lease_s: float | None = None,
         *,
         output_tokens: int = 0,
+        waiting_since_unix_ns: int = 0,
+        rank: int = 0,
+        hold_slot: bool = False,
     ) -> ReserveOutcome:
         """Ask the agent `node` (a NodeView.agent) to charge `tokens`, of which `output_tokens` are the
-        request's output budget (0: unknown). See the module doc for errors."""
+        request's output budget (0: unknown); `waiting_since_unix_ns`, `rank` and `hold_slot`: its place
+        in the one waiting order (kvgate.agent.backfill). See the module doc for errors."""
         link = self._link(node)
         lease = self.settings.lease_s if lease_s is None else lease_s
         outcome = await link.client.reserve(
@@ -150,6 +160,9 @@ class HeadroomView:
             self.settings.reserve_timeout_s,
             prefix=prefix,
             output_tokens=output_tokens,
+            waiting_since_unix_ns=waiting_since_unix_ns,
+            rank=rank,
+            hold_slot=hold_slot,
         )
         self._merge(link, outcome.headroom_tokens, outcome.reserved_tokens, outcome.reservations)
         if outcome.granted and prefix is not None:
@@ -220,7 +233,7 @@ class HeadroomView:
             stream = link.client.subscribe(self._subscriber)
             link.vetted = None  # a new stream may reach the agent at a new address
             try:
-                while (headroom := await self._next(stream)) is not None:
+                while (headroom := await self._next(stream, link.latest)) is not None:
                     link.latest = await self._vetted(address, link, headroom)
                     link.received_at = self._clock()
                     link.connected = True
@@ -230,9 +243,8 @@ class HeadroomView:
             except HeadroomError as exc:
                 log.warning("%s", exc)
             except TimeoutError:
-                log.warning(
-                    "agent %s sent nothing for %.2fs; reconnecting", address, self.settings.idle_timeout_s
-                )
+                silence = hung_after(self.settings.idle_timeout_s, _heartbeat_ms(link.latest))
+                log.warning("agent %s sent nothing for %.2fs; reconnecting", address, silence)
             finally:
                 stream.cancel()
                 link.connected = False
@@ -282,10 +294,12 @@ class HeadroomView:
         hosts = (split_host_port(entry, host, allow_port_zero=True)[0] for entry in found)
         return frozenset(ip for ip in map(ip_or_none, hosts) if ip is not None)
 
-    async def _next(self, stream: HeadroomStream) -> NodeHeadroom | None:
+    async def _next(self, stream: HeadroomStream, latest: NodeHeadroom | None) -> NodeHeadroom | None:
+        """The stream's next message; TimeoutError when the agent stays silent longer than its
+        heartbeat (as `latest` says it) allows."""
         # Not asyncio.wait_for: on Python 3.11 it turns a cancel that meets a finished read into that
         # read's result or error, and a cancelled follower would then reconnect forever.
-        async with asyncio.timeout(self.settings.idle_timeout_s):
+        async with asyncio.timeout(hung_after(self.settings.idle_timeout_s, _heartbeat_ms(latest))):
             return await stream.next()
 
     def _backoff(self, failures: int) -> float:
@@ -334,6 +348,10 @@ class HeadroomView:
             self._add(address)
         for address in self._links.keys() - found - static:
             await self._remove(address)
+
+
+def _heartbeat_ms(latest: NodeHeadroom | None) -> int:
+    return latest.heartbeat_ms if latest is not None else 0
 
 
 __all__ = ["HeadroomView", "NodeView", "ReleaseOutcome", "ReserveOutcome"]

@@ -126,6 +126,7 @@ def reserve_request(
     output_tokens: int = 0,
     waiting_since_unix_ns: int = 0,
     rank: int = 0,
+    hold_slot: bool = False,
 ) -> pb.ReserveRequest:
     request = pb.ReserveRequest(
         request_id=request_id,
@@ -135,6 +136,7 @@ def reserve_request(
         output_tokens=output_tokens,
         waiting_since_unix_ns=waiting_since_unix_ns,
         rank=rank,
+        hold_slot=hold_slot,
     )
     if prefix is not None:
         request.prefix_blocks.extend(prefix.blocks)

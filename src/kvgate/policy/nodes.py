@@ -9,6 +9,12 @@ bound of consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam 
 cache-aware router and llm-d's scorers weigh prefix hits against load the same way). Past it, the node
 is tried after the others like any node, so a flood of one document spreads, and the node it spills
 onto caches the document too.
+
+Soft pools (docs/operations.md, "Soft pools"): nodes whose agent says they are interactive and lend
+(`NodeHeadroom.role`, `lend_tokens`) are tried only after every fresh long node, for at most what they
+lend (min(headroom, lend_tokens)), and not at all for a request whose uncached prompt is past their
+`lend_max_prompt_tokens`. The agent holds the same limits exactly; these only spare a Reserve it would
+refuse.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
 
-from kvgate.headroom.snapshot import NodeView, PrefixChain
+from kvgate.headroom.snapshot import NodeRole, NodeView, PrefixChain
 
 StalePolicy = Literal["probe", "exclude"]
 
@@ -50,15 +56,35 @@ class NodeChoice:
 
 
 def choose_nodes(
-    nodes: Sequence[NodeView], tokens: int, stale: StalePolicy, affinity: Affinity | None = None
+    nodes: Sequence[NodeView],
+    tokens: int,
+    stale: StalePolicy,
+    affinity: Affinity | None = None,
+    *,
+    output_tokens: int = 0,
 ) -> NodeChoice:
     """Fresh, healthy nodes whose headroom fits, most headroom first (spreads load, keeps big holes);
-    with `affinity`, the nodes that hold the prompt's prefix within the load bound before them.
+    with `affinity`, the nodes that hold the prompt's prefix within the load bound before them; then
+    the interactive nodes that lend enough (see the module doc).
 
     A stale node is neither full nor empty: its agent still grants reservations atomically from its own
     latest sample, so with `stale: probe` it is asked after every fresh node; with `exclude` it is not
-    asked at all. Disconnected or unhealthy nodes are never asked.
+    asked at all. Disconnected or unhealthy nodes are never asked. `output_tokens`, the request's output
+    budget within `tokens`, tells its prompt (0: the whole of `tokens` is taken as prompt).
     """
+    own = [n for n in nodes if not _interactive(n)]
+    lenders = [
+        n for n in nodes if _interactive(n) and n.headroom is not None and n.headroom.lend_tokens is not None
+    ]
+    choice = _own_nodes(own, tokens, stale, affinity)
+    if not lenders:
+        return choice
+    return _with_lenders(choice, lenders, tokens, output_tokens=output_tokens, stale=stale, affinity=affinity)
+
+
+def _own_nodes(
+    nodes: Sequence[NodeView], tokens: int, stale: StalePolicy, affinity: Affinity | None
+) -> NodeChoice:
     fresh: list[NodeView] = []
     stale_nodes: list[NodeView] = []
     for node in nodes:
@@ -99,6 +125,54 @@ def _with_affinity(
     else:
         placement = Placement.COLD
     return NodeChoice(ordered, any_usable, tuple(cached[n.agent] for n in ordered), placement)
+
+
+def _with_lenders(
+    choice: NodeChoice,
+    lenders: list[NodeView],
+    tokens: int,
+    *,
+    output_tokens: int,
+    stale: StalePolicy,
+    affinity: Affinity | None,
+) -> NodeChoice:
+    """`choice`'s fresh nodes, then the fresh lenders that fit, most room lent first, then the stale
+    nodes of both kinds (lenders last)."""
+    chain = affinity.chain if affinity is not None else None
+    cached = dict(zip((n.agent for n in choice.candidates), choice.cached_tokens, strict=True))
+    fresh: list[NodeView] = []
+    stale_lenders: list[NodeView] = []
+    for node in lenders:
+        if not node.usable:
+            continue
+        held = _held(node, chain) if chain is not None else 0
+        cached[node.agent] = held
+        if not node.fresh:
+            if stale == "probe":
+                stale_lenders.append(node)
+        elif _lent(node) >= tokens - held and _prompt_fits(node, tokens - output_tokens - held):
+            fresh.append(node)
+    fresh.sort(key=lambda n: (-cached[n.agent], -_lent(n)))
+    own_fresh = [n for n in choice.candidates if n.fresh]
+    own_stale = [n for n in choice.candidates if not n.fresh]
+    ordered = tuple(own_fresh + fresh + own_stale + stale_lenders)
+    any_usable = choice.any_usable or any(n.usable for n in lenders if n.fresh or stale == "probe")
+    return NodeChoice(ordered, any_usable, tuple(cached[n.agent] for n in ordered), choice.placement)
+
+
+def _interactive(node: NodeView) -> bool:
+    return node.headroom is not None and node.headroom.role is NodeRole.INTERACTIVE
+
+
+def _lent(node: NodeView) -> int:
+    """What a lender lets one long request take now: its headroom, within what it lends."""
+    assert node.headroom is not None and node.headroom.lend_tokens is not None
+    return min(node.headroom.headroom_tokens, node.headroom.lend_tokens)
+
+
+def _prompt_fits(node: NodeView, uncached_prompt_tokens: int) -> bool:
+    cap = node.headroom.lend_max_prompt_tokens if node.headroom is not None else 0
+    return cap == 0 or uncached_prompt_tokens <= cap
 
 
 def _headroom(node: NodeView) -> int:

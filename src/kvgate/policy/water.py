@@ -1,5 +1,11 @@
 """Water levels per pool (green / yellow / red) with hysteresis, and the breaker that red trips.
 
+A level follows what the engines report (their KV usage) and how many agents have gone stale, nothing
+else. The gate's own line of requests waiting for room is not a signal: it is the gate working as
+intended, and shedding for it would send every normal request away because of a line the gate
+itself holds (issue 28, item 3). That line overflows one request at a time instead, by the wait
+queue's bound (admission.queue_size: queue_full) and each request's admission.max_wait_s.
+
 A level rises as soon as any signal crosses its rising threshold and falls only once every signal is
 back below the falling threshold (rising minus `hysteresis`), so a pool hovering at a threshold does
 not flap. Red opens the breaker; after `open_s` it half-opens and lets `probes` requests through; the
@@ -24,14 +30,13 @@ class Level(enum.IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class PoolSignals:
-    """kv: committed fraction of the pool's capacity; queue: waiters / queue size; stale: share of nodes."""
+    """kv: the engines' KV usage over the pool's capacity; stale: share of nodes."""
 
     kv: float
-    queue: float
     stale: float
 
 
-def pool_signals(nodes: Sequence[NodeView], waiting: int, queue_size: int) -> PoolSignals:
+def pool_signals(nodes: Sequence[NodeView]) -> PoolSignals:
     """The pool's signals from its nodes' latest headroom.
 
     kv is the engines' own KV usage (what the engine reports, else observed tokens over capacity), not
@@ -54,23 +59,13 @@ def pool_signals(nodes: Sequence[NodeView], waiting: int, queue_size: int) -> Po
             continue
         capacity += data.capacity_tokens
     kv = used / capacity if capacity else 0.0
-    return PoolSignals(
-        kv=kv, queue=waiting / queue_size if queue_size else 0.0, stale=stale / len(nodes) if nodes else 0.0
-    )
+    return PoolSignals(kv=kv, stale=stale / len(nodes) if nodes else 0.0)
 
 
 def _raw_level(signals: PoolSignals, t: WaterThresholds, slack: float) -> Level:
-    if (
-        signals.kv >= t.red_kv - slack
-        or signals.queue >= t.red_queue - slack
-        or signals.stale >= t.red_stale - slack
-    ):
+    if signals.kv >= t.red_kv - slack or signals.stale >= t.red_stale - slack:
         return Level.RED
-    if (
-        signals.kv >= t.yellow_kv - slack
-        or signals.queue >= t.yellow_queue - slack
-        or signals.stale >= t.yellow_stale - slack
-    ):
+    if signals.kv >= t.yellow_kv - slack or signals.stale >= t.yellow_stale - slack:
         return Level.YELLOW
     return Level.GREEN
 

@@ -3,9 +3,17 @@
 Each round reads the heads of the waiting groups from the store (only when something changed),
 asks the fair queue for the next job, and tries the nodes the gate's own rule picks for its tokens
 (kvgate.policy.nodes.choose_nodes) until an agent grants the Reserve; then it claims the job in the
-store and hands it to the runner. Order is strict: when the next job fits no node, nothing behind it
-is dispatched (a big job is never starved by small ones); the loop waits for the headroom stream,
-a job that ends here, or a store event. A job bigger than every node's admissible capacity fails.
+store and hands it to the runner. A job bigger than every node's admissible capacity fails.
+
+The queue keeps the one waiting order the gates keep (EASY backfilling, kvgate.agent.backfill): each
+Reserve carries the job's priority as its rank and the time it was queued as its waiting time, so the
+agents order queued jobs and gate waiters together, and fresh gate arrivals cannot starve the oldest
+queued job. The first job of a round that finds no room is the queue's head: it holds its place on
+the node whose expected releases fit it first (kvgate.policy.slot), and that agent holds the room its
+slot needs against everything behind it. Jobs after it in the fair order are still tried, each where
+it fits beside the heads' slots by the latest messages (at most `MAX_PASSED` jobs without room per
+round), so a big job no longer idles the room small ones could use, and is delayed at most to its
+slot. The loop then waits for the headroom stream, a job that ends here, or a store event.
 
 Reserve comes before the claim: the reservation id names this replica, so when two replicas reserve
 for the same job only the one whose claim lands keeps it, and the other gives its reservation back.
@@ -18,12 +26,14 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from kvgate.errors import HeadroomError, StoreError
 from kvgate.headroom import giveback
-from kvgate.headroom.snapshot import NodeView, ReleaseOutcome, ReserveOutcome
+from kvgate.headroom.snapshot import HeadClaim, NodeView, ReleaseOutcome, ReserveOutcome
 from kvgate.policy.nodes import StalePolicy, choose_nodes
+from kvgate.policy.slot import fits_beside_heads, slot_node
 from kvgate.queue import placement
 from kvgate.queue.fairness import FairQueue
 from kvgate.queue.jobs import Job, JobError, Waiting
@@ -36,6 +46,14 @@ PER_GROUP = 8
 # Reading the waiting heads costs a scan of the queued jobs' index (~15 ms at 10,000 queued on
 # SQLite): during a burst of arrivals, read them at most this often.
 MIN_RELOAD_S = 0.05
+# Jobs a round passes over for want of room before it waits for a change: each costs a Reserve at most
+# (none where the latest messages show no room beside the heads), and a round past them is unlikely to
+# find a job that fits.
+MAX_PASSED = 16
+# How often the head tells the agent it holds its place on that it still waits: a quarter of the
+# agent's claim lifetime (kvgate.agent.backfill.CLAIM_TTL_S, 2 s); rounds come at least every
+# refresh_s (1 s) while it waits.
+CLAIM_RENEW_S = 0.5
 
 
 class HeadroomSource(Protocol):
@@ -44,7 +62,16 @@ class HeadroomSource(Protocol):
 
     def snapshot(self) -> tuple[NodeView, ...]: ...
 
-    async def reserve(self, node: str, request_id: str, tokens: int) -> ReserveOutcome: ...
+    async def reserve(
+        self,
+        node: str,
+        request_id: str,
+        tokens: int,
+        *,
+        waiting_since_unix_ns: int = 0,
+        rank: int = 0,
+        hold_slot: bool = False,
+    ) -> ReserveOutcome: ...
 
     async def release(self, node: str, request_id: str, *, unanswered: bool = False) -> ReleaseOutcome: ...
 
@@ -92,8 +119,10 @@ class Dispatcher:
         self._wake = asyncio.Event()
         # The next job fits no node now: headroom updates are worth a round.
         self._blocked = False
+        self._updated = False  # an agent spoke since the round began
         self._stopping = False
         self._last_reload = -math.inf
+        self._hold: _Hold | None = None  # where the queue's head holds its place
 
     def poke(self, reload: bool = False) -> None:
         """Something changed: a job was added or ended (`reload`: the waiting set may differ)."""
@@ -126,24 +155,33 @@ class Dispatcher:
     async def _follow_headroom(self) -> None:
         # The flag as well as the cancel: a source's wait_update may lose a cancel (see above).
         while not self._stopping:
-            if await self._source.wait_update(1.0) and self._blocked:
-                self._wake.set()
+            if await self._source.wait_update(1.0):
+                self._updated = True
+                if self._blocked:
+                    self._wake.set()
 
     async def _round(self) -> None:
         if self._fair.needs_reload:
             await self._reload()
         self._blocked = False
-        while (job := self._fair.next()) is not None:
+        self._updated = False
+        passed: set[str] = set()  # jobs this round found no room for: the first is the head
+        while (job := self._fair.next(passed)) is not None and len(passed) < MAX_PASSED:
             nodes = self._source.snapshot()
             if placement.fit(nodes, job.tokens) is Fit.TOO_BIG:
                 await self._store.fail_waiting(job.id, placement.too_big_error(nodes, job.tokens))
                 self._fair.drop(job)
                 continue
-            if not await self._dispatch(job, nodes):
-                self._blocked = True
-                return
+            if not await self._dispatch(job, nodes, head=not passed):
+                passed.add(job.id)
+                continue
             if self._fair.needs_reload:
                 await self._reload()
+        self._blocked = bool(passed)
+        if self._blocked and self._updated:
+            self._wake.set()  # room may have freed while this round ran: look again now
+        if not passed:
+            await self._let_go()
 
     async def _reload(self) -> None:
         wait = self._last_reload + MIN_RELOAD_S - self._clock()
@@ -152,12 +190,49 @@ class Dispatcher:
         self._last_reload = self._clock()
         self._fair.load(await self._store.waiting(PER_GROUP), PER_GROUP)
 
-    async def _dispatch(self, job: Waiting, nodes: tuple[NodeView, ...]) -> bool:
-        """Reserve, claim and launch `job`; False when no node granted it room."""
+    async def _dispatch(self, job: Waiting, nodes: tuple[NodeView, ...], *, head: bool) -> bool:
+        """Reserve, claim and launch `job`; False when no node granted it room. Tried only where it
+        fits beside the heads' slots; the `head` (the round's first job without room) also holds its
+        place on its slot node."""
         reservation = f"{job.id}/{job.attempts + 1}/{self._owner}"
-        for node in choose_nodes(nodes, job.tokens, self._stale).candidates:
-            if node.headroom is None or not await self._reserve(node.agent, reservation, job.tokens):
+        since = round(job.created_at * 1e9)
+        hold = self._hold
+        if head and hold is not None and hold.job != job.id:
+            await self._let_go()  # the head changed: the old one's place goes at once
+            hold = None
+        slot = slot_node(nodes, job.tokens, 0, hold.agent if hold else None) if head else None
+        if head and hold is not None and hold.agent != slot:
+            await self._let_go()  # it holds its place on one node only
+            hold = None
+
+        def local(node: NodeView) -> HeadClaim | None:
+            """The head's claim where it holds, for the jobs behind it (the messages may not show it yet)."""
+            return hold.claim if hold is not None and not head and node.agent == hold.agent else None
+
+        tries = [
+            n
+            for n in choose_nodes(nodes, job.tokens, self._stale).candidates
+            if not n.fresh or fits_beside_heads(n, job.tokens, job.priority, since, local(n))
+        ]
+        renew = hold is None or self._clock() - hold.at >= CLAIM_RENEW_S
+        if slot is not None and renew and all(n.agent != slot for n in tries):
+            tries += [n for n in nodes if n.agent == slot]
+        for node in tries:
+            holds = node.agent == slot
+            if holds:
+                claim = HeadClaim(job.tokens, since, job.priority, None)
+                self._hold = _Hold(job.id, node.agent, reservation, claim, self._clock())
+            granted = node.headroom is not None and await self._reserve(
+                node.agent, reservation, job, since, hold=holds
+            )
+            if not granted:
                 continue
+            if self._hold is not None and self._hold.job == job.id:
+                if self._hold.agent == node.agent:
+                    self._hold = None  # the agent ended its claim with the grant
+                else:
+                    await self._let_go()
+            assert node.headroom is not None
             claimed_at = self._clock()
             try:
                 claimed = await self._store.claim(
@@ -177,9 +252,11 @@ class Dispatcher:
             return True
         return False
 
-    async def _reserve(self, agent: str, reservation: str, tokens: int) -> bool:
+    async def _reserve(self, agent: str, reservation: str, job: Waiting, since: int, *, hold: bool) -> bool:
         try:
-            outcome = await self._source.reserve(agent, reservation, tokens)
+            outcome = await self._source.reserve(
+                agent, reservation, job.tokens, waiting_since_unix_ns=since, rank=job.priority, hold_slot=hold
+            )
         except HeadroomError as error:
             log.warning("reserve on %s failed: %s", agent, error)
             if giveback.unanswered(error):
@@ -190,3 +267,21 @@ class Dispatcher:
 
     async def _release(self, agent: str, reservation: str, *, unanswered: bool = False) -> None:
         await giveback.release(self._source, agent, reservation, unanswered=unanswered)
+
+    async def _let_go(self) -> None:
+        """The head no longer holds its place: a Release of its id ends its claim at once, rather than
+        the agent holding room for it until the claim lapses."""
+        hold, self._hold = self._hold, None
+        if hold is not None:
+            await self._release(hold.agent, hold.reservation)
+
+
+@dataclass(frozen=True, slots=True)
+class _Hold:
+    """Where the queue's head holds its place, and since when (the dispatcher's clock)."""
+
+    job: str
+    agent: str
+    reservation: str
+    claim: HeadClaim
+    at: float

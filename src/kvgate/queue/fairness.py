@@ -18,7 +18,7 @@ share is fair per replica, and close to fair overall.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 from kvgate.queue.jobs import Waiting
 
@@ -48,21 +48,18 @@ class FairQueue:
     def __len__(self) -> int:
         return sum(len(jobs) for jobs in self._groups.values())
 
-    def next(self) -> Waiting | None:
-        """The job to dispatch next (it stays waiting until `dispatched` or `drop`)."""
-        if not self._groups:
-            return None
-        level = min(priority for priority, _ in self._groups)
-        best: tuple[float, int, Waiting] | None = None
+    def next(self, passed: Container[str] = frozenset()) -> Waiting | None:
+        """The job to dispatch next (it stays waiting until `dispatched` or `drop`), leaving out the
+        ids in `passed` (jobs this round found no room for, which later ones may go beside)."""
+        best: tuple[int, float, int, Waiting] | None = None
         for (priority, tenant), jobs in self._groups.items():
-            if priority != level:
+            head = next((job for job in jobs if job.id not in passed), None)
+            if head is None:
                 continue
-            head = jobs[0]
-            candidate = (self._start(priority, tenant), head.seq, head)
-            if best is None or candidate[:2] < best[:2]:
+            candidate = (priority, self._start(priority, tenant), head.seq, head)
+            if best is None or candidate[:3] < best[:3]:
                 best = candidate
-        assert best is not None
-        return best[2]
+        return best[3] if best is not None else None
 
     def dispatched(self, job: Waiting) -> None:
         """`job` was sent to a node: charge its tenant its tokens."""

@@ -126,6 +126,9 @@ class Waiting:
     tokens: int
     seq: int  # the store's insertion order: age
     attempts: int = 0
+    # When it was queued, by the store's wall clock (Unix seconds): its place in the one waiting order
+    # the agents keep across the queue and the gates (kvgate.agent.backfill).
+    created_at: float = 0.0
 
 
 def body_json(result: JobResult) -> Any:

@@ -179,12 +179,12 @@ class JobStore:
         """The oldest `per_group` queued jobs of every (priority, tenant)."""
         async with self.database.transaction() as tx:
             rows = await tx.execute(
-                "SELECT id, priority, tenant, tokens, seq, attempts FROM (SELECT id, priority, tenant, "
-                "tokens, seq, attempts, row_number() OVER (PARTITION BY priority, tenant ORDER BY seq) "
-                f"AS n FROM kvgate_jobs WHERE state = {_QUEUED}) AS heads WHERE n <= ?",
+                "SELECT id, priority, tenant, tokens, seq, attempts, created_at FROM (SELECT id, priority, "
+                "tenant, tokens, seq, attempts, created_at, row_number() OVER (PARTITION BY priority, "
+                f"tenant ORDER BY seq) AS n FROM kvgate_jobs WHERE state = {_QUEUED}) AS heads WHERE n <= ?",
                 (per_group,),
             )
-        return [Waiting(r[0], int(r[1]), r[2], int(r[3]), int(r[4]), int(r[5])) for r in rows]
+        return [Waiting(r[0], int(r[1]), r[2], int(r[3]), int(r[4]), int(r[5]), float(r[6])) for r in rows]
 
     async def claim(self, job_id: str, owner: str, node: str, reservation: str, lease_s: float) -> Job | None:
         """Mark a queued job running for `owner`; None when it is no longer queued (or another replica

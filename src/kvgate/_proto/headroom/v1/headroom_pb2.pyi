@@ -142,7 +142,7 @@ class PrefixSummary(_message.Message):
     def __init__(self, blocks: _Optional[_Iterable[int]] = ..., indexed_tokens: _Optional[int] = ..., saved_tokens: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "tokens", "lease_s", "holder", "prefix_blocks", "prefix_block_tokens", "output_tokens", "waiting_since_unix_ns", "rank")
+    __slots__ = ("request_id", "tokens", "lease_s", "holder", "prefix_blocks", "prefix_block_tokens", "output_tokens", "waiting_since_unix_ns", "rank", "hold_slot")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,7 @@ class ReserveRequest(_message.Message):
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WAITING_SINCE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    HOLD_SLOT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tokens: int
     lease_s: float
@@ -161,7 +162,8 @@ class ReserveRequest(_message.Message):
     output_tokens: int
     waiting_since_unix_ns: int
     rank: int
-    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[int] = ..., lease_s: _Optional[float] = ..., holder: _Optional[str] = ..., prefix_blocks: _Optional[_Iterable[int]] = ..., prefix_block_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., waiting_since_unix_ns: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+    hold_slot: bool
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[int] = ..., lease_s: _Optional[float] = ..., holder: _Optional[str] = ..., prefix_blocks: _Optional[_Iterable[int]] = ..., prefix_block_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., waiting_since_unix_ns: _Optional[int] = ..., rank: _Optional[int] = ..., hold_slot: _Optional[bool] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("granted", "reason", "headroom_tokens", "reserved_tokens", "lease_s", "charged_tokens", "cached_tokens", "reservations")

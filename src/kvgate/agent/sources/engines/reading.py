@@ -52,6 +52,9 @@ class EngineReading:
     # Output tokens generated, summed over engines, counted as they are generated (vLLM's counter);
     # None where the page has no such counter (SGLang counts a request's tokens when it finishes).
     generation_tokens_total: int | None = None
+    # Prompt tokens the engine has taken in, summed over engines (vLLM's counter, counted as each
+    # request's prefill completes, prefix-cache hits included); None where the page has none.
+    prompt_tokens_total: int | None = None
 
     @property
     def kv_usage(self) -> float | None:

@@ -64,6 +64,9 @@ PREFIX_HITS = "vllm:prefix_cache_hits_total"
 PREFIX_QUERIES_BEFORE_0_10 = "vllm:gpu_prefix_cache_queries_total"
 PREFIX_HITS_BEFORE_0_10 = "vllm:gpu_prefix_cache_hits_total"
 GENERATION = "vllm:generation_tokens_total"
+# Prompt tokens taken in, per engine, a counter like the one above (loggers.py @005a810,
+# "vllm:prompt_tokens"): less the prefix-cache hits, the prefill the engine did (agent.class_usage).
+PROMPT = "vllm:prompt_tokens_total"
 # vLLM writes every step, but usage only moves when a request takes a new block (every block_size
 # decode steps): 30 s without any change while requests run allows below one token per second.
 BUSY_REFRESH_S = 30.0
@@ -83,6 +86,7 @@ def read(text: str) -> EngineReading | None:
     queries = _counter(text, PREFIX_QUERIES, PREFIX_QUERIES_BEFORE_0_10)
     hits = _counter(text, PREFIX_HITS, PREFIX_HITS_BEFORE_0_10)
     generated = _sum(promtext.samples(text, GENERATION), GENERATION)
+    prompted = _sum(promtext.samples(text, PROMPT), PROMPT)
     info = promtext.samples(text, CACHE_INFO)
     caching = bool(info) and promtext.label(info[0], "enable_prefix_caching") == "True"
     if per_engine is None:
@@ -102,6 +106,7 @@ def read(text: str) -> EngineReading | None:
             hits,
             prefix_caching=caching,
             generation_tokens_total=generated,
+            prompt_tokens_total=prompted,
         )
     used = sum(round(fraction * per_engine) for fraction in fractions.values())
     return EngineReading(
@@ -119,6 +124,7 @@ def read(text: str) -> EngineReading | None:
         hits,
         prefix_caching=caching,
         generation_tokens_total=generated,
+        prompt_tokens_total=prompted,
     )
 
 

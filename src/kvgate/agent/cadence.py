@@ -1,0 +1,52 @@
+"""How often the agent scrapes its engine: every period under pressure, every `idle_s` otherwise.
+
+Pure. A scrape and its parse cost about 0.5 ms of the agent's CPU and make the engine render its
+page (shared/research/admission-efficiency.md, section 2). Fresh figures matter where the next grant
+could overfill the node, so the engine is scraped every period while the node is under pressure:
+- its committed KV (max(engine used, reserved)) is at `KV_LEVEL` (0.85) of admissible or more;
+- the engine queues requests, or a request waited for room here, or reservations changed (grants,
+  releases, expiries) within the last `RECENT_S` (1 s): what was admitted is still reaching the
+  engine, and a waiter's next grant hangs on what frees;
+- the node's figures are unknown or unhealthy: recovery shows within a period.
+Otherwise every `idle_s` (500 ms by default). What keeps this safe is unchanged: figures older than
+--engine-stale-after-s (1 s) still make the node unhealthy, and that must stay above the slow interval
+plus a scrape's timeout (kvgate.agent.node.NodeSettings checks it).
+"""
+
+from __future__ import annotations
+
+from kvgate.headroom.snapshot import NodeHeadroom
+
+KV_LEVEL = 0.85
+RECENT_S = 1.0
+
+
+def pressure(latest: NodeHeadroom | None, now: float, activity_at: float) -> str:
+    """Why the engine is to be scraped every period ("" when it need not be), from the latest sample
+    and the time of the latest reservation change or wait for room."""
+    if latest is None or not latest.healthy or latest.used_tokens is None:
+        return "no healthy figures"
+    if now - activity_at < RECENT_S:
+        return "reservations changed or a request waited"
+    if latest.waiting:
+        return "engine queue"
+    committed = max(latest.used_tokens, latest.reserved_tokens)
+    if committed >= KV_LEVEL * latest.admissible_tokens:
+        return "KV above the level"
+    return ""
+
+
+class ScrapeCadence:
+    def __init__(self, period_s: float, idle_s: float) -> None:
+        self._period_s = period_s
+        self._idle_s = max(idle_s, period_s)
+        self._scraped_at = float("-inf")
+
+    def due(self, now: float, latest: NodeHeadroom | None, activity_at: float) -> bool:
+        # Ticks come on the period's grid: half a period of slack keeps a 500 ms interval at 500 ms.
+        if now - self._scraped_at + self._period_s / 2 >= self._idle_s:
+            return True
+        return bool(pressure(latest, now, activity_at))
+
+    def scraped(self, now: float) -> None:
+        self._scraped_at = now

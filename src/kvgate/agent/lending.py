@@ -1,0 +1,127 @@
+"""What an interactive node lends to long requests: the soft pool's rule on the node that serves chat.
+
+Pure: the node's state feeds it chat's measured use every scrape, and asks it, for each Reserve, what
+a long request may take. Every reservation on an interactive node is a long request borrowing (chat
+never reserves), so three limits bound all of them together (docs/operations.md, "Soft pools"):
+
+- **Chat's protected share.** Long reservations together hold at most `admissible - chat reserve`,
+  where the chat reserve is max(`min_share` x capacity, `factor` x the p99 of chat's use over
+  `window_s`). Chat's use is the engine's used tokens less what reservations hold (which counts a
+  lent request's KV as long's from its grant, before its prefill writes it: chat's figure errs low
+  only while a lent prompt is being written, which the per-second maximum and the window's p99
+  smooth over). The research behind the numbers (2 x p99 over 10 minutes, about 35 % of the node on
+  the Mooncake replay): ../shared/research/admission-efficiency.md §4 "D".
+- **A cap on one lent request's uncached prompt** (`max_prompt_tokens`, 16k by default): the prefill
+  of one long prompt is what a chat request that arrives behind it waits for.
+- **An in-flight prefill budget** (`prefill_budget_tokens`): the uncached prompt tokens of lent
+  requests not yet prefilled, drained as a fluid queue at the node's prefill rate
+  (`prefill_tokens_per_s`) from each grant on. It bounds the prefill work lent requests put ahead of
+  chat at any instant to budget / rate seconds, the way Dynamo's `active_prefill_tokens` and llm-d's
+  token-load scorer bound a worker's queued prefill (ai-dynamo/dynamo lib/llm/src/kv_router,
+  llm-d-inference-scheduler pkg/plugins/scorer).
+
+Chat's use is kept as one maximum per second over the window (600 values for 10 minutes), so the
+quantile is taken once a second, over a few hundred numbers, and never per scrape.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+# The quantile of chat's per-second peak use the reserve is sized from: rare spikes are what the
+# factor above it is for.
+CHAT_QUANTILE = 0.99
+
+
+@dataclass(frozen=True, slots=True)
+class LendLimits:
+    """An interactive node's lending limits (kvgate agent --chat-reserve-* and --lend-* flags)."""
+
+    min_share: float = 0.25  # the chat reserve's floor, as a share of capacity
+    factor: float = 2.0  # the reserve: factor x p99 of chat's use, when that is above the floor
+    window_s: float = 600.0  # the window chat's use is measured over
+    max_prompt_tokens: int = 16_384  # the largest uncached prompt of one lent request
+    prefill_budget_tokens: int = 32_768  # uncached prompt tokens of lent requests in flight at most
+    prefill_tokens_per_s: float = 10_000.0  # the node's prefill rate: how fast that budget drains
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_share <= 1:
+            raise ValueError(f"min_share must be in [0, 1], got {self.min_share}")
+        if self.factor < 0 or self.window_s <= 0:
+            raise ValueError("factor must be >= 0 and window_s > 0")
+        if self.max_prompt_tokens < 1 or self.prefill_tokens_per_s <= 0:
+            raise ValueError("max_prompt_tokens must be >= 1 and prefill_tokens_per_s > 0")
+        if self.prefill_budget_tokens < self.max_prompt_tokens:
+            # Otherwise a prompt within the cap could never be lent, even on an idle node.
+            raise ValueError(
+                f"prefill_budget_tokens ({self.prefill_budget_tokens}) must be >= max_prompt_tokens "
+                f"({self.max_prompt_tokens})"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class LendOffer:
+    """What the node lends now: at most `tokens` more charged to long requests (0: none), and at most
+    `max_prompt_tokens` of uncached prompt from one of them."""
+
+    tokens: int
+    max_prompt_tokens: int
+    chat_reserve_tokens: int
+
+
+class Lending:
+    def __init__(self, limits: LendLimits) -> None:
+        self.limits = limits
+        self._seconds: deque[tuple[int, int]] = deque()  # (second, chat's peak use in it), oldest first
+        self._reserve_quantile = 0  # p99 of the per-second peaks, as of the last second that closed
+        self._backlog = 0.0  # lent prompt tokens not yet prefilled, as of `_backlog_at`
+        self._backlog_at = -math.inf
+
+    def observe_chat(self, now: float, chat_tokens: int) -> None:
+        """One scrape: what chat holds on the node now (engine usage less reservations)."""
+        second = math.floor(now)
+        if self._seconds and self._seconds[-1][0] == second:
+            if chat_tokens > self._seconds[-1][1]:
+                self._seconds[-1] = (second, chat_tokens)
+            return
+        horizon = second - self.limits.window_s
+        while self._seconds and self._seconds[0][0] <= horizon:
+            self._seconds.popleft()
+        # A second closed: the quantile moves once a second, over what the window holds.
+        self._reserve_quantile = _quantile([peak for _, peak in self._seconds], CHAT_QUANTILE)
+        self._seconds.append((second, chat_tokens))
+
+    def chat_reserve(self, capacity_tokens: int) -> int:
+        floor = math.ceil(self.limits.min_share * capacity_tokens)
+        return max(floor, math.ceil(self.limits.factor * self._reserve_quantile))
+
+    def prefill_backlog(self, now: float) -> float:
+        """Lent prompt tokens still to prefill, drained at the node's prefill rate since the last grant."""
+        drained = (now - self._backlog_at) * self.limits.prefill_tokens_per_s
+        return max(0.0, self._backlog - drained) if drained < math.inf else 0.0
+
+    def offer(
+        self, now: float, admissible_tokens: int, capacity_tokens: int, reserved_tokens: int
+    ) -> LendOffer:
+        """What a long request may take now, beside the node's own headroom (which the ledger checks)."""
+        reserve = self.chat_reserve(capacity_tokens)
+        share = max(0, admissible_tokens - reserve - reserved_tokens)
+        prefill_room = math.floor(self.limits.prefill_budget_tokens - self.prefill_backlog(now))
+        if prefill_room < 1:
+            return LendOffer(0, self.limits.max_prompt_tokens, reserve)
+        return LendOffer(share, min(self.limits.max_prompt_tokens, prefill_room), reserve)
+
+    def granted(self, now: float, uncached_prompt_tokens: int) -> None:
+        """A lent request was granted: its uncached prompt joins the prefill in flight."""
+        self._backlog = self.prefill_backlog(now) + uncached_prompt_tokens
+        self._backlog_at = now
+
+
+def _quantile(values: list[int], q: float) -> int:
+    """The `q` quantile of `values` (nearest rank; 0 for none)."""
+    if not values:
+        return 0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
