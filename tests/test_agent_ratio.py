@@ -52,6 +52,23 @@ def test_the_ratio_is_frozen_after_a_preemption() -> None:
     assert ratio.value == pytest.approx(0.855)
 
 
+def test_the_engines_usage_leads_the_ratio_before_any_preemption() -> None:
+    ratio = SteeredRatio(START, 0.0)
+    ratio.observe(0.0, 0, 0.5)
+    # A window with a wait whose usage peaked past 0.92 teaches no rise, though nothing preempted.
+    ratio.waited()
+    ratio.observe(5.0, 0, 0.93)
+    assert ratio.observe(10.0, 0, 0.6) is None and ratio.value == 0.9
+    # The next window stays under it: the rise comes.
+    ratio.waited()
+    assert ratio.observe(20.0, 0, 0.91) is Step.UP and ratio.value == pytest.approx(0.905)
+    # Usage at 0.97 is a preemption about to happen: down at once, frozen, the counter still.
+    assert ratio.observe(20.5, 0, 0.97) is Step.DOWN and ratio.value == pytest.approx(0.855)
+    assert ratio.observe(21.0, 0, 0.99) is None and ratio.value == pytest.approx(0.855)  # frozen: once
+    now = windows_with_waits(ratio, 21.0, 5)
+    assert now < 20.5 + START.freeze_s and ratio.value == pytest.approx(0.855)
+
+
 def test_the_ratio_rises_only_while_requests_wait() -> None:
     ratio = SteeredRatio(START, 0.0)
     for second in range(0, 300, 1):

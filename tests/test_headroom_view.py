@@ -243,3 +243,37 @@ def test_backoff_grows_with_jitter_and_is_capped() -> None:
     assert [view._backoff(n) for n in range(6)] == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
     low = HeadroomView(HeadroomSettings(reconnect_initial_s=0.1, reconnect_max_s=1.0), rng=lambda: 0.0)
     assert low._backoff(2) == pytest.approx(0.2)
+
+
+def test_an_on_demand_view_follows_the_agents_only_while_wanted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kvgate queue's view: no stream (and no message to decode) while no job waits; Reserve works
+    either way, and a demand brings the stream back at once."""
+    monkeypatch.setattr("kvgate.headroom.view.LINGER_S", 0.2)
+
+    async def scenario() -> None:
+        agent = Agent(settings())
+        port = await agent.start("127.0.0.1:0")
+        address = f"127.0.0.1:{port}"
+        view = HeadroomView(HeadroomSettings(agents=(address,), **FAST), on_demand=True)
+        await view.start()
+        try:
+            assert not await view.wait_update(0.3)  # nothing followed: not a message
+            (node,) = view.snapshot()
+            assert not node.connected and node.headroom is None
+            assert (await view.reserve(address, "r1", 10_000)).granted
+            view.demand(True)
+            await view_until(view, lambda s: s[0].connected)
+            view.demand(False)
+            view.demand(True)  # wanted again before the linger ends: it keeps following
+            await asyncio.sleep(0.3)
+            assert view.snapshot()[0].connected
+            view.demand(False)
+            await view_until(view, lambda s: not s[0].connected)
+            assert not await view.wait_update(0.3)
+            (paused,) = view.snapshot()
+            assert paused.headroom is not None and paused.headroom.reserved_tokens == 10_000  # kept
+        finally:
+            await view.stop()
+            await agent.stop(grace_s=0)
+
+    run(scenario())

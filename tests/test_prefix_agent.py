@@ -8,7 +8,7 @@ import pytest
 from kvgate._proto.headroom.v1 import headroom_pb2 as pb
 from kvgate.agent.in_process import ManualClock
 from kvgate.agent.ledger import Budget, ReservationLedger
-from kvgate.agent.node import NodeSettings, NodeState
+from kvgate.agent.node import SUMMARY_EVERY_S, NodeSettings, NodeState
 from kvgate.agent.prefix_audit import PrefixAudit
 from kvgate.agent.prefix_blocks import PrefixBlocks
 from kvgate.agent.sources.engines import read_engine_page
@@ -199,6 +199,7 @@ def test_an_evicted_prefix_is_charged_in_full_on_the_next_request() -> None:
     assert state.prefix_forgotten >= 5_500
     clock.advance(0.1)
     state.observe_engine(read_engine_page(vllm_page(0.0, 0)))
+    clock.advance(SUMMARY_EVERY_S)  # the stream's summary is rebuilt at most this often
     assert state.snapshot(1).prefix.matched_blocks(question(3)) <= 80, "the gates are told"
     later = state.reserve("q3", 26_000, 0, prefix=question(3))
     assert later.granted and later.charged_tokens == 26_000

@@ -180,6 +180,19 @@ def test_per_class_kv_seconds_and_prefill_follow_reservations_and_the_rest_of_th
     assert (figures.long_prefill_tokens, figures.chat_prefill_tokens) == (8_000, 500)
 
 
+def test_a_hit_counted_before_its_prefill_is_no_engine_restart() -> None:
+    """The simulator (as vLLM) counts a prefix hit when the request is scheduled and its prompt tokens
+    when the prefill ends: between the two, prompt - hits steps back. Only a counter that itself goes
+    back is a restart (the replay once read 19.5 billion chat prefill tokens off that step)."""
+    usage = ClassUsage()
+    usage.observe_prefill(100_000, 40_000)
+    usage.observe_prefill(100_000, 52_000)  # a 12,000-token hit is counted, its prompt not yet
+    usage.observe_prefill(116_000, 52_000)  # the 16,000-token prompt ends: 4,000 were computed
+    assert usage.figures().chat_prefill_tokens == 4_000
+    usage.observe_prefill(3_000, 1_000)  # a restarted engine counts from zero
+    assert usage.figures().chat_prefill_tokens == 6_000
+
+
 def headroom(
     name: str, room: int, role: NodeRole = NodeRole.LONG, lend: int | None = None, max_prompt: int = 0
 ) -> NodeView:

@@ -38,7 +38,8 @@ class ClassUsage:
         self._chat_kv: float | None = None
         self._long_prefill = 0
         self._engine_prefill = 0  # what the engine prefilled since the agent started (restarts summed)
-        self._engine_counter: int | None = None  # its last counter reading
+        self._prompt_counter: int | None = None  # the engine's prompt-token counter, last read
+        self._hits_counter: int | None = None  # its prefix-cache hit counter, last read
         self._chat_prefill: int | None = None
 
     def observe(self, now: float, reserved_tokens: int, used_tokens: int | None) -> None:
@@ -56,12 +57,14 @@ class ClassUsage:
         """One scrape of the engine's counters: prompt tokens (and the prefix-cache hits among them)."""
         if prompt_tokens_total is None:
             return
-        counter = prompt_tokens_total - (prefix_hits_total or 0)
-        before, self._engine_counter = self._engine_counter, counter
-        if before is None:
+        # Each counter on its own: an engine may count a hit before the prefill it belongs to ends, so
+        # their difference can step back without any restart.
+        prompted = _advance(self._prompt_counter, prompt_tokens_total)
+        hit = _advance(self._hits_counter, prefix_hits_total) if prefix_hits_total is not None else 0
+        self._prompt_counter, self._hits_counter = prompt_tokens_total, prefix_hits_total
+        if prompted is None:
             return  # what the engine did before the agent started is nobody's here
-        # A counter that went back is a restarted engine: it starts again from zero.
-        self._engine_prefill += counter - before if counter >= before else counter
+        self._engine_prefill += prompted - (hit or 0)
         chat = self._engine_prefill - self._long_prefill
         self._chat_prefill = max(self._chat_prefill or 0, chat)
 
@@ -70,3 +73,11 @@ class ClassUsage:
 
     def figures(self) -> ClassFigures:
         return ClassFigures(self._long_kv, self._chat_kv, self._long_prefill, self._chat_prefill)
+
+
+def _advance(before: int | None, now: int) -> int | None:
+    """What a counter added since `before` (None: no earlier reading); a counter that went back is a
+    restarted engine, counting again from zero."""
+    if before is None:
+        return None
+    return now - before if now >= before else now

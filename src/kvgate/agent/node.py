@@ -57,6 +57,7 @@ from kvgate.headroom.snapshot import (
     NodeRole,
     NvmlReading,
     PrefixChain,
+    PrefixSummary,
     ReleaseOutcome,
     ReserveOutcome,
     ReserveReason,
@@ -75,6 +76,8 @@ MAX_LEASE_S = 900.0
 # far above the demo's and tests' nodes, so a single gate is never held back by it; a bound on a
 # holder that leaks reservations or takes the node whole (docs/operations.md, agent --max-holder-tokens).
 MAX_HOLDER_TOKENS = 1 << 20
+# The stream's prefix summary is rebuilt at most this often (NodeState._prefix_summary).
+SUMMARY_EVERY_S = 0.5
 # Refusals that say a request waits for room here: what lets the admissible ratio rise.
 _ROOM_WANTED = NO_ROOM | {ReserveReason.LEND_LIMIT}
 
@@ -195,6 +198,8 @@ class NodeState:
         # The latest grant, release, expiry or request waiting for room: the engine is scraped every
         # period for a while after (kvgate.agent.cadence).
         self.activity_at = float("-inf")
+        self._summary: PrefixSummary | None = None
+        self._summary_at = float("-inf")
 
     def observe_engine(self, reading: EngineReading) -> None:
         now = self._clock()
@@ -208,7 +213,7 @@ class NodeState:
         self._age_prefixes(now, reading)
         self.decode_rate.observe(now, reading.generation_tokens_total, reading.running)
         self._observe_classes(now, reading)
-        self.ratio.observe(now, reading.preemptions_total)
+        self.ratio.observe(now, reading.preemptions_total, reading.kv_usage)
 
     def _observe_classes(self, now: float, reading: EngineReading) -> None:
         """Chat's use (the engine's less what reservations hold) for the lending rule and the
@@ -387,7 +392,7 @@ class NodeState:
             engine_sample_age_ms=(
                 round((now - self._engine.taken_at) * 1000) if self._engine.reading is not None else None
             ),
-            prefix=self.ledger.prefixes.summary(self.ledger.saved_tokens),
+            prefix=self._prefix_summary(now),
             decode_tokens_per_s=self.decode_rate.tokens_per_s,
             releases=releases,
             freed_tokens_total=self.ledger.freed_tokens,
@@ -398,6 +403,16 @@ class NodeState:
             heartbeat_ms=round(self.settings.heartbeat_s * 1000),
             head=self.claims.published(self.ledger.headroom(budget), releases),
         )
+
+    def _prefix_summary(self, now: float) -> PrefixSummary:
+        """The prefix summary the stream shows, rebuilt at most every SUMMARY_EVERY_S: under load every
+        grant and release changes it, and each rebuild costs the agent a walk of its index and every
+        gate a new block set to read (issue 28's profile: the agents' largest per-request cost with
+        prefix placement on). A summary half a second old places a repeat as well."""
+        if self._summary is None or now - self._summary_at >= SUMMARY_EVERY_S:
+            self._summary = self.ledger.prefixes.summary(self.ledger.saved_tokens)
+            self._summary_at = now
+        return self._summary
 
     def _prefix_source(self, engine: EngineReading | None) -> str:
         """Where the prefix index comes from, for operators."""

@@ -11,6 +11,11 @@ So the share starts at --safety-ratio and moves within [floor, ceiling]:
 - The level that preempted is not reached again soon: the ceiling drops one `step_up` below it and
   comes back one `step_up` per `relax_s` (600 s) without a preemption. So a node that preempted at
   0.97 settles at 0.965 instead of preempting every (freeze + climb) = 160 s.
+- The engine's KV usage leads: a window whose peak usage went past `rise_below_usage` (0.92 of the
+  pool) teaches no rise, and usage at `fall_above_usage` (0.97) counts as a preemption about to happen
+  (the step down and the freeze, before the engine has to preempt). A preemption counter alone learns
+  the limit by crossing it once per node: on the Mooncake replay (docs/benchmarks.md) each long node
+  preempted once at ~0.93 and fell back; with the usage guard none did.
 - An engine that publishes no preemption counter keeps the starting share (a share that had fallen
   stays where it is: nothing says it may rise again).
 - A counter that goes back is an engine restart, not a preemption: it is the new baseline. A counter
@@ -37,6 +42,12 @@ STEP_DOWN = 0.05
 FREEZE_S = 60.0
 RELAX_S = 600.0
 CEILING = 0.98
+# Engine KV usage over which a window teaches no rise, and at which the share falls at once. At a fixed
+# 0.90 the Mooncake replay's long nodes peaked at 0.94-0.95 of their pool (prompts written while the
+# estimate runs short, prefill racing the ledger), so the share may rise only while the engine keeps
+# that much margin; vLLM V1 preempts only when a block cannot be allocated (100 %).
+RISE_BELOW_USAGE = 0.92
+FALL_ABOVE_USAGE = 0.97
 # How far under its starting share a node's share may fall: 0.90 -> 0.80, about twice the worst
 # fast-estimate error on held-out text (11.5 %, docs/benchmarks.md) on top of the start's own margin.
 FLOOR_BELOW_START = 0.10
@@ -57,6 +68,8 @@ class RatioSettings:
     step_down: float = STEP_DOWN
     freeze_s: float = FREEZE_S
     relax_s: float = RELAX_S
+    rise_below_usage: float = RISE_BELOW_USAGE
+    fall_above_usage: float = FALL_ABOVE_USAGE
 
     def __post_init__(self) -> None:
         if not 0 < self.floor <= self.start <= self.ceiling <= 1:
@@ -66,6 +79,11 @@ class RatioSettings:
             )
         if min(self.step_up, self.step_down, self.window_s, self.relax_s) <= 0 or self.freeze_s < 0:
             raise ValueError("ratio steps, window and relax time must be > 0, the freeze >= 0")
+        if not 0 < self.rise_below_usage <= self.fall_above_usage <= 1:
+            raise ValueError(
+                f"usage guards must satisfy 0 < rise_below_usage <= fall_above_usage <= 1, got "
+                f"{self.rise_below_usage} and {self.fall_above_usage}"
+            )
 
     @classmethod
     def around(
@@ -95,6 +113,7 @@ class SteeredRatio:
         self._seen_without = False  # a reading came without the counter
         self._window_start = now
         self._waited = False  # a request waited for room in the current window
+        self._peak_usage = 0.0  # the engine's highest KV usage (a fraction of its pool) in the window
         self._frozen_until = float("-inf")
         self._relaxed_at = now
         self.steps: dict[str, int] = {Step.UP: 0, Step.DOWN: 0}  # steps taken, by direction
@@ -112,10 +131,15 @@ class SteeredRatio:
         """A request waited for room on this node (refused for room, or waiting in the one order)."""
         self._waited = True
 
-    def observe(self, now: float, preemptions_total: int | None) -> Step | None:
-        """One engine reading's preemption counter (None: the page has none); the step taken, if any."""
+    def observe(
+        self, now: float, preemptions_total: int | None, kv_usage: float | None = None
+    ) -> Step | None:
+        """One engine reading's preemption counter (None: the page has none) and KV usage (a fraction
+        of its pool; None: unknown); the step taken, if any."""
         if self.settings.fixed:
             return None
+        if kv_usage is not None:
+            self._peak_usage = max(self._peak_usage, kv_usage)
         if preemptions_total is None:
             self._counter = None
             self._seen_without = True
@@ -126,7 +150,8 @@ class SteeredRatio:
             preempted = self._seen_without and preemptions_total > 0
         else:
             preempted = preemptions_total > before  # lower: the engine restarted, a new baseline
-        if preempted:
+        near = kv_usage is not None and kv_usage >= self.settings.fall_above_usage
+        if preempted or (near and now >= self._frozen_until):
             return self._preempted(now)
         return self._rise(now)
 
@@ -150,9 +175,9 @@ class SteeredRatio:
             self._relaxed_at = now
         if now - self._window_start < s.window_s:
             return None
-        waited = self._waited
+        waited, crowded = self._waited, self._peak_usage > s.rise_below_usage
         self._restart_window(now)
-        if not waited or self._value >= self._ceiling:
+        if not waited or crowded or self._value >= self._ceiling:
             return None
         self._value = min(self._ceiling, round(self._value + s.step_up, 6))
         self.steps[Step.UP] += 1
@@ -161,3 +186,4 @@ class SteeredRatio:
     def _restart_window(self, at: float) -> None:
         self._window_start = at
         self._waited = False
+        self._peak_usage = 0.0

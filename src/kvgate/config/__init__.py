@@ -202,7 +202,7 @@ class PlacementConfig:
     max_blocks: int = field(default=1024, metadata={"min": 1, "max": 8000})
     # A node is favoured for what it holds only while its requests in flight are at most
     # load_bound x the pool's mean + 1.
-    load_bound: float = field(default=1.5, metadata=at_least(1))
+    load_bound: float = field(default=1.25, metadata=at_least(1))
 
 
 @dataclass(frozen=True, slots=True)

@@ -192,15 +192,12 @@ def _interactive_headroom(scenario: Scenario, ports: Sequence[int]) -> dict[str,
     return {"interactive_headroom": {"agents": agents, **_headroom_timing(scenario)}}
 
 
-def _lend_flags(scenario: Scenario) -> list[str]:
-    """An interactive node's agent: it lends, draining lent prefill at the node's rate (a simulated
-    node's profile; a real engine's is the agent's default)."""
-    rate = (
-        []
-        if scenario.engine is not None
-        else ["--prefill-tokens-per-s", str(scenario.node.prefill_tokens_per_s)]
-    )
-    return ["--role", "interactive", *rate]
+def _prefill_rate_flags(scenario: Scenario) -> list[str]:
+    """A simulated node's prefill rate, for its agent's per-class prefill seconds and, on a node that
+    lends, how fast its lent prefill drains (a real engine's is the agent's default)."""
+    if scenario.engine is not None:
+        return []
+    return ["--prefill-tokens-per-s", str(scenario.node.prefill_tokens_per_s)]
 
 
 def _headroom_timing(scenario: Scenario) -> dict[str, float]:
@@ -271,9 +268,10 @@ async def start_kvgate(
     await kind.start(group, scenario, nodes, model_len)
     long_nodes = [n for n in nodes if n.pool == "long"]
     agent_metrics: dict[str, str] = {}
-    agents = _start_agents(group, long_nodes, ports, _agent_flags(scenario), agent_metrics)
+    agent_flags = [*_agent_flags(scenario), *_prefill_rate_flags(scenario)]
+    agents = _start_agents(group, long_nodes, ports, agent_flags, agent_metrics)
     lending = [n for n in nodes if n.pool == "interactive"] if lenders else []
-    flags = [*_agent_flags(scenario), *_lend_flags(scenario)]
+    flags = [*agent_flags, "--role", "interactive"]
     lending_agents = _start_agents(group, lending, ports, flags, agent_metrics)
     gate_port = next(ports)
     gate_yaml = write_yaml(

@@ -105,7 +105,10 @@ class Dispatcher:
         refresh_s: float = 1.0,
         on_dispatch: Callable[[Job], None] = lambda job: None,
         clock: Callable[[], float] = time.monotonic,
+        demand: Callable[[bool], None] = lambda wanted: None,
     ) -> None:
+        """`demand`: told after each round whether jobs wait, so a view that follows the agents only
+        while needed (HeadroomView's on_demand) does so."""
         self._store = store
         self._source = source
         self._launcher = launcher
@@ -115,6 +118,7 @@ class Dispatcher:
         self._refresh_s = refresh_s
         self._on_dispatch = on_dispatch
         self._clock = clock
+        self._demand = demand
         self._fair = FairQueue()
         self._wake = asyncio.Event()
         # The next job fits no node now: headroom updates are worth a round.
@@ -178,6 +182,7 @@ class Dispatcher:
             if self._fair.needs_reload:
                 await self._reload()
         self._blocked = bool(passed)
+        self._demand(self._blocked)
         if self._blocked and self._updated:
             self._wake.set()  # room may have freed while this round ran: look again now
         if not passed:

@@ -109,6 +109,7 @@ class QueueService:
                 security=ChannelSecurity(agents_tls) if agents_tls.enabled else None,
                 # One holder for every replica: any of them releases what a dead one left running.
                 holder="kvgate-queue",
+                on_demand=True,
             )
             await self._view.start()
             self._source = self._view
@@ -135,6 +136,7 @@ class QueueService:
             stale_nodes=config.admission.stale_nodes,
             on_dispatch=self._dispatched,
             clock=self._clock,
+            demand=self._view.demand if self._view is not None else lambda wanted: None,
         )
         self.settler = Settler(self.batches, settings.file_ttl_s)
         intake = Intake(config)
