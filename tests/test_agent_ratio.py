@@ -53,6 +53,8 @@ def test_the_ratio_is_frozen_after_a_preemption() -> None:
 
 
 def test_the_engines_usage_leads_the_ratio_before_any_preemption() -> None:
+    full = SteeredRatio(START, 0.0)
+    assert full.observe(0.0, 0, 0.99) is None and full.value == 0.9  # the first reading: a baseline
     ratio = SteeredRatio(START, 0.0)
     ratio.observe(0.0, 0, 0.5)
     # A window with a wait whose usage peaked past 0.92 teaches no rise, though nothing preempted.

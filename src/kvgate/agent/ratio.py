@@ -150,7 +150,9 @@ class SteeredRatio:
             preempted = self._seen_without and preemptions_total > 0
         else:
             preempted = preemptions_total > before  # lower: the engine restarted, a new baseline
-        near = kv_usage is not None and kv_usage >= self.settings.fall_above_usage
+        # The first reading is a baseline for usage as for the counter: what the engine held before the
+        # agent started is not admission's overshoot.
+        near = before is not None and kv_usage is not None and kv_usage >= self.settings.fall_above_usage
         if preempted or (near and now >= self._frozen_until):
             return self._preempted(now)
         return self._rise(now)
