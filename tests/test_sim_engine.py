@@ -77,6 +77,20 @@ def test_a_running_prefill_takes_the_budget_before_a_new_short_request() -> None
     assert e.schedule().batch == (("long", 8), ("short", 10))
 
 
+def test_the_long_prefill_threshold_leaves_budget_to_the_request_behind_and_not_when_alone() -> None:
+    e = engine(kv_capacity_tokens=320, max_model_len=320, long_prefill_token_threshold=40)
+    e.add("long", prompt_tokens=200, max_tokens=1)
+    assert e.schedule().batch == (("long", 64),), "alone: the whole budget (vLLM lifts the cap)"
+    e.complete(Step(batch=(("long", 64),), duration_s=0.0))
+    e.add("short", prompt_tokens=10, max_tokens=1)
+    step = e.schedule()
+    assert step.batch == (("long", 40), ("short", 10)), "the short one starts beside the long prefill"
+    (event,) = e.complete(step)
+    assert event.request_id == "short"
+    with pytest.raises(ConfigError, match="long_prefill_token_threshold"):
+        engine(long_prefill_token_threshold=500)
+
+
 def test_step_time_grows_with_batch_and_prefill_work() -> None:
     e = engine()
     e.add("a", prompt_tokens=100, max_tokens=3)

@@ -27,7 +27,7 @@ import asyncio
 import os
 
 from kvgate.agent.sources.engines import promtext
-from kvgate.demo.scenario import EngineProfile, Scenario
+from kvgate.demo.scenario import EngineProfile, Scenario, lender_engine_flags
 from kvgate.demo.scrape import Node, NodeMetrics
 from kvgate.harness.engines import EngineService, EnginesInstall, VllmOptions, locate_engines, start_vllm
 from kvgate.harness.processes import ChildError, ProcessGroup
@@ -107,7 +107,7 @@ class EngineNodes:
                 kv_cache_bytes=scenario.node.kv_capacity_tokens * model.kv_bytes_per_token,
                 max_model_len=max_model_len[node.pool],
                 cpu_cores=cores[i % len(cores)],
-                extra_args=("--enforce-eager",),
+                extra_args=("--enforce-eager", *lender_engine_flags(scenario, node.pool)),
             )
             engine = start_vllm(
                 install,

@@ -32,6 +32,10 @@ class NodeProfile:
     # A stream's first token goes out at once, then a chunk every stream_interval tokens (vLLM's and
     # SGLang's --stream-interval); a long replay raises it so chunks do not eat the host's CPU.
     stream_interval: int = dataclasses.field(default=1, metadata=at_least(1))
+    # The engine of a node that serves chat and lends to long requests (layout.interactive_lends) runs
+    # with vLLM's --long-prefill-token-threshold: a lent prompt computes at most this many tokens a
+    # step while chat waits, so chat's first token does not wait for its whole prefill (0: no cap).
+    lender_long_prefill_token_threshold: int = dataclasses.field(default=0, metadata=at_least(0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -354,3 +358,12 @@ def _turns(s: Sessions, duration_s: float) -> list[Planned]:
             ]
             at += s.every_s
     return items
+
+
+def lender_engine_flags(scenario: Scenario, pool: str) -> list[str]:
+    """The engine flags of a node in `pool` when it serves chat and lends to long requests (vLLM and
+    the simulator spell them the same)."""
+    threshold = scenario.node.lender_long_prefill_token_threshold
+    if pool != "interactive" or not scenario.layout.interactive_lends or not threshold:
+        return []
+    return ["--long-prefill-token-threshold", str(threshold)]

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvgate.demo.envoy_config import baseline_bootstrap, write_yaml
-from kvgate.demo.scenario import Scenario
+from kvgate.demo.scenario import Scenario, lender_engine_flags
 from kvgate.demo.scrape import Node, NodeMetrics, parse_sim_metrics
 from kvgate.demo.tokenizer import tokenizer_file
 from kvgate.harness.envoy import render_envoy
@@ -79,6 +79,7 @@ def _sim_command(
         "--node-name", node.name,
         "--stream-interval", str(profile.stream_interval),
         *_tokenizer_flag(scenario),
+        *lender_engine_flags(scenario, node.pool),
         *extra,
     ]  # fmt: skip
 

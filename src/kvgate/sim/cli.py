@@ -153,6 +153,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="token budget of one engine step (the prefill chunk size)",
     )
     parser.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        metavar="N",
+        help="as vLLM's flag: no request computes more than N tokens in a step while others run or "
+        "wait, so a long prompt leaves budget to the requests behind it (default 0: no cap)",
+    )
+    parser.add_argument(
         "--max-num-seqs", type=int, default=256, metavar="N", help="most sequences in one batch"
     )
     parser.add_argument(
@@ -181,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
         decode_tokens_per_s=args.decode_tokens_per_s,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         on_exhaustion=args.on_exhaustion,
         restart_s=args.restart_s,
         seed=args.seed,

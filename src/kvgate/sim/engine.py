@@ -10,6 +10,11 @@ How a step is built, as in vLLM V1:
 - Then waiting sequences, first come first served, while budget and `max_num_seqs` allow. A
   running prefill takes the budget before new arrivals, which is how a long prompt delays the first
   token of every short request behind it.
+- With `long_prefill_token_threshold` (vLLM's --long-prefill-token-threshold), no request computes more
+  than that many tokens in one step while another request runs or waits, so a long prompt leaves the
+  rest of the budget to the requests behind it; alone, a request takes the whole budget
+  (vllm 0.32.0 `vllm/v1/core/sched/scheduler.py`, `schedule`: the threshold is 0 when
+  `num_running + num_waiting` is 1, and caps `num_new_tokens` of running and of waiting requests).
 - KV is allocated in blocks for the tokens computed in this step; a decoding sequence needs a new
   block every `block_size` tokens.
 - With prefix caching (on by default, as in vLLM), a new request first takes the longest cached
@@ -58,6 +63,7 @@ class EngineConfig:
     batch_knee: int = 64
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0  # 0: no cap (vLLM's default)
     on_exhaustion: Exhaustion = "preempt"
     restart_s: float = 10.0
     seed: int = 0
@@ -85,6 +91,12 @@ class EngineConfig:
             raise ConfigError("throughputs must be > 0 and the restart time >= 0")
         if min(self.batch_knee, self.max_num_seqs, self.max_num_batched_tokens) < 1:
             raise ConfigError("batch_knee, max_num_seqs and max_num_batched_tokens must be >= 1")
+        if not 0 <= self.long_prefill_token_threshold <= self.max_model_len:
+            # vLLM's SchedulerConfig refuses a threshold past max-model-len too.
+            raise ConfigError(
+                f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) must be in "
+                f"[0, max-model-len {self.max_model_len}]"
+            )
 
     @property
     def num_gpu_blocks(self) -> int:
@@ -243,12 +255,13 @@ class Engine:
         if self.is_down() or not self.has_work():
             return _IDLE
         budget = self.config.max_num_batched_tokens
+        chunk_cap = self._chunk_cap()
         batch: list[tuple[_Sequence, int]] = []
         preempted = False
         index = 0
         while index < len(self._running) and budget > 0:
             sequence = self._running[index]
-            count = min(sequence.known_tokens - sequence.computed_tokens, budget)
+            count = min(sequence.known_tokens - sequence.computed_tokens, budget, chunk_cap)
             while not self._allocate(sequence, count):
                 if self.config.on_exhaustion == "crash":
                     return self._crash()
@@ -271,7 +284,7 @@ class Engine:
                 sequence.hashes, (sequence.known_tokens - 1) // self.config.block_size
             )
             computed = len(hits) * self.config.block_size
-            count = min(sequence.known_tokens - computed, budget)
+            count = min(sequence.known_tokens - computed, budget, chunk_cap)
             if not self._start(sequence, hits, count):
                 if self.config.on_exhaustion == "crash":
                     return self._crash()
@@ -292,6 +305,13 @@ class Engine:
             started_tokens=started,
             started_hit_tokens=started_hits,
         )
+
+    def _chunk_cap(self) -> int:
+        """The most tokens one request computes this step: the threshold, unless it is alone."""
+        threshold = self.config.long_prefill_token_threshold
+        if threshold and len(self._running) + len(self._waiting) > 1:
+            return threshold
+        return self.config.max_num_batched_tokens
 
     def complete(self, step: Step) -> list[TokenEvent]:
         """Commit a scheduled step: every sequence whose known tokens are now computed samples one."""
