@@ -51,6 +51,7 @@ from kvgate.headroom.snapshot import (
 from kvgate.localports import free_port
 from kvgate.policy import Reason, Refusal, Route
 from kvgate.policy.nodes import choose_nodes
+from kvgate.telemetry import GateMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAT = "/v1/chat/completions"
@@ -227,14 +228,16 @@ def agents(choice_nodes: tuple[NodeView, ...]) -> list[str]:
     return [n.agent for n in choice_nodes]
 
 
-def test_the_gate_borrows_from_an_interactive_node_only_when_the_long_nodes_are_full_and_within_lend() -> (
-    None
-):
+def test_the_gate_places_on_a_lender_by_what_it_lends_and_only_within_it() -> None:
     chat = headroom("chat", 60_000, NodeRole.INTERACTIVE, lend=20_000, max_prompt=16_000)
     assert agents(choose_nodes([headroom("long", 10_000), chat], 8_000, "probe").candidates) == [
+        "chat",
+        "long",
+    ], "20,000 lent is more room than the long node's 10,000"
+    assert agents(choose_nodes([headroom("long", 30_000), chat], 8_000, "probe").candidates) == [
         "long",
         "chat",
-    ], "the long node first, though the interactive node has more headroom"
+    ], "the lender's room is what it lends (20,000), not its headroom (60,000)"
     full = headroom("long", 5_000)
     assert agents(choose_nodes([full, chat], 8_000, "probe").candidates) == ["chat"]
     assert agents(choose_nodes([full, chat], 25_000, "probe").candidates) == [], "past what it lends"
@@ -272,7 +275,7 @@ class InProcessAgents:
         return False
 
 
-def test_admission_over_the_soft_pool_places_on_the_lender_after_the_long_node_and_releases_there() -> None:
+def test_admission_over_the_soft_pool_places_on_the_lender_by_its_room_and_releases_there() -> None:
     clock = Clock()
     settings = NodeSettings("long", "long.engine:8000", capacity_tokens=20_000, safety_ratio=1.0)
     long = NodeState(settings, clock, uses_engine=False, uses_nvml=False)
@@ -280,7 +283,8 @@ def test_admission_over_the_soft_pool_places_on_the_lender_after_the_long_node_a
     chat_for(chat, clock, 30_000, 1)  # chat keeps 2 x 30,000: it lends 90,000 - 60,000 = 30,000
     chat_agents = InProcessAgents({"chat": chat})
     pool = SoftPool(InProcessAgents({"long": long}), chat_agents)
-    admission = Admission(AdmissionConfig(max_wait_s=0.0), pool, chat_agents, clock=ManualClock())
+    metrics = GateMetrics()
+    admission = Admission(AdmissionConfig(max_wait_s=0.0), pool, chat_agents, metrics, clock=ManualClock())
 
     async def scenario() -> list[Any]:
         decisions = []
@@ -290,13 +294,17 @@ def test_admission_over_the_soft_pool_places_on_the_lender_after_the_long_node_a
         return decisions
 
     first, second, third = asyncio.run(scenario())
-    assert first.decision == Route("long", Reason.LONG, 16_000, "long.engine:8000")
-    assert second.decision == Route("long", Reason.LONG, 16_000, "n.engine:8000"), "pinned to the lender"
-    assert isinstance(third.decision, Refusal), "30,000 lent: a second 16,000 does not fit beside it"
+    timed = {
+        m.labels["result"]: m.value for m in metrics.admission_family().samples if m.name.endswith("_count")
+    }
+    assert timed == {"at_once": 2.0, "refused": 1.0}, "each long request's time in admission, by result"
+    assert first.decision == Route("long", Reason.LONG, 16_000, "n.engine:8000"), "30,000 lent: the most room"
+    assert second.decision == Route("long", Reason.LONG, 16_000, "long.engine:8000")
+    assert isinstance(third.decision, Refusal), "30,000 lent: a second 16,000 does not fit beside the first"
     assert third.decision.reason is Reason.NO_CAPACITY
     assert chat.ledger.count == 1
-    assert second.ticket is not None
-    asyncio.run(admission.release(second.ticket))
+    assert first.ticket is not None
+    asyncio.run(admission.release(first.ticket))
     assert chat.ledger.count == 0, "the release went to the lender's agent"
 
 

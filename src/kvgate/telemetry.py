@@ -67,6 +67,7 @@ PREFIX_HIT_TOKENS = "kvgate.gate.prefix.hit"
 PREFIX_SAVED_TOKENS = "kvgate.gate.prefix.saved"
 PLACEMENTS = "kvgate.gate.placements"
 PLACEMENT_CACHED_FRACTION = "kvgate_gate_placement_cached_fraction"
+ADMISSION_DURATION = "kvgate_gate_admission_duration_seconds"
 # Retry-After of capacity refusals (kvgate.policy.retry_forecast), kept locally like the two above: what
 # clients were told, and when the capacity they were told about freed, less that (signed).
 RETRY_AFTER = "kvgate_gate_retry_after_seconds"
@@ -310,6 +311,13 @@ class GateMetrics:
             "placement",
             _FRACTION_BUCKETS,
         )
+        self._admission = histogram(
+            ADMISSION_DURATION,
+            "Time a long request spent in admission (its Reserves and any wait for room), by result: "
+            "granted at once, granted after waiting, or refused",
+            "result",
+            _SECONDS_BUCKETS,
+        )
         self._retry_after = histogram(
             RETRY_AFTER,
             "Retry-After of capacity refusals, by what it was made from (forecast, fallback, fixed)",
@@ -331,6 +339,13 @@ class GateMetrics:
             ("basis",),
         )
         self.meter = m
+
+    def admitted(self, result: str, seconds: float) -> None:
+        self._admission.record(seconds, result)
+
+    def admission_family(self) -> HistogramMetricFamily:
+        """The admission-time histogram as the metrics endpoint renders it."""
+        return self._admission.family()
 
     def retry_advised(self, basis: str, seconds: float) -> None:
         self._retry_after.record(seconds, basis)

@@ -118,6 +118,7 @@ class _Ask:
     # ask them again (the give-back could release the new grant).
     unanswered_by: set[str] = dataclasses.field(default_factory=set)
     holds_on: str | None = None  # the agent it holds its place on (hold_slot), once it is the head
+    waited: bool = False  # it found no room at once and joined the waiting order
     held_at: float = float("-inf")  # when it last told that agent so (admission's clock)
 
     @property
@@ -234,7 +235,11 @@ class Admission:
             return Admitted(self._come_back(shed, self._long, output_tokens))
         max_wait_s = self._config.max_wait_s if wait_s is None else min(wait_s, self._config.longest_wait_s)
         ask = _Ask(reservation_id, rank, max_wait_s, affinity, output_tokens, route.tokens, self._wall_ns())
-        return await self._place(self._long, route, model, ask, choice)
+        started = time.perf_counter()
+        admitted = await self._place(self._long, route, model, ask, choice)
+        result = "refused" if admitted.ticket is None else "waited" if ask.waited else "at_once"
+        self._metrics.admitted(result, time.perf_counter() - started)
+        return admitted
 
     def _come_back(self, decision: Decision, source: HeadroomSource, output_tokens: int) -> Decision:
         """A capacity refusal with when to come back (retry_forecast); any other decision as it is."""
@@ -269,6 +274,7 @@ class Admission:
             return admitted
         if ask.max_wait_s <= 0:
             return self._no_room(source, route, model, ask)
+        ask.waited = True
         place = self._queue.join(ask.rank, ask.waiting_since_unix_ns, ask.tokens)
         if place is None:
             why = "the admission queue is full"
