@@ -158,7 +158,7 @@ def test_the_engine_is_scraped_every_period_only_under_pressure() -> None:
     asyncio.run(scenario())
 
 
-def test_a_reservation_or_a_wait_makes_the_scrape_fast_for_a_second() -> None:
+def test_a_wait_makes_the_scrape_fast_for_a_second_and_a_grant_does_not() -> None:
     async def scenario() -> None:
         engine = Engine()
         agent, clock = run(settings(), engine)
@@ -166,13 +166,13 @@ def test_a_reservation_or_a_wait_makes_the_scrape_fast_for_a_second() -> None:
         await ticks(agent, clock, 5)
         assert engine.scrapes == 2
         assert agent.state.reserve("r", 1_000, 0).granted
-        await ticks(agent, clock, 10)  # every period for the second after the grant
-        assert engine.scrapes == 12
-        await ticks(agent, clock, 10)
-        assert engine.scrapes == 14
+        await ticks(agent, clock, 10)  # the ledger holds the grant: no fast scrape for it
+        assert engine.scrapes == 4
         assert not agent.state.reserve("too-big", 90_000, 0).granted  # a request waits for room
+        await ticks(agent, clock, 10)  # every period for the second after the wait
+        assert engine.scrapes == 14
         await ticks(agent, clock, 10)
-        assert engine.scrapes == 24
+        assert engine.scrapes == 16
         engine.waiting = 2  # the engine queues requests: pressure once a slow scrape has seen it
         await ticks(agent, clock, 5)
         seen = engine.scrapes

@@ -432,3 +432,41 @@ def test_stop_ends_subscriber_streams_cleanly() -> None:
             await c.close()
 
     run(scenario)
+
+
+def test_an_idle_agent_waits_its_idle_interval_and_a_reserve_or_release_brings_its_message_forward() -> None:
+    # An idle interval of a minute: a message for the grant or the release that came before it can
+    # only be the Reserve or Release waking the loop (kvgate.agent.server.Agent._run).
+    quiet = NodeSettings(
+        "n1",
+        "127.0.0.1:8000",
+        capacity_tokens=100_000,
+        period_s=0.05,
+        heartbeat_s=60.0,
+        idle_scrape_s=60.0,
+        engine_stale_after_s=61.0,
+    )
+
+    async def scenario() -> None:
+        async with running_agent(quiet) as (agent, address):
+            c = client(address)
+            stream = c.subscribe("test")
+            try:
+                assert (await stream.next()) is not None  # the first message
+                ticks = agent.ticks
+                await asyncio.sleep(0.5)  # ten periods of an idle node
+                assert agent.ticks == ticks, "no tick before the idle interval"
+                granted = await c.reserve("r1", 10_000, 60.0, "gate", PATIENCE_S)
+                assert granted.granted
+                async with asyncio.timeout(PATIENCE_S):
+                    while (message := await stream.next()) is not None and message.reserved_tokens != 10_000:
+                        pass
+                assert (await c.release("r1", "gate", PATIENCE_S)).released
+                async with asyncio.timeout(PATIENCE_S):
+                    while (message := await stream.next()) is not None and message.reserved_tokens != 0:
+                        pass
+            finally:
+                stream.cancel()
+                await c.close()
+
+    run(scenario)

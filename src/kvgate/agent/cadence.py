@@ -1,12 +1,17 @@
-"""How often the agent scrapes its engine: every period under pressure, every `idle_s` otherwise.
+"""How often the agent scrapes its engine and ticks: every period under pressure, every `idle_s`
+otherwise (a Reserve or Release brings the next tick forward, so its message still goes out within a
+period).
 
 Pure. A scrape and its parse cost about 0.5 ms of the agent's CPU and make the engine render its
 page (shared/research/admission-efficiency.md, section 2). Fresh figures matter where the next grant
 could overfill the node, so the engine is scraped every period while the node is under pressure:
 - its committed KV (max(engine used, reserved)) is at `KV_LEVEL` (0.85) of admissible or more;
-- the engine queues requests, or a request waited for room here, or reservations changed (grants,
-  releases, expiries) within the last `RECENT_S` (1 s): what was admitted is still reaching the
-  engine, and a waiter's next grant hangs on what frees;
+- the engine queues requests, or a request waited for room here within the last `RECENT_S` (1 s): a
+  waiter's next grant hangs on what frees.
+Grants and releases alone are no pressure: the ledger charges a grant in full from the moment it is
+made, and the engine's figures only ever tighten admission (max(used, reserved)), so a scrape after
+each one buys no safety; on the Mooncake replay, where each long node sees a grant every quarter
+second, it kept every agent on the fast cadence for the whole run.
 - the node's figures are unknown or unhealthy: recovery shows within a period.
 Otherwise every `idle_s` (500 ms by default). What keeps this safe is unchanged: figures older than
 --engine-stale-after-s (1 s) still make the node unhealthy, and that must stay above the slow interval
@@ -21,13 +26,13 @@ KV_LEVEL = 0.85
 RECENT_S = 1.0
 
 
-def pressure(latest: NodeHeadroom | None, now: float, activity_at: float) -> str:
+def pressure(latest: NodeHeadroom | None, now: float, waited_at: float) -> str:
     """Why the engine is to be scraped every period ("" when it need not be), from the latest sample
-    and the time of the latest reservation change or wait for room."""
+    and the time a request last waited for room."""
     if latest is None or not latest.healthy or latest.used_tokens is None:
         return "no healthy figures"
-    if now - activity_at < RECENT_S:
-        return "reservations changed or a request waited"
+    if now - waited_at < RECENT_S:
+        return "a request waited"
     if latest.waiting:
         return "engine queue"
     committed = max(latest.used_tokens, latest.reserved_tokens)
@@ -42,11 +47,16 @@ class ScrapeCadence:
         self._idle_s = max(idle_s, period_s)
         self._scraped_at = float("-inf")
 
-    def due(self, now: float, latest: NodeHeadroom | None, activity_at: float) -> bool:
+    def due(self, now: float, latest: NodeHeadroom | None, waited_at: float) -> bool:
         # Ticks come on the period's grid: half a period of slack keeps a 500 ms interval at 500 ms.
         if now - self._scraped_at + self._period_s / 2 >= self._idle_s:
             return True
-        return bool(pressure(latest, now, activity_at))
+        return bool(pressure(latest, now, waited_at))
+
+    def tick_interval_s(self, now: float, latest: NodeHeadroom | None, waited_at: float) -> float:
+        """The longest the agent waits for its next tick: a period under pressure, the idle interval
+        otherwise (a Reserve or Release brings a tick forward: kvgate.agent.server)."""
+        return self._period_s if pressure(latest, now, waited_at) else self._idle_s
 
     def scraped(self, now: float) -> None:
         self._scraped_at = now

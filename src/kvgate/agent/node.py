@@ -195,9 +195,9 @@ class NodeState:
         self.lending = Lending(settings.lending) if settings.role is NodeRole.INTERACTIVE else None
         self.class_usage = ClassUsage()
         self.ratio = SteeredRatio(settings.ratio(), clock())
-        # The latest grant, release, expiry or request waiting for room: the engine is scraped every
-        # period for a while after (kvgate.agent.cadence).
-        self.activity_at = float("-inf")
+        # The latest Reserve that waited or found no room: the engine is scraped every period for a
+        # while after (kvgate.agent.cadence).
+        self.waited_at = float("-inf")
         self._summary: PrefixSummary | None = None
         self._summary_at = float("-inf")
 
@@ -297,10 +297,9 @@ class NodeState:
         self.claims.answered(result, waiter, tokens, hold_slot=hold_slot, admissible_tokens=admissible_tokens)
         if result.reason in _ROOM_WANTED or waiting_since_unix_ns > 0:
             self.ratio.waited()
-            self.activity_at = self._clock()
+            self.waited_at = self._clock()
         if result.reason == ReserveReason.GRANTED:
             now = self._clock()
-            self.activity_at = now
             self._grants.append(now)
             self._audit.expect(now, result.cached_tokens)
             uncached = max(0, tokens - output_tokens - result.cached_tokens)
@@ -340,16 +339,11 @@ class NodeState:
         released = self.ledger.release(request_id, holder, unanswered_reserve=unanswered_reserve)
         # A waiter that went elsewhere or gave up says so with a Release: its claim goes with it.
         self.claims.drop(Waiter(holder, request_id))
-        if released:
-            self.activity_at = self._clock()
         return self.ledger.release_answer(released, self.budget())
 
     def expire(self) -> list[Reservation]:
         """End the reservations whose lease ran out; the ones ended."""
-        lapsed = self.ledger.expire()
-        if lapsed:
-            self.activity_at = self._clock()
-        return lapsed
+        return self.ledger.expire()
 
     def snapshot(self, sample_time_unix_ns: int) -> NodeHeadroom:
         """The next message of the stream (its seq is one more than the last one's)."""
@@ -364,6 +358,7 @@ class NodeState:
         last = self._engine.reading
         offer = self._lend_offer(budget) if self.lending is not None else None
         releases = self._releases()
+        headroom = self.ledger.headroom(budget)
         return NodeHeadroom(
             node=self.settings.node,
             endpoint=self.settings.endpoint,
@@ -374,7 +369,7 @@ class NodeState:
             used_tokens=budget.observed_tokens,
             reserved_tokens=self.ledger.reserved_tokens,
             reservations=self.ledger.count,
-            headroom_tokens=self.ledger.headroom(budget),
+            headroom_tokens=headroom,
             healthy=budget.healthy,
             reason=budget.reason,
             capacity_source=a.source,
@@ -401,7 +396,7 @@ class NodeState:
             lend_tokens=offer.tokens if offer is not None else None,
             lend_max_prompt_tokens=offer.max_prompt_tokens if offer is not None else 0,
             heartbeat_ms=round(self.settings.heartbeat_s * 1000),
-            head=self.claims.published(self.ledger.headroom(budget), releases),
+            head=self.claims.published(headroom, releases),
         )
 
     def _prefix_summary(self, now: float) -> PrefixSummary:
