@@ -228,16 +228,14 @@ def agents(choice_nodes: tuple[NodeView, ...]) -> list[str]:
     return [n.agent for n in choice_nodes]
 
 
-def test_the_gate_places_on_a_lender_by_what_it_lends_and_only_within_it() -> None:
+def test_the_gate_borrows_from_an_interactive_node_only_when_the_long_nodes_are_full_and_within_lend() -> (
+    None
+):
     chat = headroom("chat", 60_000, NodeRole.INTERACTIVE, lend=20_000, max_prompt=16_000)
     assert agents(choose_nodes([headroom("long", 10_000), chat], 8_000, "probe").candidates) == [
-        "chat",
-        "long",
-    ], "20,000 lent is more room than the long node's 10,000"
-    assert agents(choose_nodes([headroom("long", 30_000), chat], 8_000, "probe").candidates) == [
         "long",
         "chat",
-    ], "the lender's room is what it lends (20,000), not its headroom (60,000)"
+    ], "the long node first, though the interactive node has more headroom"
     full = headroom("long", 5_000)
     assert agents(choose_nodes([full, chat], 8_000, "probe").candidates) == ["chat"]
     assert agents(choose_nodes([full, chat], 25_000, "probe").candidates) == [], "past what it lends"
@@ -275,7 +273,7 @@ class InProcessAgents:
         return False
 
 
-def test_admission_over_the_soft_pool_places_on_the_lender_by_its_room_and_releases_there() -> None:
+def test_admission_over_the_soft_pool_places_on_the_lender_after_the_long_node_and_releases_there() -> None:
     clock = Clock()
     settings = NodeSettings("long", "long.engine:8000", capacity_tokens=20_000, safety_ratio=1.0)
     long = NodeState(settings, clock, uses_engine=False, uses_nvml=False)
@@ -298,13 +296,13 @@ def test_admission_over_the_soft_pool_places_on_the_lender_by_its_room_and_relea
         m.labels["result"]: m.value for m in metrics.admission_family().samples if m.name.endswith("_count")
     }
     assert timed == {"at_once": 2.0, "refused": 1.0}, "each long request's time in admission, by result"
-    assert first.decision == Route("long", Reason.LONG, 16_000, "n.engine:8000"), "30,000 lent: the most room"
-    assert second.decision == Route("long", Reason.LONG, 16_000, "long.engine:8000")
-    assert isinstance(third.decision, Refusal), "30,000 lent: a second 16,000 does not fit beside the first"
+    assert first.decision == Route("long", Reason.LONG, 16_000, "long.engine:8000")
+    assert second.decision == Route("long", Reason.LONG, 16_000, "n.engine:8000"), "pinned to the lender"
+    assert isinstance(third.decision, Refusal), "30,000 lent: a second 16,000 does not fit beside it"
     assert third.decision.reason is Reason.NO_CAPACITY
     assert chat.ledger.count == 1
-    assert first.ticket is not None
-    asyncio.run(admission.release(first.ticket))
+    assert second.ticket is not None
+    asyncio.run(admission.release(second.ticket))
     assert chat.ledger.count == 0, "the release went to the lender's agent"
 
 
