@@ -7,12 +7,13 @@ page (shared/research/admission-efficiency.md, section 2). Fresh figures matter 
 could overfill the node, so the engine is scraped every period while the node is under pressure:
 - its committed KV (max(engine used, reserved)) is at `KV_LEVEL` (0.85) of admissible or more;
 - the engine queues requests, or a request waited for room here within the last `RECENT_S` (1 s): a
-  waiter's next grant hangs on what frees.
+  waiter's next grant hangs on what frees;
+- the node's figures are unknown or unhealthy: recovery shows within a period.
 Grants and releases alone are no pressure: the ledger charges a grant in full from the moment it is
 made, and the engine's figures only ever tighten admission (max(used, reserved)), so a scrape after
 each one buys no safety; on the Mooncake replay, where each long node sees a grant every quarter
 second, it kept every agent on the fast cadence for the whole run.
-- the node's figures are unknown or unhealthy: recovery shows within a period.
+
 Otherwise every `idle_s` (500 ms by default). What keeps this safe is unchanged: figures older than
 --engine-stale-after-s (1 s) still make the node unhealthy, and that must stay above the slow interval
 plus a scrape's timeout (kvgate.agent.node.NodeSettings checks it).
