@@ -11,8 +11,10 @@ import pytest
 from aiohttp import web
 from fixtures.engines import rules
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
+from test_sim_server import serving
 
 from kvgate.agent.sources.engines import read_engine_page
+from kvgate.agent.sources.engines.model_card import read_max_model_len
 from kvgate.agent.sources.fake_engine import FakeEngineMetrics
 from kvgate.agent.sources.scrape import EngineScraper, metrics_url, parse_response
 from kvgate.errors import ConfigError, HeadroomError
@@ -284,5 +286,68 @@ def test_scrapes_live_engine_pages_as_they_were_served() -> None:
                     assert await scraper.sample() == read_engine_page(body.decode())
                 finally:
                     await scraper.close()
+
+    run(scenario)
+
+
+def _answer(status: str, body: bytes) -> bytes:
+    return b"HTTP/1.1 %s\r\nContent-Length: %d\r\n\r\n%s" % (status.encode(), len(body), body)
+
+
+def test_the_engines_max_model_len_comes_from_its_v1_models_and_is_asked_again_after_a_failure() -> None:
+    vllm_models = (
+        b'{"object":"list","data":[{"id":"m","object":"model","owned_by":"vllm","root":"m",'
+        b'"max_model_len":4096},{"id":"lora","object":"model","owned_by":"vllm","max_model_len":4096}]}'
+    )
+    answers = {"/metrics": _answer("200 OK", PAGE.encode()), "/v1/models": _answer("200 OK", vllm_models)}
+
+    async def scenario() -> None:
+        async def by_path(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while request := await reader.readuntil(b"\r\n\r\n"):
+                path = request.split(b" ")[1].decode()
+                asked.append(path)
+                writer.write(answers[path])
+                await writer.drain()
+
+        asked: list[str] = []
+        async with scripted(by_path) as (url, _):
+            scraper = EngineScraper(url, 0.5)
+            try:
+                readings = [await scraper.sample() for _ in range(3)]
+                assert [r.max_model_len for r in readings] == [4096] * 3
+                assert asked == ["/metrics", "/v1/models", "/metrics", "/metrics"], (
+                    "asked once, not per scrape"
+                )
+                answers["/metrics"] = _answer("503 Service Unavailable", b"")
+                with pytest.raises(HeadroomError):
+                    await scraper.sample()
+                answers["/metrics"] = _answer("200 OK", PAGE.encode())
+                answers["/v1/models"] = _answer("404 Not Found", b"")
+                asked.clear()
+                restarted = await scraper.sample()
+                assert asked == ["/metrics", "/v1/models"], "an engine that went away is asked again"
+                assert restarted.max_model_len is None, "a page without it says nothing"
+            finally:
+                await scraper.close()
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"not json", b"[]", b'{"data": {}}', b'{"data": [{"id": "m"}]}', b'{"data": [{"max_model_len": true}]}'],
+)
+def test_a_models_page_without_a_max_model_len_says_nothing(body: bytes) -> None:
+    assert read_max_model_len(body) is None
+
+
+def test_the_simulator_names_its_max_model_len_as_vllm_does() -> None:
+    async def scenario() -> None:
+        async with serving(kv_capacity_tokens=8192, max_model_len=2048) as base:
+            scraper = EngineScraper(f"{base}/metrics", 1.0)
+            try:
+                assert (await scraper.sample()).max_model_len == 2048
+            finally:
+                await scraper.close()
 
     run(scenario)

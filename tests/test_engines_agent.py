@@ -188,6 +188,7 @@ def test_capacity_is_vllm_s_usable_pool_and_used_tokens_follow_its_usage(
         assert (seen["capacity"]["tokens"], seen["capacity"]["source"]) == (usable, "engine")
         assert "255 of 256 blocks (one is vLLM's null block)" in seen["capacity"]["rule"]
         assert seen["capacity"]["admissible_tokens"] == int(usable * 0.9)
+        assert seen["max_model_len"] == 16_384, "read off vLLM's /v1/models"
         engine_seen, agent_seen = asyncio.run(_follow(address, vllm_long, prompts.words(6_000)))
     # Every figure the agent streamed is one vLLM published (usage x 32,640: whole blocks of 128).
     published = {round(usage * usable) for _, usage in engine_seen}

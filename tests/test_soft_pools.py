@@ -11,6 +11,7 @@ tests/test_engines_soft_pools.py (real vLLM).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from contextlib import ExitStack
@@ -195,7 +196,13 @@ def test_a_hit_counted_before_its_prefill_is_no_engine_restart() -> None:
 
 
 def headroom(
-    name: str, room: int, role: NodeRole = NodeRole.LONG, lend: int | None = None, max_prompt: int = 0
+    name: str,
+    room: int,
+    role: NodeRole = NodeRole.LONG,
+    *,
+    lend: int | None = None,
+    max_prompt: int = 0,
+    max_model_len: int = 0,
 ) -> NodeView:
     data = NodeHeadroom(
         node=name,
@@ -220,6 +227,7 @@ def headroom(
         role=role,
         lend_tokens=lend,
         lend_max_prompt_tokens=max_prompt,
+        max_model_len=max_model_len,
     )
     return NodeView(name, data, 0.0, True, True, True)
 
@@ -228,14 +236,16 @@ def agents(choice_nodes: tuple[NodeView, ...]) -> list[str]:
     return [n.agent for n in choice_nodes]
 
 
-def test_the_gate_borrows_from_an_interactive_node_only_when_the_long_nodes_are_full_and_within_lend() -> (
-    None
-):
+def test_the_gate_places_on_a_lender_by_what_it_lends_and_only_within_it() -> None:
     chat = headroom("chat", 60_000, NodeRole.INTERACTIVE, lend=20_000, max_prompt=16_000)
     assert agents(choose_nodes([headroom("long", 10_000), chat], 8_000, "probe").candidates) == [
+        "chat",
+        "long",
+    ], "20,000 lent is more room than the long node's 10,000"
+    assert agents(choose_nodes([headroom("long", 30_000), chat], 8_000, "probe").candidates) == [
         "long",
         "chat",
-    ], "the long node first, though the interactive node has more headroom"
+    ], "the lender's room is what it lends (20,000), not its headroom (60,000)"
     full = headroom("long", 5_000)
     assert agents(choose_nodes([full, chat], 8_000, "probe").candidates) == ["chat"]
     assert agents(choose_nodes([full, chat], 25_000, "probe").candidates) == [], "past what it lends"
@@ -244,6 +254,28 @@ def test_the_gate_borrows_from_an_interactive_node_only_when_the_long_nodes_are_
     capped = headroom("chat", 60_000, NodeRole.INTERACTIVE, lend=20_000, max_prompt=8_000)
     assert agents(choose_nodes([full, capped], 9_000, "probe", output_tokens=500).candidates) == []
     assert agents(choose_nodes([full, capped], 9_000, "probe", output_tokens=2_000).candidates) == ["chat"]
+
+
+def test_no_node_is_asked_for_a_request_longer_than_its_engine_serves() -> None:
+    short_engine = headroom("chat", 60_000, NodeRole.INTERACTIVE, lend=20_000, max_model_len=4_096)
+    long_engine = headroom("long", 10_000, max_model_len=32_768)
+    assert agents(choose_nodes([long_engine, short_engine], 4_096, "probe").candidates) == ["chat", "long"]
+    assert agents(choose_nodes([long_engine, short_engine], 4_097, "probe").candidates) == ["long"]
+    choice = choose_nodes([headroom("long", 90_000, max_model_len=32_768)], 40_000, "probe")
+    assert choice.candidates == () and not choice.any_usable, "no engine here serves it at all"
+    unknown = headroom("long", 90_000)
+    assert agents(choose_nodes([unknown], 40_000, "probe").candidates) == ["long"], (
+        "0: the limit is not known"
+    )
+
+
+def test_the_agent_refuses_a_reserve_past_its_engines_max_model_len() -> None:
+    state = node(Clock())
+    state.observe_engine(dataclasses.replace(reading(0), max_model_len=4_096))
+    refused = state.reserve("too-long", 4_097, 30.0, "gate")
+    assert (refused.granted, refused.reason) == (False, ReserveReason.PAST_MAX_MODEL_LEN)
+    assert state.snapshot(0).max_model_len == 4_096, "published for the gates"
+    assert state.reserve("fits", 4_096, 30.0, "gate").granted
 
 
 class InProcessAgents:
@@ -273,7 +305,7 @@ class InProcessAgents:
         return False
 
 
-def test_admission_over_the_soft_pool_places_on_the_lender_after_the_long_node_and_releases_there() -> None:
+def test_admission_over_the_soft_pool_places_on_the_lender_by_its_room_and_releases_there() -> None:
     clock = Clock()
     settings = NodeSettings("long", "long.engine:8000", capacity_tokens=20_000, safety_ratio=1.0)
     long = NodeState(settings, clock, uses_engine=False, uses_nvml=False)
@@ -296,13 +328,13 @@ def test_admission_over_the_soft_pool_places_on_the_lender_after_the_long_node_a
         m.labels["result"]: m.value for m in metrics.admission_family().samples if m.name.endswith("_count")
     }
     assert timed == {"at_once": 2.0, "refused": 1.0}, "each long request's time in admission, by result"
-    assert first.decision == Route("long", Reason.LONG, 16_000, "long.engine:8000")
-    assert second.decision == Route("long", Reason.LONG, 16_000, "n.engine:8000"), "pinned to the lender"
-    assert isinstance(third.decision, Refusal), "30,000 lent: a second 16,000 does not fit beside it"
+    assert first.decision == Route("long", Reason.LONG, 16_000, "n.engine:8000"), "30,000 lent: the most room"
+    assert second.decision == Route("long", Reason.LONG, 16_000, "long.engine:8000")
+    assert isinstance(third.decision, Refusal), "30,000 lent: a second 16,000 does not fit beside the first"
     assert third.decision.reason is Reason.NO_CAPACITY
     assert chat.ledger.count == 1
-    assert second.ticket is not None
-    asyncio.run(admission.release(second.ticket))
+    assert first.ticket is not None
+    asyncio.run(admission.release(first.ticket))
     assert chat.ledger.count == 0, "the release went to the lender's agent"
 
 

@@ -397,6 +397,7 @@ class NodeState:
             lend_max_prompt_tokens=offer.max_prompt_tokens if offer is not None else 0,
             heartbeat_ms=round(self.settings.heartbeat_s * 1000),
             head=self.claims.published(headroom, releases),
+            max_model_len=budget.max_model_len,
         )
 
     def _prefix_summary(self, now: float) -> PrefixSummary:
@@ -423,7 +424,10 @@ class NodeState:
         usage, observed, unreserved, note = self._usage(engine, capacity)
         problem = self._problem(engine, capacity)
         healthy = not problem
-        budget = Budget(capacity, self.ratio.value, observed, healthy, problem or note)
+        # The limit is a fact of the engine's start, not of one sample: the last one known holds.
+        last = self._engine.reading
+        max_model_len = (last.max_model_len or 0) if last is not None else 0
+        budget = Budget(capacity, self.ratio.value, observed, healthy, problem or note, max_model_len)
         return _Assessment(budget, source, rule, usage, engine, unreserved)
 
     def _fresh_engine(self) -> EngineReading | None:

@@ -40,6 +40,7 @@ def status_json(h: NodeHeadroom, agent: str, age_s: float) -> dict[str, Any]:
         },
         "reserved": {"tokens": h.reserved_tokens, "reservations": h.reservations},
         "headroom_tokens": h.headroom_tokens,
+        "max_model_len": h.max_model_len or None,
         "requests": {"running": h.running, "waiting": h.waiting, "preemptions_total": h.preemptions_total},
         "prefix": {
             "source": h.prefix_source or None,
@@ -87,6 +88,8 @@ def status_text(h: NodeHeadroom, agent: str, age_s: float) -> str:
         f"used      {used}",
         f"reserved  {h.reserved_tokens:,} tokens in {h.reservations} reservation{_plural(h.reservations)}",
         f"headroom  {h.headroom_tokens:,} tokens",
+        f"longest   {f'{h.max_model_len:,} tokens a request' if h.max_model_len else 'unknown'} "
+        "(the engine's max_model_len, from its /v1/models)",
         f"requests  {_count(h.running)} running, {_count(h.waiting)} waiting, "
         f"{_count(h.preemptions_total)} preempted since start",
         f"age       {age_s:.3f} s since the agent's sample{scraped}",

@@ -165,6 +165,8 @@ class NodeHeadroom:
     lend_tokens: int | None = None
     lend_max_prompt_tokens: int = 0
     head: HeadClaim | None = None  # the waiter the agent holds room for, if any
+    # The longest request (prompt + output) the engine serves, from its /v1/models; 0: not known.
+    max_model_len: int = 0
 
     @property
     def admissible_tokens(self) -> int:
@@ -227,6 +229,9 @@ class ReserveReason(StrEnum):
     # An interactive node lends a long request only what chat leaves, within its limits
     # (kvgate.agent.lending).
     LEND_LIMIT = "lend_limit"
+    # The request (prompt + output) is longer than the node's engine serves (its max_model_len): the
+    # engine would answer 400, whatever room it has.
+    PAST_MAX_MODEL_LEN = "past_max_model_len"
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,6 +85,7 @@ def _scalars_to_proto(h: NodeHeadroom) -> pb.NodeHeadroom:
         lend_tokens=h.lend_tokens,
         lend_max_prompt_tokens=h.lend_max_prompt_tokens,
         head=_head_to_proto(h.head) if h.head is not None else None,
+        max_model_len=h.max_model_len,
     )
 
 
@@ -235,6 +236,7 @@ def headroom_from_proto(m: pb.NodeHeadroom, previous: PrefixSummary = NO_PREFIXE
         lend_tokens=m.lend_tokens if m.HasField("lend_tokens") else None,
         lend_max_prompt_tokens=m.lend_max_prompt_tokens,
         head=_head_from_proto(m.head) if m.HasField("head") else None,
+        max_model_len=m.max_model_len,
     )
 
 

@@ -6,6 +6,9 @@ aiohttp against 0.35 ms here, a quarter of the agent's 2% CPU budget. It reads w
 Prometheus endpoint sends: http:// only, Content-Length, chunked or close-delimited bodies. It asks
 for no compression (aiohttp asked for gzip, which the agent then had to inflate) and follows no
 redirects (one is an error naming its target, to put in --engine-metrics).
+The engine's longest request is not on that page: the scraper asks the same server's /v1/models for
+it (kvgate.agent.sources.engines.model_card) until it answers, and again after a failed scrape, since
+an engine that went away may come back with another --max-model-len.
 A total timeout well under the sampling period bounds each scrape, so a slow engine costs one stale
 sample, not a late stream. Any failure drops the connection; the next scrape opens a new one.
 """
@@ -13,16 +16,23 @@ sample, not a late stream. Any failure drops the connection; the next scrape ope
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import math
 import re
 from typing import NamedTuple, cast
 from urllib.parse import urlsplit
 
 from kvgate.agent.sources.engines import EngineReading, read_engine_page
+from kvgate.agent.sources.engines.model_card import read_max_model_len
 from kvgate.digits import INT64_MAX, whole_number
 from kvgate.errors import ConfigError, HeadroomError
 
 _HEX = re.compile(rb"[0-9A-Fa-f]+")
 _MAX_HEAD = 64 * 1024
+MODELS_PATH = "/v1/models"
+# While the engine has not named its max_model_len (still loading, or a page without it), it is asked
+# again this often: one small GET, not one per scrape.
+MODELS_RETRY_S = 10.0
 
 
 class MetricsUrl(NamedTuple):
@@ -50,15 +60,15 @@ class EngineScraper:
         self.url = url
         self._timeout_s = timeout_s
         self._where = metrics_url(url, "engine metrics URL")
-        self._request = (
-            f"GET {self._where.target} HTTP/1.1\r\nHost: {self._where.authority}\r\n"
-            "Accept: text/plain\r\nUser-Agent: kvgate-agent\r\n\r\n"
-        ).encode()
+        self._request = _get_request(self._where.target, self._where.authority, "text/plain")
+        self._models_request = _get_request(MODELS_PATH, self._where.authority, "application/json")
         self._idle: _Connection | None = None
+        self._max_model_len: int | None = None
+        self._models_asked_at = -math.inf
 
     async def scrape(self) -> str:
         try:
-            response = await self._get()
+            response = await self._get(self._request)
         except TimeoutError as exc:
             raise HeadroomError(f"engine metrics {self.url}: no answer within {self._timeout_s}s") from exc
         except (OSError, _BadResponse) as exc:
@@ -71,21 +81,41 @@ class EngineScraper:
         return response.body.decode("utf-8", errors="replace")
 
     async def sample(self) -> EngineReading:
-        return read_engine_page(await self.scrape())
+        try:
+            reading = read_engine_page(await self.scrape())
+        except HeadroomError:
+            self._max_model_len, self._models_asked_at = None, -math.inf
+            raise
+        now = asyncio.get_running_loop().time()
+        if self._max_model_len is None and now - self._models_asked_at >= MODELS_RETRY_S:
+            self._models_asked_at = now
+            self._max_model_len = await self._ask_max_model_len()
+        if self._max_model_len is None:
+            return reading
+        return dataclasses.replace(reading, max_model_len=self._max_model_len)
+
+    async def _ask_max_model_len(self) -> int | None:
+        """The engine's /v1/models figure; None when it does not answer with one (never an error: the
+        node is then only not limited by it)."""
+        try:
+            response = await self._get(self._models_request)
+        except (TimeoutError, OSError, _BadResponse):
+            return None
+        return read_max_model_len(response.body) if response.status == 200 else None
 
     async def close(self) -> None:
         if self._idle is not None:
             self._idle.close()
             self._idle = None
 
-    async def _get(self) -> Response:
+    async def _get(self, request: bytes) -> Response:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout_s
         connection, self._idle = self._idle, None
         if connection is None or not connection.open:
             async with asyncio.timeout_at(deadline):
                 _, connection = await loop.create_connection(_Connection, self._where.host, self._where.port)
-        answer = connection.get(self._request)
+        answer = connection.get(request)
         # A bare timer that fails the answer, not asyncio.timeout (a timer, then cancelling this task):
         # on a kept-alive connection this is most of a scrape's bookkeeping, and it costs half as much.
         expiry = loop.call_at(deadline, _time_out, answer)
@@ -102,6 +132,12 @@ class EngineScraper:
         else:
             connection.close()
         return response
+
+
+def _get_request(target: str, authority: str, accept: str) -> bytes:
+    return (
+        f"GET {target} HTTP/1.1\r\nHost: {authority}\r\nAccept: {accept}\r\nUser-Agent: kvgate-agent\r\n\r\n"
+    ).encode()
 
 
 def _time_out(answer: asyncio.Future[Response]) -> None:

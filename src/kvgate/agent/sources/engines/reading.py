@@ -55,6 +55,9 @@ class EngineReading:
     # Prompt tokens the engine has taken in, summed over engines (vLLM's counter, counted as each
     # request's prefill completes, prefix-cache hits included); None where the page has none.
     prompt_tokens_total: int | None = None
+    # The longest request (prompt + output) the engine serves: not on the metrics page, but in its
+    # /v1/models (kvgate.agent.sources.scrape adds it). None: not known.
+    max_model_len: int | None = None
 
     @property
     def kv_usage(self) -> float | None:
