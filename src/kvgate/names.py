@@ -72,3 +72,14 @@ HEADER_FOR_METADATA = {
     TOKENS_HEADER: META_TOKENS,
     REASON_HEADER: META_REASON,
 }
+
+# The Endpoint Picker Protocol's names (gateway-api-inference-extension
+# docs/proposals/004-endpoint-picker-protocol/README.md @84436a96): the engine(s) the picker names, as
+# a header and as dynamic metadata under LB_NAMESPACE with the same value (`ip:port`, or a fallback
+# list `ip:port,ip:port`); the gateway's subset hint (filter metadata, a list of `ip:port`); and the
+# engine that served, which the gateway reports on the response.
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+LB_NAMESPACE = "envoy.lb"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"

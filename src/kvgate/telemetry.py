@@ -33,6 +33,7 @@ RESERVATIONS = "kvgate.gate.reservations"
 ROUTE_POLICY_IGNORED = "kvgate.gate.route_policy.ignored"
 # Streams the gate answered with the refusal table's internal_error row (an exception it did not expect).
 INTERNAL_ERRORS = "kvgate.gate.internal_errors"
+SERVED_ELSEWHERE = "kvgate.gate.picker_served_elsewhere"
 ADMISSION_WAITING = "kvgate.gate.admission.waiting"
 EXACT_COUNTS_PENDING = "kvgate.gate.exact_counts.pending"
 POOL_WATER_LEVEL = "kvgate.pool.water_level"
@@ -283,6 +284,14 @@ class GateMetrics:
             "it failed on",
             ("message",),
         )
+        self._served_elsewhere = Tally(
+            m,
+            SERVED_ELSEWHERE,
+            "{request}",
+            "Endpoint picker: reserved requests the gateway served on another engine than the one that "
+            "held the reservation (a fallback or a retry); the reservation was released",
+            (),
+        )
         self._placements = Tally(
             m,
             PLACEMENTS,
@@ -374,6 +383,9 @@ class GateMetrics:
 
     def internal_error(self, message: str) -> None:
         self._internal_errors.add(message)
+
+    def served_elsewhere(self) -> None:
+        self._served_elsewhere.add()
 
     def placed(self, placement: str, cached_tokens: int, saved_tokens: int, prefix_tokens: int) -> None:
         self._placements.add(placement)

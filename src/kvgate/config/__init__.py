@@ -44,6 +44,11 @@ class ServerConfig:
     # Envoy dynamic-metadata namespace of the decision (pool, tokens, reason, endpoint, model); it
     # must be listed in the ext_proc filter's metadata_options.receiving_namespaces.untyped.
     metadata_namespace: str = METADATA_NAMESPACE
+    # What the gate speaks to Envoy: `kvgate`, its own dialect (x-kvgate-pool and x-kvgate-endpoint,
+    # matched by the route tables of envoy/envoy.yaml), or `endpoint-picker`, the Gateway API Inference
+    # Extension's Endpoint Picker Protocol: an InferencePool's gateway asks it for the endpoint of
+    # every request (kvgate.gate.picker, envoy/envoy-inferencepool.yaml).
+    protocol: Literal["kvgate", "endpoint-picker"] = "kvgate"
 
 
 @dataclass(frozen=True, slots=True)
@@ -458,10 +463,33 @@ def _check(config: Config, loader: _Loader) -> None:
                 "an agent belongs to one pool (its role says whether it lends: docs/operations.md, "
                 '"Soft pools")'
             )
+    _check_picker(config)
     if config.request.max_decompressed_bytes < config.request.max_body_bytes:
         raise ConfigError(
             f"{config.source}: request.max_decompressed_bytes must be >= request.max_body_bytes"
         )
+
+
+def _check_picker(config: Config) -> None:
+    """An endpoint picker names an engine for every request, so it needs the agents of both pools,
+    and has nowhere to send the async pool's requests: an InferencePool's endpoints are engines."""
+    if config.server.protocol != "endpoint-picker":
+        return
+    where = f"{config.source}: server.protocol endpoint-picker"
+    for section, settings in (
+        ("headroom", config.headroom),
+        ("interactive_headroom", config.interactive_headroom),
+    ):
+        if not settings.agents and settings.dns is None:
+            raise ConfigError(
+                f"{where} picks engines from their agents: set {section}.agents or {section}.dns"
+            )
+    if config.admission.async_fallback:
+        raise ConfigError(f"{where}: admission.async_fallback must be false (the async pool is no endpoint)")
+    for i, model in enumerate((config.default_model, *config.models)):
+        if model.async_mode not in (None, "never"):
+            key = "default_model" if i == 0 else f"models[{i - 1}]"
+            raise ConfigError(f"{where}: {key}.async_mode must be never (the async pool is no endpoint)")
 
 
 def load_config(path: Path) -> Config:

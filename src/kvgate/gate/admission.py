@@ -24,7 +24,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvgate.config import AdmissionConfig, ModelConfig
 from kvgate.errors import HeadroomError
@@ -33,6 +33,7 @@ from kvgate.headroom import giveback
 from kvgate.headroom.giveback import unanswered
 from kvgate.headroom.snapshot import HeadClaim, NodeView, PrefixChain, ReleaseOutcome, ReserveOutcome
 from kvgate.policy import Decision, Reason, Refusal, Route
+from kvgate.policy.endpoints import Subset, least_busy, within
 from kvgate.policy.identity import Priorities
 from kvgate.policy.nodes import Affinity, NodeChoice, choose_nodes
 from kvgate.policy.overflow import interactive_saturated, no_healthy_node, overflow
@@ -212,6 +213,7 @@ class Admission:
         *,
         affinity: Affinity | None = None,
         output_tokens: int = 0,
+        subset: Subset = None,
     ) -> Admitted:
         """A long request reserves under `reservation_id`, which the gate made for it: an id a client
         chose could name another request's reservation (kvgate.gate.reservation_ids).
@@ -219,27 +221,41 @@ class Admission:
         admission.max_wait_s, or max_hold_s for a request the gate holds) is capped at the longest
         wait, admission.longest_wait_s; None: admission.max_wait_s. With
         `affinity`, nodes that hold the prompt's prefix are tried first (kvgate.policy.nodes).
-        `output_tokens` is the request's output budget within route.tokens (0 when unknown)."""
+        `output_tokens` is the request's output budget within route.tokens (0 when unknown). `subset`:
+        an endpoint picker's gateway allows only these engines (kvgate.policy.endpoints)."""
         rank = self.rank(priority)
         if route.reason is Reason.SHORT:
             return Admitted(self._admit_interactive(route, rank))
         if route.reason is not Reason.LONG or self._long is None:
             return Admitted(route)
-        nodes = self._long.snapshot()
+        source = self._long if subset is None else _Within(self._long, subset)
+        nodes = source.snapshot()
         choice = choose_nodes(nodes, route.tokens, self._config.stale_nodes, affinity)
         if not choice.any_usable:
             return Admitted(no_healthy_node(route))
         if self._long_pressure.judge(pool_signals(nodes), self._clock(), rank) is Verdict.SHED:
             why = f"the long-context pool is {self._long_pressure.level.name.lower()}"
             shed = overflow(route, model, Reason.SHED, why, self._config.async_fallback)
-            return Admitted(self._come_back(shed, self._long, output_tokens))
+            return Admitted(self._come_back(shed, source, output_tokens))
         max_wait_s = self._config.max_wait_s if wait_s is None else min(wait_s, self._config.longest_wait_s)
         ask = _Ask(reservation_id, rank, max_wait_s, affinity, output_tokens, route.tokens, self._wall_ns())
         started = time.perf_counter()
-        admitted = await self._place(self._long, route, model, ask, choice)
+        admitted = await self._place(source, route, model, ask, choice)
         result = "refused" if admitted.ticket is None else "waited" if ask.waited else "at_once"
         self._metrics.admitted(result, time.perf_counter() - started)
         return admitted
+
+    def pick_unreserved(self, route: Route, subset: Subset) -> Decision:
+        """An endpoint picker's engines for a request that reserves nothing (kvgate.policy.endpoints):
+        the route with the least busy interactive engines the hint allows, else the least busy long
+        ones it allows, or a 503 when it allows none."""
+        interactive = self._interactive.snapshot() if self._interactive is not None else ()
+        endpoints = least_busy(interactive, subset)
+        if not endpoints and self._long is not None:
+            endpoints = least_busy(self._long.snapshot(), subset)
+        if not endpoints:
+            return no_healthy_node(route)
+        return dataclasses.replace(route, endpoint=",".join(endpoints))
 
     def _come_back(self, decision: Decision, source: HeadroomSource, output_tokens: int) -> Decision:
         """A capacity refusal with when to come back (retry_forecast); any other decision as it is."""
@@ -475,3 +491,26 @@ def _node_gauges(node: NodeView) -> NodeGauges:
     if node.headroom is None:
         return NodeGauges(node.agent, None, None, node.fresh)
     return NodeGauges(node.agent, node.headroom.headroom_tokens, node.age_s, node.fresh)
+
+
+class _Within:
+    """A pool's agents as an endpoint picker's gateway allows them: only the nodes whose engine is in
+    its subset hint are seen, so every placement and every wait stays inside it."""
+
+    def __init__(self, source: HeadroomSource, subset: frozenset[str]) -> None:
+        self._source = source
+        self._subset = subset
+
+    def snapshot(self) -> tuple[NodeView, ...]:
+        return within(self._source.snapshot(), self._subset)
+
+    async def reserve(
+        self, node: str, request_id: str, tokens: int, prefix: PrefixChain | None = None, **asked: Any
+    ) -> ReserveOutcome:
+        return await self._source.reserve(node, request_id, tokens, prefix, **asked)
+
+    async def release(self, node: str, request_id: str, *, unanswered: bool = False) -> ReleaseOutcome:
+        return await self._source.release(node, request_id, unanswered=unanswered)
+
+    async def wait_update(self, timeout_s: float) -> bool:
+        return await self._source.wait_update(timeout_s)

@@ -28,9 +28,11 @@ from kvgate.gate.admission import Admission
 from kvgate.gate.reservation_ids import ReservationIds
 from kvgate.names import ANONYMOUS_TENANT, PREFER_HEADER, TENANT_HEADER
 from kvgate.policy import Decision, Reason, Refusal, Route, decide, thresholds
+from kvgate.policy.endpoints import Subset
 from kvgate.policy.identity import Priorities, read_priority, read_tenant
 from kvgate.policy.models import ModelMatcher
 from kvgate.policy.nodes import Affinity
+from kvgate.policy.overflow import no_healthy_node
 from kvgate.policy.refusals import refusal_for
 from kvgate.policy.route import (
     NO_HINTS,
@@ -93,6 +95,8 @@ class RequestHead:
     # What the Envoy route says (from the stream's gRPC metadata), and what the client prefers.
     route: RoutePolicy = NO_ROUTE_POLICY
     hints: ClientHints = NO_HINTS
+    # An endpoint picker's gateway allows only these engines (kvgate.policy.endpoints); None: any.
+    subset: Subset = None
 
 
 HeaderReader = Callable[[str], "str | None"]
@@ -217,6 +221,8 @@ class Pipeline:
         self._offloaded_bytes = 0  # of the bodies being read off the loop now (request.max_bytes_in_flight)
         self._priorities = Priorities(config.admission.priorities, config.admission.default_priority)
         self._reservation_ids = ReservationIds()
+        # An endpoint picker names an engine for every request it routes (kvgate.gate.picker).
+        self._picks_endpoints = config.server.protocol == "endpoint-picker"
 
     def priority(self, head: RequestHead) -> str:
         """The priority the request is admitted and forwarded with (kvgate.policy.identity)."""
@@ -286,12 +292,27 @@ class Pipeline:
         Content-Type says (`curl -d` sends form-encoded JSON, and engines parse it anyway).
         """
         if not head.has_body:
-            return Route(self._config.default_model.pools.interactive, Reason.NO_BODY)
+            return self._named(Route(self._config.default_model.pools.interactive, Reason.NO_BODY), head)
         if head.api is None:
-            return self.passthrough(head)
+            return self._named(self.passthrough(head), head)
         return None
 
     async def on_body(self, head: RequestHead, body: Body) -> Outcome:
+        outcome = await self._decide(head, body)
+        if not self._picks_endpoints:
+            return outcome
+        return dataclasses.replace(outcome, decision=self._named(outcome.decision, head))
+
+    def _named(self, decision: Decision, head: RequestHead) -> Decision:
+        """An endpoint picker's decision names an engine: a route that reserved none gets the least
+        busy interactive engines the gateway allows (kvgate.policy.endpoints), or a 503."""
+        if not self._picks_endpoints or not isinstance(decision, Route) or decision.endpoint is not None:
+            return decision
+        if self._admission is None:
+            return no_healthy_node(decision)
+        return self._admission.pick_unreserved(decision, head.subset)
+
+    async def _decide(self, head: RequestHead, body: Body) -> Outcome:
         if head.api is None:
             return Outcome(self.passthrough(head))
         try:
@@ -329,6 +350,7 @@ class Pipeline:
             wait_bound(self._config.admission, model, head.hints),
             affinity=affinity,
             output_tokens=estimate.output_tokens,
+            subset=head.subset,
         )
         ticket = admitted.ticket
         if ticket is None:

@@ -66,7 +66,7 @@ _PASS_THROUGH = {
 }
 
 
-class _Stream:
+class RequestStream:
     """Per-request state between the headers and the body message."""
 
     __slots__ = ("body", "buffered", "decided", "forged", "head", "reserved", "route")
@@ -114,7 +114,7 @@ def request_attributes(priority_header: str) -> tuple[str, ...]:
 
 
 def read_head(
-    message: HttpHeaders, stream: _Stream, priority_header: str, route: RoutePolicy = NO_ROUTE_POLICY
+    message: HttpHeaders, stream: RequestStream, priority_header: str, route: RoutePolicy = NO_ROUTE_POLICY
 ) -> RequestHead:
     """The RequestHead of a two-round-trip stream; only the headers the gate reads are decoded (a
     request carries twenty or more)."""
@@ -171,7 +171,7 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
     async def Process(
         self, requests: AsyncIterator[ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ProcessingResponse]:
-        stream = _Stream()
+        stream = RequestStream()
         metadata = context.invocation_metadata() if context is not None else None
         try:
             async for message in requests:
@@ -204,7 +204,7 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
             # client): that is when the reserved KV capacity is free again.
             self._release(stream)
 
-    def _release(self, stream: _Stream) -> None:
+    def _release(self, stream: RequestStream) -> None:
         """End the stream's reservation, if it holds one, once. A task, because this may run while the
         stream is being cancelled."""
         reserved, stream.reserved = stream.reserved, None
@@ -213,14 +213,14 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
             self._releases.add(task)
             task.add_done_callback(self._releases.discard)
 
-    def _abandon(self, answering: asyncio.Future[ProcessingResponse | None], stream: _Stream) -> None:
+    def _abandon(self, answering: asyncio.Future[ProcessingResponse | None], stream: RequestStream) -> None:
         """The stream went away while its body's answer was still being made: stop making it (the
         admission gives back a Reserve it cancels), and end any reservation it still makes."""
         answering.cancel()
         answering.add_done_callback(lambda _: self._release(stream))
 
     async def _answer(
-        self, message: ProcessingRequest, kind: str | None, stream: _Stream
+        self, message: ProcessingRequest, kind: str | None, stream: RequestStream
     ) -> ProcessingResponse | None:
         self._metrics.message(kind or "none")
         if message.HasField("protocol_config"):
@@ -232,7 +232,7 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
         return _PASS_THROUGH.get(kind or "")
 
     def _failed(
-        self, error: Exception, message: ProcessingRequest, kind: str | None, stream: _Stream
+        self, error: Exception, message: ProcessingRequest, kind: str | None, stream: RequestStream
     ) -> ProcessingResponse:
         """The answer to a message the gate raised on: the client's refusal for a RequestError,
         the internal_error row for anything else."""
@@ -255,7 +255,7 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
         if self._releases:
             await asyncio.gather(*self._releases, return_exceptions=True)
 
-    def _on_headers(self, message: HttpHeaders, stream: _Stream) -> ProcessingResponse:
+    def _on_headers(self, message: HttpHeaders, stream: RequestStream) -> ProcessingResponse:
         stream.head = head = read_head(message, stream, self._priority_header, stream.route)
         decision = self._pipeline.on_headers(head)
         if decision is None:
@@ -278,7 +278,7 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
         else:
             self._metrics.decision(decision.pool, decision.reason.value, method, decision.tokens, seconds)
 
-    async def _on_body(self, request: ProcessingRequest, stream: _Stream) -> ProcessingResponse:
+    async def _on_body(self, request: ProcessingRequest, stream: RequestStream) -> ProcessingResponse:
         message = request.request_body
         if stream.head is None:
             head = head_from_attributes(request, self._priority_header, stream.route)
@@ -305,7 +305,7 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
         return await self._decide_on_body(stream.head, stream, message.body)
 
     async def _decide_on_body(
-        self, head: RequestHead, stream: _Stream, last_piece: bytes
+        self, head: RequestHead, stream: RequestStream, last_piece: bytes
     ) -> ProcessingResponse:
         body: Body = last_piece
         if stream.body:
@@ -345,7 +345,7 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
         self,
         decision: Decision,
         head: RequestHead,
-        stream: _Stream,
+        stream: RequestStream,
         extra: dict[str, str | float],
         session: str | None = None,
     ) -> ProcessingResponse:
@@ -365,7 +365,7 @@ async def _settles_within(answering: asyncio.Future[ProcessingResponse | None], 
     return bool(done)
 
 
-def _request_id(message: ProcessingRequest, stream: _Stream) -> str:
+def _request_id(message: ProcessingRequest, stream: RequestStream) -> str:
     """The request's id for the log, even when the gate failed before reading its head."""
     if stream.head is not None:
         return stream.head.request_id

@@ -13,17 +13,21 @@ from dataclasses import dataclass
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    BodyMutation,
     BodyResponse,
     CommonResponse,
     HeaderMutation,
     HeadersResponse,
     ImmediateResponse,
     ProcessingResponse,
+    StreamedBodyResponse,
 )
 from envoy.type.v3.http_status_pb2 import HttpStatus
 
 from kvgate.names import (
+    DESTINATION_HEADER,
     ENDPOINT_HEADER,
+    LB_NAMESPACE,
     META_ENDPOINT,
     META_POOL,
     META_PRIORITY,
@@ -141,11 +145,75 @@ def route_after_body(
     engine's KV events name the reservation by it, and a client's value could name another's."""
     response = _routed(route, forged, extra, namespace, after_body=True, identity=identity)
     if session is not None:
-        response.dynamic_metadata.fields[namespace].struct_value.fields[META_SESSION].string_value = session
-        added = response.request_body.response.header_mutation.set_headers.add(append_action=_OVERWRITE)
-        added.header.key = SESSION_HEADER
-        added.header.raw_value = session.encode()
+        _with_session(response, response.request_body.response, namespace, session)
     return response
+
+
+def _with_session(response: ProcessingResponse, common: CommonResponse, namespace: str, session: str) -> None:
+    response.dynamic_metadata.fields[namespace].struct_value.fields[META_SESSION].string_value = session
+    common.header_mutation.set_headers.append(_header(SESSION_HEADER, session))
+
+
+def picked(
+    route: Route,
+    forged: Sequence[str],
+    extra: dict[str, str | float],
+    namespace: str,
+    *,
+    identity: Identity,
+    session: str | None,
+    body_bytes: int,
+) -> ProcessingResponse:
+    """An endpoint picker's answer to the request headers, sent once the whole body is in (the
+    Endpoint Picker Protocol, kvgate.gate.picker): the gate's own headers and metadata, and the
+    engine(s) in `route.endpoint` both as x-gateway-destination-endpoint and as `envoy.lb` metadata,
+    which Envoy's override_host load balancer reads. Content-Length is the body's as the gate passes it
+    on (inflated, where Envoy's decompressor inflated it), as the reference picker sets it
+    (gateway-api-inference-extension v1.5.0 pkg/epp/handlers/request.go)."""
+    assert route.endpoint is not None, "a picker's route names its engine"
+    response = _routed(route, forged, extra, namespace, after_body=False, identity=identity)
+    common = response.request_headers.response
+    common.header_mutation.set_headers.append(_header(DESTINATION_HEADER, route.endpoint))
+    if body_bytes:
+        common.header_mutation.set_headers.append(_header("content-length", str(body_bytes)))
+    response.dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields[
+        DESTINATION_HEADER
+    ].string_value = route.endpoint
+    if session is not None:
+        _with_session(response, common, namespace, session)
+    return response
+
+
+# The most body one streamed answer carries: "Certain envoy implementations set a max limit of 64Kb per
+# streamed chunk" (gateway-api-inference-extension v1.5.0 pkg/common/envoy/chunking.go, BodyByteLimit).
+STREAMED_CHUNK_BYTES = 62_000
+
+
+def streamed_request_body(body: bytes | bytearray, *, end_of_stream: bool) -> list[ProcessingResponse]:
+    """The request body handed back to Envoy in FULL_DUPLEX_STREAMED mode, in chunks of at most
+    STREAMED_CHUNK_BYTES; `end_of_stream` on the last unless trailers follow. An empty body is one
+    empty chunk: Envoy waits for one."""
+    view = memoryview(body)
+    starts = range(0, max(1, len(view)), STREAMED_CHUNK_BYTES)
+    last = starts[-1]
+    return [
+        ProcessingResponse(
+            request_body=BodyResponse(
+                response=_streamed(bytes(view[at : at + STREAMED_CHUNK_BYTES]), end_of_stream and at == last)
+            )
+        )
+        for at in starts
+    ]
+
+
+def streamed_response_body(chunk: bytes, *, end_of_stream: bool) -> ProcessingResponse:
+    """One response body chunk handed back as it came (FULL_DUPLEX_STREAMED responses)."""
+    return ProcessingResponse(response_body=BodyResponse(response=_streamed(chunk, end_of_stream)))
+
+
+def _streamed(body: bytes, end_of_stream: bool) -> CommonResponse:
+    streamed = StreamedBodyResponse(body=body, end_of_stream=end_of_stream)
+    return CommonResponse(body_mutation=BodyMutation(streamed_response=streamed))
 
 
 def route_after_headers(

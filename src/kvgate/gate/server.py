@@ -21,6 +21,7 @@ from kvgate.allocator import keep_big_buffers
 from kvgate.config import Config
 from kvgate.config.headroom import HeadroomSettings
 from kvgate.gate.admission import Admission, HeadroomSource
+from kvgate.gate.picker import EndpointPicker
 from kvgate.gate.pipeline import Pipeline, estimator_factory
 from kvgate.gate.processor import ExternalProcessor
 from kvgate.gate.soft_pool import SoftPool
@@ -39,6 +40,9 @@ from kvgate.telemetry import (
 log = logging.getLogger(__name__)
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+# The server as a whole, ext_proc, and the two an endpoint picker's gateway and Kubernetes probes ask
+# for (gateway-api-inference-extension docs/proposals/004-endpoint-picker-protocol, "Health").
+HEALTH_SERVICES = ("", EXT_PROC_SERVICE, "liveness", "readiness")
 _RESTART_BACKOFF_S = 1.0
 
 
@@ -87,13 +91,14 @@ async def serve(
         lambda: [(pipeline.exact_counts_pending(), {})],
     )
     server = grpc.aio.server(options=_grpc_options(config))
-    processor = ExternalProcessor(pipeline, config, telemetry, DecisionSpans())
+    speaks = EndpointPicker if config.server.protocol == "endpoint-picker" else ExternalProcessor
+    processor = speaks(pipeline, config, telemetry, DecisionSpans())
     external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(processor, server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     add_port(server, config.server.listen, config.tls.server, "tls.server")
     await server.start()
-    for service in ("", EXT_PROC_SERVICE):
+    for service in HEALTH_SERVICES:
         await health.set(service, health_pb2.HealthCheckResponse.SERVING)
     freeze_startup_heap()
     log.info("gate listening on %s (config %s)", config.server.listen, config.source)

@@ -1,0 +1,241 @@
+"""The Endpoint Picker Protocol: kvgate as the endpoint picker of an InferencePool (`server.protocol:
+endpoint-picker`).
+
+A gateway that implements the Gateway API Inference Extension (Istio, Envoy Gateway, kgateway, GKE
+Gateway...) asks its pool's picker, over ext_proc, which engine serves each request. The wire contract
+(gateway-api-inference-extension docs/proposals/004-endpoint-picker-protocol/README.md @84436a96),
+and what the reference picker does with it (v1.5.0, pkg/epp/handlers/server.go and request.go):
+- Every message comes FULL_DUPLEX_STREAMED: the request headers, the body in chunks, any trailers,
+  then the same for the response. The picker answers the request headers only once the whole body is
+  in (Envoy holds the request meanwhile; this mode has no message timeout), then hands the body back
+  as streamed chunks: headers, body, trailers, in that order (the reference picker's "the order of
+  response sent back MUST be: Header->Body->Trailer").
+- The answer names the engine in the `x-gateway-destination-endpoint` header and in the `envoy.lb`
+  dynamic metadata, both `ip:port` or a fallback list `ip:port,ip:port`; Envoy's override_host load
+  balancer sends the request there (envoy/envoy-inferencepool.yaml). What the gate decides is the same
+  as in its own dialect (kvgate.gate.pipeline): a long request is named the engine its reservation
+  holds, any other the least busy interactive engines (kvgate.policy.endpoints), and refusals are the
+  same API-shaped answers, 503 when the gateway's subset hint leaves no engine eligible.
+- On the response the gateway reports the engine that served (`envoy.lb` /
+  `x-gateway-destination-endpoint-served`). A reservation held on another engine is released there and
+  then: the request runs where the gate reserved nothing, and the reservation would only hold KV idle.
+- The response body is handed back chunk by chunk as it comes.
+
+The error boundary is the dialect adapter's (kvgate.gate.processor): an exception becomes the
+refusal table's answer, never a request let through unpicked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    BodyResponse,
+    HeadersResponse,
+    ProcessingRequest,
+    ProcessingResponse,
+    TrailersResponse,
+)
+from google.protobuf.struct_pb2 import Value
+
+from kvgate.config import Config
+from kvgate.gate import responses
+from kvgate.gate.pipeline import Pipeline, RequestHead
+from kvgate.gate.processor import ExternalProcessor, RequestStream, read_head
+from kvgate.names import LB_NAMESPACE, SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE
+from kvgate.policy import Decision, Reason, Refusal
+from kvgate.policy.endpoints import Subset
+from kvgate.telemetry import DecisionSpans, GateMetrics
+
+log = logging.getLogger(__name__)
+
+_FULL_DUPLEX = ProcessingMode.BodySendMode.FULL_DUPLEX_STREAMED
+_CONTINUE_RESPONSE_HEADERS = ProcessingResponse(response_headers=HeadersResponse())
+_CONTINUE_RESPONSE_BODY = ProcessingResponse(response_body=BodyResponse())
+_CONTINUE_REQUEST_TRAILERS = ProcessingResponse(request_trailers=TrailersResponse())
+_CONTINUE_RESPONSE_TRAILERS = ProcessingResponse(response_trailers=TrailersResponse())
+
+
+class PickerStream(RequestStream):
+    """One request's state: what the dialect's stream holds, and where the picker stands."""
+
+    __slots__ = ("answered", "endpoint", "streams_request", "streams_response")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answered = False  # the request headers and body have been answered
+        self.endpoint: str | None = None  # the engine the reservation is held on, if any
+        self.streams_request = True
+        self.streams_response = True
+
+
+def subset_hint(message: ProcessingRequest) -> Subset:
+    """The gateway's subset hint, None when it sent none. The protocol writes it as a list; a flat
+    `ip:port,ip:port` string is read too, as Envoy's header-to-metadata rules write one
+    (gateway-api-inference-extension pkg/lwepp/handlers/request.go @84436a96)."""
+    hint = message.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
+    if hint is None or SUBSET_KEY not in hint.fields:
+        return None
+    value: Value = hint.fields[SUBSET_KEY]
+    kind = value.WhichOneof("kind")
+    if kind == "list_value":
+        return frozenset(v.string_value.strip() for v in value.list_value.values if v.string_value.strip())
+    if kind == "string_value":
+        return frozenset(part.strip() for part in value.string_value.split(",") if part.strip())
+    return frozenset()
+
+
+def served_endpoint(message: ProcessingRequest) -> str | None:
+    """The engine the gateway says served the response, None when it does not say."""
+    lb = message.metadata_context.filter_metadata.get(LB_NAMESPACE)
+    if lb is None or SERVED_KEY not in lb.fields:
+        return None
+    return lb.fields[SERVED_KEY].string_value or None
+
+
+class EndpointPicker(ExternalProcessor):
+    def __init__(
+        self, pipeline: Pipeline, config: Config, telemetry: GateMetrics, spans: DecisionSpans | None = None
+    ) -> None:
+        super().__init__(pipeline, config, telemetry, spans)
+        # The gateway streams the body: the picker, not Envoy's buffer, bounds what it holds.
+        self._max_body_bytes = config.request.max_body_bytes
+
+    async def Process(
+        self, requests: AsyncIterator[ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ProcessingResponse]:
+        stream = PickerStream()
+        metadata = context.invocation_metadata() if context is not None else None
+        try:
+            async for message in requests:
+                kind = message.WhichOneof("request")
+                try:
+                    if metadata:
+                        stream.route, metadata = self._pipeline.route_policy(metadata), None
+                    answers = await self._on_message(message, kind, stream)
+                except Exception as error:  # the one error boundary (kvgate.gate.processor)
+                    yield self._failed(error, message, kind, stream)
+                    return
+                for answer in answers:
+                    yield answer
+        finally:
+            self._release(stream)
+
+    async def _on_message(
+        self, message: ProcessingRequest, kind: str | None, stream: PickerStream
+    ) -> list[ProcessingResponse]:
+        self._metrics.message(kind or "none")
+        if message.HasField("protocol_config"):
+            modes = message.protocol_config
+            stream.streams_request = modes.request_body_mode == _FULL_DUPLEX
+            stream.streams_response = modes.response_body_mode == _FULL_DUPLEX
+        if kind == "request_headers":
+            return self._on_request_headers(message, stream)
+        if kind == "request_body":
+            body = message.request_body
+            stream.body += body.body
+            if len(stream.body) > self._max_body_bytes:
+                return [self._refuse_oversized(stream)]
+            return await self._answer_request(stream, trailers=False) if body.end_of_stream else []
+        if kind == "request_trailers":
+            if stream.answered:
+                return [_CONTINUE_REQUEST_TRAILERS]
+            return await self._answer_request(stream, trailers=True)
+        if kind == "response_headers":
+            self._check_served(message, stream)
+            return [_CONTINUE_RESPONSE_HEADERS]
+        if kind == "response_body":
+            chunk = message.response_body
+            if not stream.streams_response:
+                return [_CONTINUE_RESPONSE_BODY]
+            return [responses.streamed_response_body(chunk.body, end_of_stream=chunk.end_of_stream)]
+        if kind == "response_trailers":
+            return [_CONTINUE_RESPONSE_TRAILERS]
+        return []
+
+    def _on_request_headers(
+        self, message: ProcessingRequest, stream: PickerStream
+    ) -> list[ProcessingResponse]:
+        head = read_head(message.request_headers, stream, self._priority_header, stream.route)
+        stream.head = head = dataclasses.replace(head, subset=subset_hint(message))
+        if not stream.streams_request:
+            # Envoy waits for the headers answer before it sends a buffered body: a picker that
+            # waits for the body first would hang every request.
+            raise PickerModeError("the ext_proc filter's request_body_mode must be FULL_DUPLEX_STREAMED")
+        stream.decided = self._pipeline.on_headers(head)
+        if head.has_body:
+            return []
+        decision = stream.decided
+        assert decision is not None, "a request without a body is decided on its headers"
+        self._record(decision, "none", 0.0)
+        stream.answered = True
+        return [self._answer_body(decision, head, stream, {})]
+
+    async def _answer_request(self, stream: PickerStream, *, trailers: bool) -> list[ProcessingResponse]:
+        """The request's answer once its body is whole: the headers answer (the engine, or a
+        refusal), then its body handed back (and the trailers' answer, where they follow)."""
+        head = stream.head
+        assert head is not None, "request headers come first in FULL_DUPLEX_STREAMED"
+        if stream.decided is not None:
+            self._record(stream.decided, "none", 0.0)
+            answer = self._answer_body(stream.decided, head, stream, {})
+        else:
+            answer = await self._decide_on_body(head, stream, b"")
+        stream.answered = True
+        if answer.HasField("immediate_response"):
+            return [answer]
+        body = responses.streamed_request_body(stream.body, end_of_stream=not trailers)
+        stream.body = bytearray()
+        return [answer, *body, *([_CONTINUE_REQUEST_TRAILERS] if trailers else [])]
+
+    def _answer_body(
+        self,
+        decision: Decision,
+        head: RequestHead,
+        stream: RequestStream,
+        extra: dict[str, str | float],
+        session: str | None = None,
+    ) -> ProcessingResponse:
+        if isinstance(decision, Refusal):
+            return self._refuse(decision, head.api)
+        if isinstance(stream, PickerStream) and stream.reserved is not None:
+            stream.endpoint = decision.endpoint
+        return responses.picked(
+            decision,
+            stream.forged,
+            extra,
+            self._namespace,
+            identity=self._identity(head),
+            session=session,
+            body_bytes=len(stream.body),
+        )
+
+    def _refuse_oversized(self, stream: PickerStream) -> ProcessingResponse:
+        limit = self._max_body_bytes
+        refusal = Refusal(Reason.BODY_TOO_LARGE, f"The request body exceeds {limit} bytes.")
+        self._record(refusal, "none", 0.0)
+        stream.answered = True
+        stream.body = bytearray()
+        return self._refuse(refusal, stream.head.api if stream.head is not None else None)
+
+    def _check_served(self, message: ProcessingRequest, stream: PickerStream) -> None:
+        """A reservation held on an engine that did not serve the request is released now."""
+        served = served_endpoint(message)
+        if served is None or stream.reserved is None or served == stream.endpoint:
+            return
+        log.info(
+            "request %s: served by %s, not %s where its reservation was: released",
+            ascii(stream.head.request_id if stream.head is not None else "(unknown)"),
+            served,
+            stream.endpoint,
+        )
+        self._metrics.served_elsewhere()
+        self._release(stream)
+
+
+class PickerModeError(Exception):
+    """Envoy's ext_proc filter is not set up as an endpoint picker needs it."""

@@ -1,0 +1,202 @@
+"""kvgate as an InferencePool's endpoint picker (server.protocol: endpoint-picker): the protocol's names
+read and written, the engine chosen within the gateway's subset hint, and end to end through the real
+Envoy configured as the pool's gateway (envoy/envoy-inferencepool.yaml) against simulated vLLM nodes."""
+
+from __future__ import annotations
+
+import copy
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
+from test_soft_pools import CAPACITY, headroom, node_agent, sim_node
+from texts import text_with_tokens
+from waiting import until
+
+from kvgate.config import parse_config
+from kvgate.errors import ConfigError
+from kvgate.gate import responses
+from kvgate.gate.picker import served_endpoint, subset_hint
+from kvgate.harness.client import chat, post
+from kvgate.harness.envoy import render_envoy
+from kvgate.harness.stack import envoy_process, gate_process
+from kvgate.headroom.snapshot import NodeRole, NodeView
+from kvgate.localports import free_port
+from kvgate.names import DESTINATION_HEADER, LB_NAMESPACE, SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE
+from kvgate.policy import Reason, Route
+from kvgate.policy.endpoints import least_busy, within
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAT = "/v1/chat/completions"
+PICKER_YAML = ROOT / "envoy" / "envoy-inferencepool.yaml"
+
+
+def with_hint(value: Any) -> ProcessingRequest:
+    message = ProcessingRequest()
+    message.metadata_context.filter_metadata[SUBSET_NAMESPACE].update({SUBSET_KEY: value})
+    return message
+
+
+def test_the_subset_hint_is_read_as_a_list_or_as_a_flat_string() -> None:
+    assert subset_hint(ProcessingRequest()) is None, "no hint: the whole pool"
+    assert subset_hint(with_hint(["10.0.0.1:8000", "10.0.0.2:8000"])) == {"10.0.0.1:8000", "10.0.0.2:8000"}
+    assert subset_hint(with_hint("10.0.0.1:8000, 10.0.0.2:8000")) == {"10.0.0.1:8000", "10.0.0.2:8000"}
+    assert subset_hint(with_hint([])) == frozenset(), "an empty hint allows nothing"
+    assert subset_hint(with_hint(3)) == frozenset(), "a hint of another type allows nothing"
+
+
+def test_the_served_endpoint_is_read_from_envoy_lb() -> None:
+    message = ProcessingRequest()
+    assert served_endpoint(message) is None
+    message.metadata_context.filter_metadata[LB_NAMESPACE].update({SERVED_KEY: "10.0.0.2:8000"})
+    assert served_endpoint(message) == "10.0.0.2:8000"
+
+
+def view(name: str, *, waiting: int = 0, running: int = 0, fresh: bool = True) -> NodeView:
+    node = headroom(name, CAPACITY, NodeRole.INTERACTIVE)
+    data = node.headroom
+    assert data is not None
+    busy = type(data)(
+        **{**{f: getattr(data, f) for f in data.__slots__}, "waiting": waiting, "running": running}
+    )
+    return NodeView(name, busy, 0.0, True, fresh, True)
+
+
+def test_unreserved_requests_go_to_the_least_busy_engines_within_the_hint() -> None:
+    nodes = [view("a", running=3), view("b", waiting=1), view("c", running=1), view("d", fresh=False)]
+    endpoints = {n.agent: f"{n.agent}.engine:8000" for n in nodes}
+    assert least_busy(nodes, None) == (endpoints["c"], endpoints["a"], endpoints["b"]), "queue, then running"
+    assert least_busy(nodes, frozenset({endpoints["a"], endpoints["b"]})) == (endpoints["a"], endpoints["b"])
+    assert least_busy(nodes, frozenset({endpoints["d"]})) == (), "a stale node is no pick"
+    assert least_busy(nodes, frozenset()) == ()
+    assert [n.agent for n in within(nodes, frozenset({endpoints["b"]}))] == ["b"]
+
+
+def test_the_picked_answer_names_the_engine_in_the_header_and_envoy_lb_alike() -> None:
+    route = Route("long", Reason.LONG, 9_000, "10.0.0.2:8000")
+    identity = responses.Identity("anonymous", "normal")
+    answer = responses.picked(route, [], {}, "kvgate", identity=identity, session="r1", body_bytes=1234)
+    headers = {
+        h.header.key: h.header.raw_value.decode()
+        for h in answer.request_headers.response.header_mutation.set_headers
+    }
+    assert headers[DESTINATION_HEADER] == "10.0.0.2:8000" and headers["content-length"] == "1234"
+    lb = answer.dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields
+    assert lb[DESTINATION_HEADER].string_value == "10.0.0.2:8000"
+
+
+def test_the_body_goes_back_in_chunks_of_at_most_62_000_bytes_the_last_one_ending_the_stream() -> None:
+    body = bytes(range(256)) * 500  # 128,000 bytes
+    chunks = responses.streamed_request_body(body, end_of_stream=True)
+    streamed = [c.request_body.response.body_mutation.streamed_response for c in chunks]
+    assert [len(s.body) for s in streamed] == [62_000, 62_000, 4_000]
+    assert b"".join(s.body for s in streamed) == body
+    assert [s.end_of_stream for s in streamed] == [False, False, True]
+    before_trailers = responses.streamed_request_body(body, end_of_stream=False)
+    assert not any(
+        c.request_body.response.body_mutation.streamed_response.end_of_stream for c in before_trailers
+    )
+    (empty,) = responses.streamed_request_body(b"", end_of_stream=True)
+    assert empty.request_body.response.body_mutation.streamed_response.end_of_stream
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("server: {protocol: endpoint-picker}\ninteractive_headroom: {agents: ['a:1']}", "headroom.agents"),
+        ("server: {protocol: endpoint-picker}\nheadroom: {agents: ['a:1']}", "interactive_headroom.agents"),
+        (
+            "server: {protocol: endpoint-picker}\nheadroom: {agents: ['a:1']}\n"
+            "interactive_headroom: {agents: ['b:1']}\nadmission: {async_fallback: true}",
+            "admission.async_fallback",
+        ),
+        (
+            "server: {protocol: endpoint-picker}\nheadroom: {agents: ['a:1']}\n"
+            "interactive_headroom: {agents: ['b:1']}\ndefault_model: {async_mode: prefer}",
+            "default_model.async_mode",
+        ),
+    ],
+)
+def test_picker_mode_needs_both_pools_agents_and_no_async_pool(text: str, key: str) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        parse_config(text)
+
+
+def picker_envoy(tmp: Path, ports: dict[str, Any], subsets: dict[str, list[str]]) -> Path:
+    """envoy-inferencepool.yaml for this run, with a route per entry of `subsets`: a request whose
+    `x-test-subset` header names the entry gets that subset hint (its own copy of the shipped
+    kvgate.subset_hint filter, turned on by the route, as a gateway's route would)."""
+    rendered = render_envoy(PICKER_YAML, tmp / "envoy.yaml", ports)
+    config = yaml.safe_load(rendered.read_text())
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    filters = manager["http_filters"]
+    shipped = next(f for f in filters if f["name"] == "kvgate.subset_hint")
+    routes = manager["route_config"]["virtual_hosts"][0]["routes"]
+    for name, endpoints in subsets.items():
+        hint = copy.deepcopy(shipped)
+        hint["name"] = f"kvgate.subset_hint.{name}"
+        hint["typed_config"]["metadata"][0]["value"][SUBSET_KEY] = endpoints
+        filters.insert(filters.index(shipped), hint)
+        on = {"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "config": {}}
+        match = {"prefix": "/", "headers": [{"name": "x-test-subset", "string_match": {"exact": name}}]}
+        routes.insert(
+            0, {"match": match, "route": routes[-1]["route"], "typed_per_filter_config": {hint["name"]: on}}
+        )
+    rendered.write_text(yaml.safe_dump(config, sort_keys=False))
+    return rendered
+
+
+@pytest.mark.slow
+def test_through_envoy_as_an_inferencepool_gateway_requests_reach_the_engines_kvgate_picked(
+    tmp_path: Path, sp_model_path: Path
+) -> None:
+    with ExitStack() as stack:
+        long_node = sim_node(stack, tmp_path, "long", sp_model_path)
+        chat_node = sim_node(stack, tmp_path, "interactive", sp_model_path)
+        long_agent = node_agent(stack, tmp_path, long_node)
+        chat_agent = node_agent(stack, tmp_path, chat_node, "--role", "interactive")
+        ports = {
+            "interactive": chat_node.port,
+            "long": long_node.port,
+            "listener": free_port(),
+            "gate": free_port(),
+            "admin": free_port(),
+        }
+        long_endpoint = f"127.0.0.1:{long_node.port}"
+        config = (
+            "server: {protocol: endpoint-picker}\n"
+            f"default_model: {{tokenizer: {sp_model_path}, interactive_max_tokens: 1024,"
+            " max_total_tokens: 16384}\n"
+            f"headroom: {{agents: ['127.0.0.1:{long_agent.port}']}}\n"
+            f"interactive_headroom: {{agents: ['127.0.0.1:{chat_agent.port}']}}\n"
+            "soft_pools: {borrow: false}\n"
+        )
+        envoy_config = picker_envoy(tmp_path, ports, {"long": [long_endpoint], "none": []})
+        envoy = envoy_process(envoy_config, tmp_path, ports["admin"], ports["listener"])
+        stack.callback(envoy.stop)
+        gate = stack.enter_context(gate_process(config, tmp_path, ports["gate"]))
+        listener = ports["listener"]
+        until(lambda: post(listener, CHAT, chat("hello", max_tokens=4)).status == 200, "a chat answered")
+
+        short = post(listener, CHAT, chat("what is the capital of France?", max_tokens=4))
+        long = post(listener, CHAT, chat(text_with_tokens(sp_model_path, 6_000), max_tokens=50), timeout=60)
+        too_long = post(listener, CHAT, chat(text_with_tokens(sp_model_path, 20_000), max_tokens=50))
+        hinted = post(listener, CHAT, chat("hello again", max_tokens=4), headers={"x-test-subset": "long"})
+        nowhere = post(listener, CHAT, chat("and again", max_tokens=4), headers={"x-test-subset": "none"})
+        assert gate.metrics_port is not None
+        metrics = post(gate.metrics_port, "/metrics", None).body.decode()
+
+    assert (short.status, short.headers.get("x-kvgate-sim-node")) == (200, "interactive")
+    assert (long.status, long.headers.get("x-kvgate-sim-node")) == (200, "long")
+    assert long.headers.get("x-kvgate-reason") == "long"
+    assert too_long.status == 413 and too_long.json()["error"]["code"] == "context_length_exceeded"
+    assert (hinted.status, hinted.headers.get("x-kvgate-sim-node")) == (200, "long"), (
+        "the hint is never escaped"
+    )
+    assert nowhere.status == 503 and nowhere.headers.get("x-kvgate-reason") == "no_healthy_node"
+    assert "retry-after" in nowhere.headers
+    # Every response came back through the picker, chunk by chunk, and nothing failed in it.
+    assert 'kind="response_body"' in metrics and "internal_errors" not in metrics
