@@ -168,7 +168,30 @@ CUSTOM_RESOURCES: dict[tuple[str, str], tuple[str, ...]] = {
     ("gateway.envoyproxy.io/v1alpha1", "BackendTrafficPolicy"): ("targetRefs",),
     ("gateway.networking.k8s.io/v1", "HTTPRoute"): ("parentRefs", "rules"),
     ("gateway.networking.k8s.io/v1beta1", "ReferenceGrant"): ("from", "to"),
+    ("inference.networking.k8s.io/v1", "InferencePool"): ("selector", "targetPorts"),
 }
+
+
+def check_inference_pool(spec: dict[str, Any]) -> None:
+    """The InferencePool v1 API's validation, as its Go types declare it (gateway-api-inference-extension
+    api/v1/inferencepool_types.go and shared_types.go @84436a96): the markers a cluster's CRD enforces."""
+    assert set(spec) <= {"selector", "targetPorts", "appProtocol", "endpointPickerRef"}, sorted(spec)
+    labels = spec["selector"]["matchLabels"]
+    assert set(spec["selector"]) == {"matchLabels"} and 1 <= len(labels) <= 64, spec["selector"]
+    assert all(isinstance(k, str) and isinstance(v, str) and len(v) <= 63 for k, v in labels.items())
+    ports = [port["number"] for port in spec["targetPorts"]]
+    assert 1 <= len(ports) <= 8 and len(set(ports)) == len(ports), "targetPorts: 1-8 distinct"
+    assert all(set(p) == {"number"} for p in spec["targetPorts"])
+    assert all(isinstance(n, int) and 1 <= n <= 65535 for n in ports)
+    assert spec.get("appProtocol", "http") in ("http", "kubernetes.io/h2c")
+    picker = spec.get("endpointPickerRef")
+    if picker is None:
+        return
+    assert set(picker) <= {"group", "kind", "name", "port", "failureMode"}, sorted(picker)
+    assert 1 <= len(picker["name"]) <= 253
+    assert picker.get("kind", "Service") != "Service" or "port" in picker, "a Service picker needs its port"
+    assert 1 <= picker["port"]["number"] <= 65535 and set(picker["port"]) == {"number"}
+    assert picker.get("failureMode", "FailClose") in ("FailOpen", "FailClose")
 
 
 def check_custom_resource(doc: dict[str, Any]) -> None:
@@ -180,6 +203,8 @@ def check_custom_resource(doc: dict[str, Any]) -> None:
     if doc["kind"] in ("EnvoyExtensionPolicy", "ClientTrafficPolicy", "SecurityPolicy"):
         for ref in doc["spec"]["targetRefs"]:
             assert ref["group"] == "gateway.networking.k8s.io" and ref["kind"] == "Gateway" and ref["name"]
+    if doc["kind"] == "InferencePool":
+        check_inference_pool(doc["spec"])
     if doc["kind"] == "BackendTrafficPolicy":
         for ref in doc["spec"]["targetRefs"]:
             assert ref["group"] == "gateway.networking.k8s.io" and ref["kind"] == "HTTPRoute" and ref["name"]

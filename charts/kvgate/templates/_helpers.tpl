@@ -388,3 +388,26 @@ initContainers:
   emptyDir: {}
 {{- end }}
 {{- end -}}
+
+{{/* The InferencePool and its HTTPRoute share this name. */}}
+{{- define "kvgate.inferencePool.name" -}}{{ include "kvgate.base" . }}-pool{{- end -}}
+
+{{/* Fails the render, naming the value, where an InferencePool cannot work as set. */}}
+{{- define "kvgate.inferencePool.check" -}}
+{{- $pool := .Values.inferencePool -}}
+{{- if ne .Values.envoy.mode "none" -}}
+{{- fail (printf "inferencePool.enabled needs envoy.mode none, not %q: the pool's gateway (Istio, Envoy Gateway, ...) is the Envoy, and the gate speaks the Endpoint Picker Protocol to it (docs/picker.md)" .Values.envoy.mode) -}}
+{{- end -}}
+{{- if not $pool.selector -}}
+{{- fail "inferencePool.selector is required: the labels of the engine pods the pool serves (InferencePool spec.selector.matchLabels)" -}}
+{{- end -}}
+{{- if not $pool.gateway.name -}}
+{{- fail "inferencePool.gateway.name is required: the Gateway the HTTPRoute to the pool attaches to" -}}
+{{- end -}}
+{{- if not (and .Values.agent.enabled .Values.agent.pools.long.enabled .Values.agent.pools.interactive.enabled) -}}
+{{- fail "inferencePool.enabled needs agent.enabled and both agent.pools (long and interactive) enabled: the picker names engines their agents report" -}}
+{{- end -}}
+{{- if .Values.queue.enabled -}}
+{{- fail "inferencePool.enabled cannot go with queue.enabled: an InferencePool's endpoints are engines, and the async queue is none" -}}
+{{- end -}}
+{{- end -}}
