@@ -35,6 +35,7 @@ from typing import Any, Protocol
 import uvloop
 import yaml
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
     HttpBody,
     HttpHeaders,
@@ -44,12 +45,15 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 
 from bench.gc_watch import summary as gc_summary
 from bench.loadgen import LoadResult, http_request, percentile, run_load, serve_upstreams
-from bench.trivial_extproc import TrivialProcessor
+from bench.trivial_extproc import TrivialPicker, TrivialProcessor
 from kvgate.config import Config
+from kvgate.gate.admission import Admission
+from kvgate.gate.picker import EndpointPicker
 from kvgate.gate.pipeline import Pipeline
 from kvgate.gate.processor import ATTRIBUTES_NAMESPACE, ExternalProcessor, header_attribute
 from kvgate.harness.envoy import LOCAL_PORTS, render_envoy
 from kvgate.harness.processes import ProcessGroup, find_envoy, wait_for_port
+from kvgate.headroom.snapshot import CapacitySource, NodeHeadroom, NodeRole, NodeView
 from kvgate.localports import free_port
 from kvgate.telemetry import DecisionSpans, GateMetrics
 
@@ -350,6 +354,67 @@ def envoy_messages(body: bytes, round_trips: int) -> list[bytes]:
     ]
 
 
+# A streamed chat answer as vLLM sends it: one SSE event per token or so.
+SSE_CHUNK = (
+    b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1764000000,"model":"m",'
+    b'"choices":[{"index":0,"delta":{"content":" token"},"finish_reason":null}]}\n\n'
+)
+STREAMED_CHUNKS = 200
+
+
+def picker_messages(body: bytes, chunks: int) -> list[bytes]:
+    """What an InferencePool's Envoy sends the picker for one streamed chat (envoy-inferencepool.yaml,
+    FULL_DUPLEX_STREAMED both ways): headers, the body, the response headers and `chunks` SSE events."""
+    headers, _ = envoy_messages(body, 2)
+    first = ProcessingRequest.FromString(headers)
+    first.request_headers.end_of_stream = False
+    first.protocol_config.request_body_mode = ProcessingMode.FULL_DUPLEX_STREAMED
+    first.protocol_config.response_body_mode = ProcessingMode.FULL_DUPLEX_STREAMED
+    answer = HttpHeaders(
+        headers=HeaderMap(
+            headers=[
+                HeaderValue(key=":status", raw_value=b"200"),
+                HeaderValue(key="content-type", raw_value=b"text/event-stream"),
+            ]
+        )
+    )
+    events = [
+        ProcessingRequest(response_body=HttpBody(body=SSE_CHUNK, end_of_stream=i == chunks - 1))
+        for i in range(chunks)
+    ] or [ProcessingRequest(response_body=HttpBody(body=b"", end_of_stream=True))]
+    return [
+        first.SerializeToString(),
+        ProcessingRequest(request_body=HttpBody(body=body, end_of_stream=True)).SerializeToString(),
+        ProcessingRequest(response_headers=answer).SerializeToString(),
+        *(event.SerializeToString() for event in events),
+    ]
+
+
+class _OneEngine:
+    """The interactive pool as admission sees it: one healthy engine, as its agent would report it."""
+
+    def __init__(self) -> None:
+        headroom = NodeHeadroom(
+            node="n", endpoint="10.0.0.1:8000", seq=1, sample_time_unix_ns=0, capacity_tokens=100_000,
+            safety_ratio=0.9, used_tokens=0, reserved_tokens=0, reservations=0, headroom_tokens=90_000,
+            healthy=True, reason="", capacity_source=CapacitySource.ENGINE, kv_usage=0.0, running=0,
+            waiting=0, preemptions_total=0, gpus=(), period_ms=100, role=NodeRole.INTERACTIVE,
+        )  # fmt: skip
+        self._nodes = (NodeView("127.0.0.1:2", headroom, 0.0, True, True, True),)
+
+    def snapshot(self) -> tuple[NodeView, ...]:
+        return self._nodes
+
+
+def picker_config_text() -> str:
+    config = yaml.safe_load(gate_config_text())
+    config["server"] = {"protocol": "endpoint-picker"}
+    # Named for the config's checks; the bench hands admission its own view (_OneEngine).
+    config["headroom"] = {"agents": ["127.0.0.1:1"]}
+    config["interactive_headroom"] = {"agents": ["127.0.0.1:2"]}
+    return yaml.safe_dump(config)
+
+
 def gate_servicer(config: Config, pipeline: Pipeline) -> ExternalProcessor:
     """The gate's servicer, built as kvgate.gate.server.serve builds it, without agents (in process,
     with the gate's metrics on)."""
@@ -410,6 +475,27 @@ def servicer_costs(body: bytes) -> dict[str, float]:
                 messages = envoy_messages(body, trips)
                 for name, server in servers.items():
                     costs[name + suffix] = await _per_request_s(server, messages) * 1e6
+            costs.update(await _picker_costs(body))
+            return costs
+        finally:
+            pipeline.close()
+
+    async def _picker_costs(body: bytes) -> dict[str, float]:
+        """The picker and the trivial picker per request (no response body) and per streamed chunk."""
+        config = parse_config(picker_config_text())
+        admission = Admission(config.admission, None, _OneEngine(), GateMetrics())
+        pipeline = Pipeline(config, estimator_factory(), admission)
+        try:
+            pickers: dict[str, Servicer] = {
+                "picker": EndpointPicker(pipeline, config, GateMetrics(), DecisionSpans()),
+                "trivial_picker": TrivialPicker(),
+            }
+            costs = {}
+            for name, server in pickers.items():
+                bare = await _per_request_s(server, picker_messages(body, 0))
+                streamed = await _per_request_s(server, picker_messages(body, STREAMED_CHUNKS))
+                costs[name] = bare * 1e6
+                costs[name + "_chunk"] = max(0.0, streamed - bare) / STREAMED_CHUNKS * 1e6
             return costs
         finally:
             pipeline.close()
@@ -516,6 +602,12 @@ def main() -> None:
         "servicer work without gRPC (parse messages, Process, serialize), µs per request: "
         f"two round trips gate {costs['gate']:.0f}, trivial {costs['trivial']:.0f}; "
         f"one round trip gate {costs['gate1']:.0f}, trivial {costs['trivial1']:.0f}"
+    )
+    print(
+        "endpoint picker (FULL_DUPLEX_STREAMED), µs: per request without a response body: picker "
+        f"{costs['picker']:.0f}, trivial picker {costs['trivial_picker']:.0f}; per streamed response chunk: "
+        f"picker {costs['picker_chunk']:.1f}, trivial picker {costs['trivial_picker_chunk']:.1f} "
+        f"= {costs['picker_chunk'] / max(0.01, costs['trivial_picker_chunk']):.2f}x"
     )
     print(f"({time.monotonic() - started:.0f} s; load average {os.getloadavg()[0]:.2f} at the end)")
 

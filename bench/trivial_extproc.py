@@ -22,12 +22,14 @@ import uvloop
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    BodyMutation,
     BodyResponse,
     CommonResponse,
     HeaderMutation,
     HeadersResponse,
     ProcessingRequest,
     ProcessingResponse,
+    StreamedBodyResponse,
 )
 from google.protobuf.struct_pb2 import Struct
 
@@ -58,6 +60,50 @@ class TrivialProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):  
                 yield _CONTINUE_HEADERS
             elif kind == "request_body":
                 yield answer_body(message.request_body.body)
+
+
+class TrivialPicker(external_processor_pb2_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    """The floor of an endpoint picker in Python (FULL_DUPLEX_STREAMED both ways): hold the body, parse
+    it, name one engine in the header and the envoy.lb metadata, hand the body back, and each response
+    chunk back as it comes. What kvgate.gate.picker costs beyond it is the picker's own work."""
+
+    async def Process(
+        self, requests: AsyncIterator[ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ProcessingResponse]:
+        body = bytearray()
+        async for message in requests:
+            kind = message.WhichOneof("request")
+            if kind == "request_body":
+                body += message.request_body.body
+                if message.request_body.end_of_stream:
+                    yield _picked(bytes(body))
+                    yield ProcessingResponse(request_body=BodyResponse(response=_streamed(bytes(body), True)))
+            elif kind == "response_headers":
+                yield ProcessingResponse(response_headers=HeadersResponse())
+            elif kind == "response_body":
+                chunk = message.response_body
+                yield ProcessingResponse(
+                    response_body=BodyResponse(response=_streamed(chunk.body, chunk.end_of_stream))
+                )
+
+
+def _picked(body: bytes) -> ProcessingResponse:
+    json.loads(body)
+    header = HeaderValueOption(
+        header=HeaderValue(key="x-gateway-destination-endpoint", raw_value=b"10.0.0.1:8000"),
+        append_action=HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
+    common = CommonResponse(header_mutation=HeaderMutation(set_headers=[header]), clear_route_cache=True)
+    metadata = Struct()
+    metadata.fields["envoy.lb"].struct_value.fields[
+        "x-gateway-destination-endpoint"
+    ].string_value = "10.0.0.1:8000"
+    return ProcessingResponse(request_headers=HeadersResponse(response=common), dynamic_metadata=metadata)
+
+
+def _streamed(body: bytes, end_of_stream: bool) -> CommonResponse:
+    streamed = StreamedBodyResponse(body=body, end_of_stream=end_of_stream)
+    return CommonResponse(body_mutation=BodyMutation(streamed_response=streamed))
 
 
 async def serve(listen: str) -> None:
