@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -46,3 +47,20 @@ def test_smoke_scenario_compares_baseline_and_kvgate(tmp_path: Path) -> None:
     assert kvgate["outcomes"]["429"] == 0
     assert kvgate["long_served"] == kvgate["long_requests"] >= 1
     assert set(kvgate["peak_kv_fraction"]) == {"interactive-0", "long-0"}
+
+
+@pytest.mark.slow
+def test_the_smoke_burst_through_an_inferencepool_gateway_overruns_no_node_and_loses_nothing(
+    tmp_path: Path,
+) -> None:
+    """kvgate as the endpoint picker behind Envoy configured as the pool's gateway
+    (envoy-inferencepool.yaml): the same burst, no queue, so what finds no room gets 429."""
+    scenario = dataclasses.replace(load_scenario(builtin_scenario("smoke")), runs=("kvgate_inferencepool",))
+    report = asyncio.run(asyncio.wait_for(run_demo(scenario, tmp_path, REPO_ENVOY, stream=io.StringIO()), 90))
+    picker = report["kvgate_inferencepool"]
+    assert picker.keys() >= KEYS
+    assert (picker["oom_crashes"], picker["preemptions"], picker["requests_lost"]) == (0, 0, 0)
+    assert all(peak <= 1.0 for peak in picker["peak_kv_fraction"].values())
+    assert picker["long_served"] >= 1, "long requests reach the long node the picker named"
+    served_or_refused = picker["outcomes"]["ok"] + picker["outcomes"]["429"]
+    assert served_or_refused == picker["requests_total"], picker["outcomes"]

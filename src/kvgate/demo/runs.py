@@ -3,6 +3,8 @@
 - `baseline`: a plain round-robin Envoy over one shared pool (kvgate.demo.stacks);
 - `kvgate`, `kvgate_prefix_off`, `kvgate_prefix_on`, `kvgate_no_queue`: kvgate's pools, agents, gate and
   Envoy, prefix-aware placement on only in `kvgate_prefix_on`, the queue unless `kvgate_no_queue`;
+- `kvgate_inferencepool`: kvgate as an InferencePool's endpoint picker (docs/picker.md) behind Envoy
+  configured as the pool's gateway (envoy/envoy-inferencepool.yaml), without the queue;
 - `peer_<router>_<policy>`: a peer router over the baseline's nodes (kvgate.demo.peers).
 Every run starts fresh nodes.
 """
@@ -18,8 +20,9 @@ from kvgate.demo.peers import start_peer
 from kvgate.demo.scenario import RunName, Scenario
 from kvgate.demo.scrape import fetch_page
 from kvgate.demo.stacks import Stack, start_baseline, start_kvgate
-from kvgate.harness.processes import ChildError, ProcessGroup
+from kvgate.harness.processes import ChildError, ProcessGroup, checkout_path
 
+INFERENCEPOOL_ENVOY = "envoy/envoy-inferencepool.yaml"
 _FRESH = re.compile(r"^kvgate_node_fresh\{[^}]*\} 1\.0$", re.MULTILINE)
 
 
@@ -30,6 +33,9 @@ async def start_stack(
         return await start_baseline(group, scenario, work_dir)
     if name.startswith("peer_"):
         return await start_peer(group, scenario, name, group.log_dir)
+    if name == "kvgate_inferencepool":
+        picker_yaml = checkout_path(INFERENCEPOOL_ENVOY)
+        return await start_kvgate(group, scenario, work_dir, picker_yaml, picker=True)
     return await start_kvgate(
         group,
         scenario,

@@ -163,9 +163,16 @@ PeerRunName = Literal[
 ]
 # The stacks a run can start: a plain Envoy over one shared pool, or kvgate with prefix-aware
 # placement off (its default) or on, or kvgate without its queue (long requests that find no room
-# get 429 after the wait), or a peer router.
+# get 429 after the wait), or kvgate as an InferencePool's endpoint picker behind Envoy configured as
+# the pool's gateway (envoy/envoy-inferencepool.yaml), or a peer router.
 RunName = Literal[
-    "baseline", "kvgate", "kvgate_prefix_off", "kvgate_prefix_on", "kvgate_no_queue", PeerRunName
+    "baseline",
+    "kvgate",
+    "kvgate_prefix_off",
+    "kvgate_prefix_on",
+    "kvgate_no_queue",
+    "kvgate_inferencepool",
+    PeerRunName,
 ]
 RUN_NAMES: tuple[RunName, ...] = get_args(RunName)
 

@@ -163,13 +163,16 @@ def gate_config(
     queue: bool = False,
     *,
     interactive_agent_ports: Sequence[int] = (),
+    picker: bool = False,
 ) -> dict[str, Any]:
     """The gate's YAML for this run (the queue reads it too): pool limits from the node profile, one
-    agent per long node, and one per interactive node that lends (its long requests borrow there)."""
+    agent per long node, and one per interactive node that lends (its long requests borrow there) or,
+    for an endpoint picker (`picker`), that it picks."""
     placement = {"placement": {"prefix_affinity": True}} if prefix_affinity else {}
+    protocol = {"protocol": "endpoint-picker"} if picker else {}
     tokenizer = {} if scenario.tokenizer is None else {"tokenizer": str(tokenizer_file(scenario.tokenizer))}
     return {
-        "server": {"listen": f"127.0.0.1:{gate_port}", "workers": 1},
+        "server": {"listen": f"127.0.0.1:{gate_port}", "workers": 1, **protocol},
         "default_model": {
             "interactive_max_tokens": scenario.node.interactive_max_model_len,
             "max_total_tokens": scenario.node.max_model_len,
@@ -178,7 +181,7 @@ def gate_config(
         # With an async pool, a long request that finds no room is handed to it instead of a 429.
         "admission": {
             "max_wait_s": scenario.gate.admission_max_wait_s,
-            "async_fallback": queue or scenario.layout.async_nodes > 0,
+            "async_fallback": not picker and (queue or scenario.layout.async_nodes > 0),
         },
         "headroom": {"agents": [f"127.0.0.1:{port}" for port in agent_ports], **_headroom_timing(scenario)},
         **_interactive_headroom(scenario, interactive_agent_ports),
@@ -249,14 +252,19 @@ async def start_kvgate(
     *,
     prefix_affinity: bool = False,
     queue: bool = False,
+    picker: bool = False,
 ) -> Stack:
     """kvgate's stack; with `queue`, `kvgate queue` is the async pool and runs overflow on the long
-    nodes, as soon as one of their agents reserves for it."""
+    nodes, as soon as one of their agents reserves for it. With `picker`, the gate is the endpoint
+    picker of one pool of every node (envoy_config is then envoy-inferencepool.yaml): every
+    interactive node has an agent, and there is no async pool."""
     layout = scenario.layout
-    sizes = {"interactive": layout.interactive_nodes, "long": layout.long_nodes, "async": layout.async_nodes}
+    async_size = 0 if picker else layout.async_nodes
+    sizes = {"interactive": layout.interactive_nodes, "long": layout.long_nodes, "async": async_size}
     lenders = layout.interactive_nodes if layout.interactive_lends else 0
+    watched = layout.interactive_nodes if picker else lenders
     # Nodes, agents (and their metrics), then the gate, its metrics, Envoy's listener and admin, the queue.
-    ports = iter(free_ports(sum(sizes.values()) + 2 * (layout.long_nodes + lenders) + 5))
+    ports = iter(free_ports(sum(sizes.values()) + 2 * (layout.long_nodes + watched) + 5))
     nodes = [Node(f"{pool}-{i}", next(ports), pool) for pool, size in sizes.items() for i in range(size)]
     model_len = {
         # A node that lends serves long requests too: the long nodes' engine configuration. The gate's
@@ -271,8 +279,8 @@ async def start_kvgate(
     agent_metrics: dict[str, str] = {}
     agent_flags = [*_agent_flags(scenario), *_prefill_rate_flags(scenario)]
     agents = _start_agents(group, long_nodes, ports, agent_flags, agent_metrics)
-    lending = [n for n in nodes if n.pool == "interactive"] if lenders else []
-    flags = [*agent_flags, "--role", "interactive"]
+    lending = [n for n in nodes if n.pool == "interactive"] if watched else []
+    flags = [*agent_flags, *(("--role", "interactive") if lenders else ())]
     lending_agents = _start_agents(group, lending, ports, flags, agent_metrics)
     gate_port = next(ports)
     gate_yaml = write_yaml(
@@ -283,6 +291,7 @@ async def start_kvgate(
             prefix_affinity,
             queue,
             interactive_agent_ports=list(lending_agents.values()),
+            picker=picker,
         ),
         work_dir / "kvgate-gate.yaml",
     )
@@ -291,9 +300,8 @@ async def start_kvgate(
     group.start("gate", kvgate_command("gate", "--config", str(gate_yaml), "--metrics-listen", gate_metrics))
     listen, admin = next(ports), next(ports)
     envoy_ports: dict[str, int | list[int]] = {"listener": listen, "admin": admin, "gate": gate_port}
-    envoy_ports |= {
-        pool: [n.port for n in nodes if n.pool == pool] for pool in ("interactive", "long", "async")
-    }
+    routed = ("interactive", "long") if picker else ("interactive", "long", "async")
+    envoy_ports |= {pool: [n.port for n in nodes if n.pool == pool] for pool in routed}
     queue_port = next(ports)
     ready = {n.name: n.port for n in nodes} | agents | lending_agents | {"gate": gate_port, "envoy": listen}
     if queue:
