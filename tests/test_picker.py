@@ -5,6 +5,9 @@ Envoy configured as the pool's gateway (envoy/envoy-inferencepool.yaml) against 
 from __future__ import annotations
 
 import copy
+import json
+import math
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -20,9 +23,10 @@ from kvgate.config import parse_config
 from kvgate.errors import ConfigError
 from kvgate.gate import responses
 from kvgate.gate.picker import served_endpoint, subset_hint
-from kvgate.harness.client import chat, post
+from kvgate.harness.client import Reply, chat, post
 from kvgate.harness.envoy import render_envoy
-from kvgate.harness.stack import envoy_process, gate_process
+from kvgate.harness.processes import Service, sim_command
+from kvgate.harness.stack import envoy_process, gate_process, started
 from kvgate.headroom.snapshot import NodeRole, NodeView
 from kvgate.localports import free_port
 from kvgate.names import DESTINATION_HEADER, LB_NAMESPACE, SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE
@@ -200,3 +204,73 @@ def test_through_envoy_as_an_inferencepool_gateway_requests_reach_the_engines_kv
     assert "retry-after" in nowhere.headers
     # Every response came back through the picker, chunk by chunk, and nothing failed in it.
     assert 'kind="response_body"' in metrics and "internal_errors" not in metrics
+
+
+def fast_sim(stack: ExitStack, tmp: Path, name: str, sp_model: Path) -> Service:
+    """A simulated vLLM node that answers at once: 20,000 tokens a second each way."""
+    port = free_port()
+    argv = sim_command("--listen", f"127.0.0.1:{port}", "--node-name", name, "--tokenizer", str(sp_model))
+    flags = ("--kv-capacity-tokens", "65536", "--max-model-len", "16384", "--model-name", "test-model")
+    speed = ("--prefill-tokens-per-s", "20000", "--decode-tokens-per-s", "20000")
+    service = started(Service(name, [*argv, *flags, *speed], tmp, port=port), port)
+    stack.callback(service.stop)
+    return service
+
+
+@pytest.mark.slow
+def test_the_budget_charged_without_max_tokens_follows_what_the_answers_produced(
+    tmp_path: Path, sp_model_path: Path
+) -> None:
+    """The simulator writes 32-256 tokens when a request names no max_tokens; the picker reads each
+    answer's usage, and after a window of them charges the next such request their high quantile
+    (within 10 %) instead of the configured default of 1,024."""
+    with ExitStack() as stack:
+        long_node = fast_sim(stack, tmp_path, "long", sp_model_path)
+        chat_node = fast_sim(stack, tmp_path, "interactive", sp_model_path)
+        long_agent = node_agent(stack, tmp_path, long_node)
+        chat_agent = node_agent(stack, tmp_path, chat_node)
+        ports = {
+            "interactive": chat_node.port,
+            "long": long_node.port,
+            "listener": free_port(),
+            "gate": free_port(),
+            "admin": free_port(),
+        }
+        config = (
+            "server: {protocol: endpoint-picker}\n"
+            f"default_model: {{tokenizer: {sp_model_path}, interactive_max_tokens: 4096,"
+            " max_total_tokens: 16384, default_output_tokens: 1024}\n"
+            f"headroom: {{agents: ['127.0.0.1:{long_agent.port}']}}\n"
+            f"interactive_headroom: {{agents: ['127.0.0.1:{chat_agent.port}']}}\n"
+        )
+        envoy_config = picker_envoy(tmp_path, ports, {})
+        shown = yaml.safe_load(envoy_config.read_text())
+        manager = shown["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        manager["route_config"]["response_headers_to_add"].append(
+            {"header": {"key": "x-kvgate-prompt-tokens", "value": "%DYNAMIC_METADATA(kvgate:prompt_tokens)%"}}
+        )
+        envoy_config.write_text(yaml.safe_dump(shown, sort_keys=False))
+        envoy = envoy_process(envoy_config, tmp_path, ports["admin"], ports["listener"])
+        stack.callback(envoy.stop)
+        stack.enter_context(gate_process(config, tmp_path, ports["gate"]))
+        listener = ports["listener"]
+        until(lambda: post(listener, CHAT, chat("hello", max_tokens=4)).status == 200, "a chat answered")
+
+        def unbounded(i: int) -> Reply:
+            body = json.dumps(
+                {"model": "test-model", "messages": [{"role": "user", "content": f"question {i}"}]}
+            )
+            return post(listener, CHAT, body.encode())
+
+        first = unbounded(0)
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(unbounded, range(1, 121)))
+        last = unbounded(121)
+
+    assert first.status == 200 and all(a.status == 200 for a in answers)
+    produced = sorted(a.json()["usage"]["completion_tokens"] for a in answers)
+    q99 = produced[math.ceil(0.99 * len(produced)) - 1]
+    charged_first = int(first.headers["x-kvgate-tokens"]) - int(first.headers["x-kvgate-prompt-tokens"])
+    charged = int(last.headers["x-kvgate-tokens"]) - int(last.headers["x-kvgate-prompt-tokens"])
+    assert charged_first == 1024, "before any answer: the configured default"
+    assert abs(charged - q99) <= 0.1 * q99, (charged, q99, produced[-5:])

@@ -45,15 +45,19 @@ from google.protobuf.struct_pb2 import Value
 from kvgate.config import Config
 from kvgate.gate import responses
 from kvgate.gate.pipeline import Pipeline, RequestHead
-from kvgate.gate.processor import ExternalProcessor, RequestStream, read_head
+from kvgate.gate.processor import ExternalProcessor, RequestStream, header_value, read_head
 from kvgate.names import LB_NAMESPACE, SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE
 from kvgate.policy import Decision, Reason, Refusal
 from kvgate.policy.endpoints import Subset
+from kvgate.request.usage import output_tokens
 from kvgate.telemetry import DecisionSpans, GateMetrics
 
 log = logging.getLogger(__name__)
 
 _FULL_DUPLEX = ProcessingMode.BodySendMode.FULL_DUPLEX_STREAMED
+# A JSON answer is kept whole to read its usage, up to this; a stream keeps its last events only.
+ANSWER_BYTES = 1024 * 1024
+ANSWER_TAIL_BYTES = 16 * 1024
 _CONTINUE_RESPONSE_HEADERS = ProcessingResponse(response_headers=HeadersResponse())
 _CONTINUE_RESPONSE_BODY = ProcessingResponse(response_body=BodyResponse())
 _CONTINUE_REQUEST_TRAILERS = ProcessingResponse(request_trailers=TrailersResponse())
@@ -63,7 +67,7 @@ _CONTINUE_RESPONSE_TRAILERS = ProcessingResponse(response_trailers=TrailersRespo
 class PickerStream(RequestStream):
     """One request's state: what the dialect's stream holds, and where the picker stands."""
 
-    __slots__ = ("answered", "endpoint", "streams_request", "streams_response")
+    __slots__ = ("answer", "answer_streamed", "answered", "endpoint", "streams_request", "streams_response")
 
     def __init__(self) -> None:
         super().__init__()
@@ -71,6 +75,9 @@ class PickerStream(RequestStream):
         self.endpoint: str | None = None  # the engine the reservation is held on, if any
         self.streams_request = True
         self.streams_response = True
+        # What is kept of the answer to read its usage from: all of a JSON answer, the tail of a stream.
+        self.answer = bytearray()
+        self.answer_streamed = False
 
 
 def subset_hint(message: ProcessingRequest) -> Subset:
@@ -147,9 +154,12 @@ class EndpointPicker(ExternalProcessor):
             return await self._answer_request(stream, trailers=True)
         if kind == "response_headers":
             self._check_served(message, stream)
+            self._read_answer_head(message, stream)
             return [_CONTINUE_RESPONSE_HEADERS]
         if kind == "response_body":
             chunk = message.response_body
+            if stream.learns is not None:
+                self._learn_from(chunk.body, chunk.end_of_stream, stream)
             if not stream.streams_response:
                 return [_CONTINUE_RESPONSE_BODY]
             return [responses.streamed_response_body(chunk.body, end_of_stream=chunk.end_of_stream)]
@@ -221,6 +231,34 @@ class EndpointPicker(ExternalProcessor):
         stream.answered = True
         stream.body = bytearray()
         return self._refuse(refusal, stream.head.api if stream.head is not None else None)
+
+    def _read_answer_head(self, message: ProcessingRequest, stream: PickerStream) -> None:
+        """Only a 200's usage says what a request generated; a stream keeps its usage in its tail."""
+        headers = {h.key: h for h in message.response_headers.headers.headers}
+        status = headers.get(":status")
+        if status is None or header_value(status) != "200":
+            stream.learns = None
+            return
+        content_type = headers.get("content-type")
+        stream.answer_streamed = content_type is not None and header_value(content_type).startswith(
+            "text/event-stream"
+        )
+
+    def _learn_from(self, chunk: bytes, end_of_stream: bool, stream: PickerStream) -> None:
+        """Keep what the usage is read from; at the answer's end, teach the pipeline its length."""
+        stream.answer += chunk
+        if stream.answer_streamed:
+            del stream.answer[:-ANSWER_TAIL_BYTES]
+        elif len(stream.answer) > ANSWER_BYTES:
+            stream.learns, stream.answer = None, bytearray()
+            return
+        if not end_of_stream:
+            return
+        learns, stream.learns = stream.learns, None
+        tokens = output_tokens(bytes(stream.answer), streamed=stream.answer_streamed)
+        stream.answer = bytearray()
+        if learns is not None and tokens is not None:
+            self._pipeline.observe_output(learns, tokens)
 
     def _check_served(self, message: ProcessingRequest, stream: PickerStream) -> None:
         """A reservation held on an engine that did not serve the request is released now."""

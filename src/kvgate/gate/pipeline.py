@@ -32,6 +32,7 @@ from kvgate.policy.endpoints import Subset
 from kvgate.policy.identity import Priorities, read_priority, read_tenant
 from kvgate.policy.models import ModelMatcher
 from kvgate.policy.nodes import Affinity
+from kvgate.policy.output_lengths import OutputLengths
 from kvgate.policy.overflow import no_healthy_node
 from kvgate.policy.refusals import refusal_for
 from kvgate.policy.route import (
@@ -163,6 +164,15 @@ class Outcome:
     shape: RequestShape | None = None
     estimate: TokenEstimate | None = None
     reserved: Reserved | None = None
+    # A request that named no output budget: whose output lengths its answer teaches, and its `n`
+    # (kvgate.policy.output_lengths; Pipeline.observe_output).
+    learns: Learns | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Learns:
+    key: tuple[ModelConfig, RoutePolicy]
+    n: int
 
 
 def wait_bound(admission: AdmissionConfig, model: ModelConfig, hints: ClientHints) -> float:
@@ -221,6 +231,7 @@ class Pipeline:
         self._offloaded_bytes = 0  # of the bodies being read off the loop now (request.max_bytes_in_flight)
         self._priorities = Priorities(config.admission.priorities, config.admission.default_priority)
         self._reservation_ids = ReservationIds()
+        self._outputs = OutputLengths()
         # An endpoint picker names an engine for every request it routes (kvgate.gate.picker).
         self._picks_endpoints = config.server.protocol == "endpoint-picker"
 
@@ -325,9 +336,16 @@ class Pipeline:
             return Outcome(self.passthrough(head))
         entry = self._models.lookup(shape.model)
         model = self.effective(entry, head.route)
+        learns = None
         if shape.output_budget is None and model.default_output_tokens != entry.default_output_tokens:
             # The route's default output budget, charged as the budget the client did not name.
             shape = dataclasses.replace(shape, output_budget=model.default_output_tokens * shape.n)
+        elif shape.output_budget is None:
+            # What such requests to this model and route have produced, once the gate has seen it.
+            learns = Learns((entry, head.route), shape.n)
+            learned = self._outputs.budget(learns.key, model.max_total_tokens // 2)
+            if learned is not None:
+                shape = dataclasses.replace(shape, output_budget=learned * shape.n)
         estimate = await self._estimators[entry].estimate(shape, thresholds(model))
         if isinstance(estimate, Unavailable):
             return Outcome(Refusal(Reason.OVERLOADED, estimate.message), shape)
@@ -338,7 +356,7 @@ class Pipeline:
         if to_async is not None:
             return Outcome(to_async, shape, estimate)
         if self._admission is None:
-            return Outcome(decision, shape, estimate)
+            return Outcome(decision, shape, estimate, learns=learns)
         affinity = (
             self._affinity(head, body, shape, estimate, entry) if decision.reason is Reason.LONG else None
         )
@@ -354,10 +372,15 @@ class Pipeline:
         )
         ticket = admitted.ticket
         if ticket is None:
-            return Outcome(admitted.decision, shape, estimate)
+            return Outcome(admitted.decision, shape, estimate, learns=learns)
         release = functools.partial(self._admission.release, ticket)
         reserved = Reserved(ticket.request_id, ticket.charged_tokens, ticket.cached_tokens, release)
-        return Outcome(admitted.decision, shape, estimate, reserved)
+        return Outcome(admitted.decision, shape, estimate, reserved, learns)
+
+    def observe_output(self, learns: Learns, completion_tokens: int) -> None:
+        """The answer to a request that named no output budget reported `completion_tokens` (over its
+        `n` choices): the next such requests are charged what these produce (output_lengths)."""
+        self._outputs.observe(learns.key, completion_tokens // max(1, learns.n))
 
     def _affinity(
         self, head: RequestHead, body: Body, shape: RequestShape, estimate: TokenEstimate, entry: ModelConfig

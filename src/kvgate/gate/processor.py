@@ -48,7 +48,15 @@ from kvgate.config import Config
 from kvgate.errors import RequestError
 from kvgate.gate import responses
 from kvgate.gate.holding import holding
-from kvgate.gate.pipeline import Outcome, Pipeline, RequestHead, Reserved, headers_read, request_head
+from kvgate.gate.pipeline import (
+    Learns,
+    Outcome,
+    Pipeline,
+    RequestHead,
+    Reserved,
+    headers_read,
+    request_head,
+)
 from kvgate.names import HEADER_PREFIX, META_PREFIX_HIT_TOKENS, META_RESERVED_TOKENS
 from kvgate.policy import Decision, Reason, Refusal
 from kvgate.policy.refusals import INTERNAL_ERROR, Refusals, refusal_for
@@ -69,7 +77,7 @@ _PASS_THROUGH = {
 class RequestStream:
     """Per-request state between the headers and the body message."""
 
-    __slots__ = ("body", "buffered", "decided", "forged", "head", "reserved", "route")
+    __slots__ = ("body", "buffered", "decided", "forged", "head", "learns", "reserved", "route")
 
     def __init__(self) -> None:
         self.head: RequestHead | None = None
@@ -80,6 +88,9 @@ class RequestStream:
         # Envoy said (protocol_config, on its first message) that it buffers the whole body.
         self.buffered = False
         self.route = NO_ROUTE_POLICY
+        # A request that named no output budget: its answer's usage teaches the pipeline (read by
+        # the endpoint picker, which sees answers: kvgate.gate.picker).
+        self.learns: Learns | None = None
 
 
 ATTRIBUTES_NAMESPACE = "envoy.filters.http.ext_proc"
@@ -87,7 +98,7 @@ ATTRIBUTES_NAMESPACE = "envoy.filters.http.ext_proc"
 _OWN_ATTRIBUTES = {":path": "request.path", ":method": "request.method", "x-request-id": "request.id"}
 
 
-def _value(header: HeaderValue) -> str:
+def header_value(header: HeaderValue) -> str:
     return header.raw_value.decode("latin-1") if header.raw_value else str(header.value)
 
 
@@ -123,7 +134,7 @@ def read_head(
 
     def read(key: str) -> str | None:
         header = headers.get(key)
-        return _value(header) if header is not None else None
+        return header_value(header) if header is not None else None
 
     return request_head(read, not message.end_of_stream, priority_header, route)
 
@@ -317,6 +328,7 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
         started = time.perf_counter()
         outcome = await self._pipeline.on_body(head, body)
         stream.reserved = reserved = outcome.reserved
+        stream.learns = outcome.learns
         decision = outcome.decision
         method = outcome.estimate.method if outcome.estimate is not None else "none"
         self._record(decision, method, time.perf_counter() - started)
@@ -371,7 +383,7 @@ def _request_id(message: ProcessingRequest, stream: RequestStream) -> str:
         return stream.head.request_id
     for header in message.request_headers.headers.headers:
         if header.key == "x-request-id":
-            return _value(header)
+            return header_value(header)
     if ATTRIBUTES_NAMESPACE in message.attributes:
         found = message.attributes[ATTRIBUTES_NAMESPACE].fields.get(_OWN_ATTRIBUTES["x-request-id"])
         if found is not None:
