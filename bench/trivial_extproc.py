@@ -40,14 +40,22 @@ _CONTINUE_HEADERS = ProcessingResponse(request_headers=HeadersResponse())
 def answer_body(body: bytes) -> ProcessingResponse:
     """Parse the body (the work every ext_proc router does) and route it to the interactive pool."""
     json.loads(body)
-    header = HeaderValueOption(
-        header=HeaderValue(key="x-kvgate-pool", raw_value=b"interactive"),
+    common, metadata = _routing("x-kvgate-pool", "interactive", ("kvgate", "pool"))
+    return ProcessingResponse(request_body=BodyResponse(response=common), dynamic_metadata=metadata)
+
+
+def _routing(header: str, value: str, key: tuple[str, str]) -> tuple[CommonResponse, Struct]:
+    """A header set to `value`, the same value as dynamic metadata at `key`, and the route cache
+    cleared: what routes a request."""
+    option = HeaderValueOption(
+        header=HeaderValue(key=header, raw_value=value.encode()),
         append_action=HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD,
     )
-    common = CommonResponse(header_mutation=HeaderMutation(set_headers=[header]), clear_route_cache=True)
+    common = CommonResponse(header_mutation=HeaderMutation(set_headers=[option]), clear_route_cache=True)
     metadata = Struct()
-    metadata.fields["kvgate"].struct_value.fields["pool"].string_value = "interactive"
-    return ProcessingResponse(request_body=BodyResponse(response=common), dynamic_metadata=metadata)
+    namespace, name = key
+    metadata.fields[namespace].struct_value.fields[name].string_value = value
+    return common, metadata
 
 
 class TrivialProcessor(external_processor_pb2_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -89,15 +97,8 @@ class TrivialPicker(external_processor_pb2_grpc.ExternalProcessorServicer):  # t
 
 def _picked(body: bytes) -> ProcessingResponse:
     json.loads(body)
-    header = HeaderValueOption(
-        header=HeaderValue(key="x-gateway-destination-endpoint", raw_value=b"10.0.0.1:8000"),
-        append_action=HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD,
-    )
-    common = CommonResponse(header_mutation=HeaderMutation(set_headers=[header]), clear_route_cache=True)
-    metadata = Struct()
-    metadata.fields["envoy.lb"].struct_value.fields[
-        "x-gateway-destination-endpoint"
-    ].string_value = "10.0.0.1:8000"
+    destination = "x-gateway-destination-endpoint"
+    common, metadata = _routing(destination, "10.0.0.1:8000", ("envoy.lb", destination))
     return ProcessingResponse(request_headers=HeadersResponse(response=common), dynamic_metadata=metadata)
 
 

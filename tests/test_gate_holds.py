@@ -72,7 +72,10 @@ def test_every_shipped_envoy_lets_the_gate_hold_as_long_as_it_holds_by_default()
     needed_s = parse_config("").admission.max_hold_s + 5
     for path in [*ROOT.glob("envoy/*.yaml"), ROOT / "envoy" / "istio" / "kvgate-istio.yaml"]:
         text = path.read_text(encoding="utf-8")
-        if "envoy.filters.http.ext_proc" in text and "message_timeout" in text:
+        # An endpoint picker's Envoy streams the body (FULL_DUPLEX_STREAMED): no message timeout
+        # applies there, and the picker never asks for more time (docs/picker.md).
+        streamed = "request_body_mode: FULL_DUPLEX_STREAMED" in text
+        if "envoy.filters.http.ext_proc" in text and "message_timeout" in text and not streamed:
             (value,) = {
                 line.split(":")[1].strip() for line in text.splitlines() if "max_message_timeout:" in line
             }

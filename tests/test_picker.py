@@ -153,6 +153,45 @@ def picker_envoy(tmp: Path, ports: dict[str, Any], subsets: dict[str, list[str]]
     return rendered
 
 
+def picker_stack(
+    stack: ExitStack,
+    tmp: Path,
+    nodes: tuple[Service, Service],
+    model: str,
+    subsets: dict[str, list[str]],
+    *chat_flags: str,
+) -> tuple[int, Service]:
+    """Agents for the (long, interactive) `nodes`, the gate in picker mode with `model` as its
+    default_model's extra keys, and Envoy as the pool's gateway with the `subsets` routes; returns the
+    listener's port, once a chat is answered, and the gate. Answers also show the prompt tokens the
+    gate estimated (x-kvgate-prompt-tokens)."""
+    long_node, chat_node = nodes
+    long_agent = node_agent(stack, tmp, long_node)
+    chat_agent = node_agent(stack, tmp, chat_node, *chat_flags)
+    ports = {"interactive": chat_node.port, "long": long_node.port}
+    ports |= {"listener": free_port(), "gate": free_port(), "admin": free_port()}
+    config = (
+        "server: {protocol: endpoint-picker}\n"
+        f"default_model: {{max_total_tokens: 16384, {model}}}\n"
+        f"headroom: {{agents: ['127.0.0.1:{long_agent.port}']}}\n"
+        f"interactive_headroom: {{agents: ['127.0.0.1:{chat_agent.port}']}}\n"
+        "soft_pools: {borrow: false}\n"
+    )
+    envoy_config = picker_envoy(tmp, ports, subsets)
+    shown = yaml.safe_load(envoy_config.read_text())
+    manager = shown["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    manager["route_config"]["response_headers_to_add"].append(
+        {"header": {"key": "x-kvgate-prompt-tokens", "value": "%DYNAMIC_METADATA(kvgate:prompt_tokens)%"}}
+    )
+    envoy_config.write_text(yaml.safe_dump(shown, sort_keys=False))
+    envoy = envoy_process(envoy_config, tmp, ports["admin"], ports["listener"])
+    stack.callback(envoy.stop)
+    gate = stack.enter_context(gate_process(config, tmp, ports["gate"]))
+    listener = ports["listener"]
+    until(lambda: post(listener, CHAT, chat("hello", max_tokens=4)).status == 200, "a chat answered")
+    return listener, gate
+
+
 @pytest.mark.slow
 def test_through_envoy_as_an_inferencepool_gateway_requests_reach_the_engines_kvgate_picked(
     tmp_path: Path, sp_model_path: Path
@@ -160,30 +199,10 @@ def test_through_envoy_as_an_inferencepool_gateway_requests_reach_the_engines_kv
     with ExitStack() as stack:
         long_node = sim_node(stack, tmp_path, "long", sp_model_path)
         chat_node = sim_node(stack, tmp_path, "interactive", sp_model_path)
-        long_agent = node_agent(stack, tmp_path, long_node)
-        chat_agent = node_agent(stack, tmp_path, chat_node, "--role", "interactive")
-        ports = {
-            "interactive": chat_node.port,
-            "long": long_node.port,
-            "listener": free_port(),
-            "gate": free_port(),
-            "admin": free_port(),
-        }
-        long_endpoint = f"127.0.0.1:{long_node.port}"
-        config = (
-            "server: {protocol: endpoint-picker}\n"
-            f"default_model: {{tokenizer: {sp_model_path}, interactive_max_tokens: 1024,"
-            " max_total_tokens: 16384}\n"
-            f"headroom: {{agents: ['127.0.0.1:{long_agent.port}']}}\n"
-            f"interactive_headroom: {{agents: ['127.0.0.1:{chat_agent.port}']}}\n"
-            "soft_pools: {borrow: false}\n"
-        )
-        envoy_config = picker_envoy(tmp_path, ports, {"long": [long_endpoint], "none": []})
-        envoy = envoy_process(envoy_config, tmp_path, ports["admin"], ports["listener"])
-        stack.callback(envoy.stop)
-        gate = stack.enter_context(gate_process(config, tmp_path, ports["gate"]))
-        listener = ports["listener"]
-        until(lambda: post(listener, CHAT, chat("hello", max_tokens=4)).status == 200, "a chat answered")
+        subsets = {"long": [f"127.0.0.1:{long_node.port}"], "none": []}
+        model = f"tokenizer: {sp_model_path}, interactive_max_tokens: 1024"
+        nodes = (long_node, chat_node)
+        listener, gate = picker_stack(stack, tmp_path, nodes, model, subsets, "--role", "interactive")
 
         short = post(listener, CHAT, chat("what is the capital of France?", max_tokens=4))
         long = post(listener, CHAT, chat(text_with_tokens(sp_model_path, 6_000), max_tokens=50), timeout=60)
@@ -227,34 +246,8 @@ def test_the_budget_charged_without_max_tokens_follows_what_the_answers_produced
     with ExitStack() as stack:
         long_node = fast_sim(stack, tmp_path, "long", sp_model_path)
         chat_node = fast_sim(stack, tmp_path, "interactive", sp_model_path)
-        long_agent = node_agent(stack, tmp_path, long_node)
-        chat_agent = node_agent(stack, tmp_path, chat_node)
-        ports = {
-            "interactive": chat_node.port,
-            "long": long_node.port,
-            "listener": free_port(),
-            "gate": free_port(),
-            "admin": free_port(),
-        }
-        config = (
-            "server: {protocol: endpoint-picker}\n"
-            f"default_model: {{tokenizer: {sp_model_path}, interactive_max_tokens: 4096,"
-            " max_total_tokens: 16384, default_output_tokens: 1024}\n"
-            f"headroom: {{agents: ['127.0.0.1:{long_agent.port}']}}\n"
-            f"interactive_headroom: {{agents: ['127.0.0.1:{chat_agent.port}']}}\n"
-        )
-        envoy_config = picker_envoy(tmp_path, ports, {})
-        shown = yaml.safe_load(envoy_config.read_text())
-        manager = shown["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-        manager["route_config"]["response_headers_to_add"].append(
-            {"header": {"key": "x-kvgate-prompt-tokens", "value": "%DYNAMIC_METADATA(kvgate:prompt_tokens)%"}}
-        )
-        envoy_config.write_text(yaml.safe_dump(shown, sort_keys=False))
-        envoy = envoy_process(envoy_config, tmp_path, ports["admin"], ports["listener"])
-        stack.callback(envoy.stop)
-        stack.enter_context(gate_process(config, tmp_path, ports["gate"]))
-        listener = ports["listener"]
-        until(lambda: post(listener, CHAT, chat("hello", max_tokens=4)).status == 200, "a chat answered")
+        model = f"tokenizer: {sp_model_path}, interactive_max_tokens: 4096, default_output_tokens: 1024"
+        listener, _ = picker_stack(stack, tmp_path, (long_node, chat_node), model, {})
 
         def unbounded(i: int) -> Reply:
             body = json.dumps(

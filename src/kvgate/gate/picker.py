@@ -29,9 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections import deque
 
-import grpc
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
     BodyResponse,
@@ -47,7 +46,7 @@ from kvgate.gate import responses
 from kvgate.gate.pipeline import Pipeline, RequestHead
 from kvgate.gate.processor import ExternalProcessor, RequestStream, header_value, read_head
 from kvgate.names import LB_NAMESPACE, SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE
-from kvgate.policy import Decision, Reason, Refusal
+from kvgate.policy import Reason, Refusal, Route
 from kvgate.policy.endpoints import Subset
 from kvgate.request.usage import output_tokens
 from kvgate.telemetry import DecisionSpans, GateMetrics
@@ -55,9 +54,11 @@ from kvgate.telemetry import DecisionSpans, GateMetrics
 log = logging.getLogger(__name__)
 
 _FULL_DUPLEX = ProcessingMode.BodySendMode.FULL_DUPLEX_STREAMED
-# A JSON answer is kept whole to read its usage, up to this; a stream keeps its last events only.
+# A JSON answer is kept whole to read its usage, up to this; a stream keeps its last chunks only: the
+# usage is its last event (OpenAI's before `data: [DONE]`, Anthropic's message_delta before
+# message_stop), and Envoy hands the body on in chunks of whatever the engine wrote at once.
 ANSWER_BYTES = 1024 * 1024
-ANSWER_TAIL_BYTES = 16 * 1024
+TAIL_CHUNKS = 4
 _CONTINUE_RESPONSE_HEADERS = ProcessingResponse(response_headers=HeadersResponse())
 _CONTINUE_RESPONSE_BODY = ProcessingResponse(response_body=BodyResponse())
 _CONTINUE_REQUEST_TRAILERS = ProcessingResponse(request_trailers=TrailersResponse())
@@ -67,7 +68,15 @@ _CONTINUE_RESPONSE_TRAILERS = ProcessingResponse(response_trailers=TrailersRespo
 class PickerStream(RequestStream):
     """One request's state: what the dialect's stream holds, and where the picker stands."""
 
-    __slots__ = ("answer", "answer_streamed", "answered", "endpoint", "streams_request", "streams_response")
+    __slots__ = (
+        "answer",
+        "answer_streamed",
+        "answered",
+        "endpoint",
+        "streams_request",
+        "streams_response",
+        "tail",
+    )
 
     def __init__(self) -> None:
         super().__init__()
@@ -75,9 +84,11 @@ class PickerStream(RequestStream):
         self.endpoint: str | None = None  # the engine the reservation is held on, if any
         self.streams_request = True
         self.streams_response = True
-        # What is kept of the answer to read its usage from: all of a JSON answer, the tail of a stream.
+        # What is kept of the answer to read its usage from: all of a JSON answer, the last chunks of
+        # a stream.
         self.answer = bytearray()
         self.answer_streamed = False
+        self.tail: deque[bytes] = deque(maxlen=TAIL_CHUNKS)
 
 
 def subset_hint(message: ProcessingRequest) -> Subset:
@@ -111,26 +122,17 @@ class EndpointPicker(ExternalProcessor):
         super().__init__(pipeline, config, telemetry, spans)
         # The gateway streams the body: the picker, not Envoy's buffer, bounds what it holds.
         self._max_body_bytes = config.request.max_body_bytes
+        # FULL_DUPLEX_STREAMED has no message timeout: nothing to ask Envoy to wait longer for.
+        self._holding = None
 
-    async def Process(
-        self, requests: AsyncIterator[ProcessingRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[ProcessingResponse]:
-        stream = PickerStream()
-        metadata = context.invocation_metadata() if context is not None else None
-        try:
-            async for message in requests:
-                kind = message.WhichOneof("request")
-                try:
-                    if metadata:
-                        stream.route, metadata = self._pipeline.route_policy(metadata), None
-                    answers = await self._on_message(message, kind, stream)
-                except Exception as error:  # the one error boundary (kvgate.gate.processor)
-                    yield self._failed(error, message, kind, stream)
-                    return
-                for answer in answers:
-                    yield answer
-        finally:
-            self._release(stream)
+    def _new_stream(self) -> PickerStream:
+        return PickerStream()
+
+    async def _respond(
+        self, message: ProcessingRequest, kind: str | None, stream: RequestStream
+    ) -> list[ProcessingResponse]:
+        assert isinstance(stream, PickerStream), "made by _new_stream"
+        return await self._on_message(message, kind, stream)
 
     async def _on_message(
         self, message: ProcessingRequest, kind: str | None, stream: PickerStream
@@ -202,20 +204,18 @@ class EndpointPicker(ExternalProcessor):
         stream.body = bytearray()
         return [answer, *body, *([_CONTINUE_REQUEST_TRAILERS] if trailers else [])]
 
-    def _answer_body(
+    def _route(
         self,
-        decision: Decision,
+        route: Route,
         head: RequestHead,
         stream: RequestStream,
         extra: dict[str, str | float],
-        session: str | None = None,
+        session: str | None,
     ) -> ProcessingResponse:
-        if isinstance(decision, Refusal):
-            return self._refuse(decision, head.api)
         if isinstance(stream, PickerStream) and stream.reserved is not None:
-            stream.endpoint = decision.endpoint
+            stream.endpoint = route.endpoint
         return responses.picked(
-            decision,
+            route,
             stream.forged,
             extra,
             self._namespace,
@@ -246,16 +246,18 @@ class EndpointPicker(ExternalProcessor):
 
     def _learn_from(self, chunk: bytes, end_of_stream: bool, stream: PickerStream) -> None:
         """Keep what the usage is read from; at the answer's end, teach the pipeline its length."""
-        stream.answer += chunk
         if stream.answer_streamed:
-            del stream.answer[:-ANSWER_TAIL_BYTES]
-        elif len(stream.answer) > ANSWER_BYTES:
-            stream.learns, stream.answer = None, bytearray()
-            return
+            stream.tail.append(chunk)  # a deque's append: this runs for every token's event
+        else:
+            stream.answer += chunk
+            if len(stream.answer) > ANSWER_BYTES:
+                stream.learns, stream.answer = None, bytearray()
+                return
         if not end_of_stream:
             return
         learns, stream.learns = stream.learns, None
-        tokens = output_tokens(bytes(stream.answer), streamed=stream.answer_streamed)
+        answer = b"".join(stream.tail) if stream.answer_streamed else bytes(stream.answer)
+        tokens = output_tokens(answer, streamed=stream.answer_streamed)
         stream.answer = bytearray()
         if learns is not None and tokens is not None:
             self._pipeline.observe_output(learns, tokens)

@@ -58,7 +58,7 @@ from kvgate.gate.pipeline import (
     request_head,
 )
 from kvgate.names import HEADER_PREFIX, META_PREFIX_HIT_TOKENS, META_RESERVED_TOKENS
-from kvgate.policy import Decision, Reason, Refusal
+from kvgate.policy import Decision, Reason, Refusal, Route
 from kvgate.policy.refusals import INTERNAL_ERROR, Refusals, refusal_for
 from kvgate.policy.route import NO_ROUTE_POLICY, RoutePolicy
 from kvgate.request import Api, Body
@@ -182,7 +182,7 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
     async def Process(
         self, requests: AsyncIterator[ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ProcessingResponse]:
-        stream = RequestStream()
+        stream = self._new_stream()
         metadata = context.invocation_metadata() if context is not None else None
         try:
             async for message in requests:
@@ -192,28 +192,47 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
                         # The route's policy (Envoy's per-route ext_proc metadata), read once per
                         # stream, at its first message: inside the error boundary.
                         stream.route, metadata = self._pipeline.route_policy(metadata), None
-                    if self._holding is None or kind != "request_body":
-                        response = await self._answer(message, kind, stream)
-                    else:
-                        # The body's answer may wait for room: past the notice, Envoy is asked to
-                        # keep waiting (kvgate.gate.holding), once, for the longest wait.
-                        answering = asyncio.ensure_future(self._answer(message, kind, stream))
-                        try:
-                            if not await _settles_within(answering, self._holding.notice_s):
-                                yield responses.hold(self._holding.extension_s(self._holding.notice_s))
-                            response = await answering
-                        except BaseException:
-                            self._abandon(answering, stream)
-                            raise
+                    if self._holding is not None and kind == "request_body":
+                        async for response in self._held(message, kind, stream):
+                            yield response
+                        continue
+                    answers = await self._respond(message, kind, stream)
                 except Exception as error:  # the stream's one error boundary (module docstring)
                     yield self._failed(error, message, kind, stream)
                     return
-                if response is not None:
-                    yield response
+                for answer in answers:
+                    yield answer
         finally:
             # Envoy ends the stream when the HTTP request ends (completed, reset or aborted by the
             # client): that is when the reserved KV capacity is free again.
             self._release(stream)
+
+    def _new_stream(self) -> RequestStream:
+        return RequestStream()
+
+    async def _respond(
+        self, message: ProcessingRequest, kind: str | None, stream: RequestStream
+    ) -> list[ProcessingResponse]:
+        """The answers to one message: none or one in this dialect."""
+        response = await self._answer(message, kind, stream)
+        return [] if response is None else [response]
+
+    async def _held(
+        self, message: ProcessingRequest, kind: str | None, stream: RequestStream
+    ) -> AsyncIterator[ProcessingResponse]:
+        """The body's answer, which may wait for room: past the notice, Envoy is asked to keep
+        waiting (kvgate.gate.holding), once, for the longest wait."""
+        assert self._holding is not None
+        answering = asyncio.ensure_future(self._answer(message, kind, stream))
+        try:
+            if not await _settles_within(answering, self._holding.notice_s):
+                yield responses.hold(self._holding.extension_s(self._holding.notice_s))
+            response = await answering
+        except BaseException:
+            self._abandon(answering, stream)
+            raise
+        if response is not None:
+            yield response
 
     def _release(self, stream: RequestStream) -> None:
         """End the stream's reservation, if it holds one, once. A task, because this may run while the
@@ -363,8 +382,19 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
     ) -> ProcessingResponse:
         if isinstance(decision, Refusal):
             return self._refuse(decision, head.api)
+        return self._route(decision, head, stream, extra, session)
+
+    def _route(
+        self,
+        route: Route,
+        head: RequestHead,
+        stream: RequestStream,
+        extra: dict[str, str | float],
+        session: str | None,
+    ) -> ProcessingResponse:
+        """The answer that sends the request on, once its body is in."""
         return responses.route_after_body(
-            decision, stream.forged, extra, self._namespace, identity=self._identity(head), session=session
+            route, stream.forged, extra, self._namespace, identity=self._identity(head), session=session
         )
 
     def _identity(self, head: RequestHead) -> responses.Identity:
