@@ -269,13 +269,13 @@ def test_no_node_is_asked_for_a_request_longer_than_its_engine_serves() -> None:
     )
 
 
-def test_the_agent_refuses_a_reserve_past_its_engines_max_model_len() -> None:
+def test_the_agent_publishes_its_engines_max_model_len() -> None:
     state = node(Clock())
+    assert state.snapshot(0).max_model_len == 0, "not known before the engine says"
     state.observe_engine(dataclasses.replace(reading(0), max_model_len=4_096))
-    refused = state.reserve("too-long", 4_097, 30.0, "gate")
-    assert (refused.granted, refused.reason) == (False, ReserveReason.PAST_MAX_MODEL_LEN)
-    assert state.snapshot(0).max_model_len == 4_096, "published for the gates"
-    assert state.reserve("fits", 4_096, 30.0, "gate").granted
+    assert state.snapshot(0).max_model_len == 4_096
+    state.engine_failed("gone")
+    assert state.snapshot(0).max_model_len == 4_096, "the last limit known holds"
 
 
 class InProcessAgents:

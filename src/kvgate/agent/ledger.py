@@ -93,7 +93,6 @@ class Budget:
     observed_tokens: int | None
     healthy: bool
     reason: str = ""
-    max_model_len: int = 0  # the longest request the engine serves (0: not known)
 
 
 @dataclass(frozen=True, slots=True)
@@ -421,6 +420,4 @@ def _unserved(budget: Budget, tokens: int) -> ReserveReason | None:
         return ReserveReason.UNHEALTHY
     if budget.capacity_tokens <= 0:
         return ReserveReason.NO_CAPACITY
-    if 0 < budget.max_model_len < tokens:
-        return ReserveReason.PAST_MAX_MODEL_LEN
     return None

@@ -397,7 +397,8 @@ class NodeState:
             lend_max_prompt_tokens=offer.max_prompt_tokens if offer is not None else 0,
             heartbeat_ms=round(self.settings.heartbeat_s * 1000),
             head=self.claims.published(headroom, releases),
-            max_model_len=budget.max_model_len,
+            # A fact of the engine's start, not of one sample: the last one known holds.
+            max_model_len=(last.max_model_len or 0) if last is not None else 0,
         )
 
     def _prefix_summary(self, now: float) -> PrefixSummary:
@@ -424,10 +425,7 @@ class NodeState:
         usage, observed, unreserved, note = self._usage(engine, capacity)
         problem = self._problem(engine, capacity)
         healthy = not problem
-        # The limit is a fact of the engine's start, not of one sample: the last one known holds.
-        last = self._engine.reading
-        max_model_len = (last.max_model_len or 0) if last is not None else 0
-        budget = Budget(capacity, self.ratio.value, observed, healthy, problem or note, max_model_len)
+        budget = Budget(capacity, self.ratio.value, observed, healthy, problem or note)
         return _Assessment(budget, source, rule, usage, engine, unreserved)
 
     def _fresh_engine(self) -> EngineReading | None:

@@ -229,9 +229,6 @@ class ReserveReason(StrEnum):
     # An interactive node lends a long request only what chat leaves, within its limits
     # (kvgate.agent.lending).
     LEND_LIMIT = "lend_limit"
-    # The request (prompt + output) is longer than the node's engine serves (its max_model_len): the
-    # engine would answer 400, whatever room it has.
-    PAST_MAX_MODEL_LEN = "past_max_model_len"
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,8 +23,7 @@ interactive node that does not lend is never asked.
 
 No node is asked for a request longer than its engine serves (`NodeHeadroom.max_model_len`, from the
 engine's /v1/models): an interactive engine often runs a short max-model-len (4,096 in the chart's
-simulator), and vLLM answers a request past it with 400 whatever room it has. The agent refuses such a
-Reserve too (`past_max_model_len`).
+simulator), and vLLM answers a request past it with 400 whatever room it has.
 """
 
 from __future__ import annotations
