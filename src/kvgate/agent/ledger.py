@@ -277,9 +277,10 @@ class ReservationLedger:
             return self._result(True, ReserveReason.ALREADY_RESERVED, budget, lease)
         if self._released_early.pop((holder, request_id), -math.inf) > self._clock():
             return self._result(False, ReserveReason.RELEASED_FIRST, budget, 0.0)
-        unserved = _unserved(budget, tokens)
-        if unserved is not None:
-            return self._result(False, unserved, budget, 0.0)
+        if not budget.healthy:
+            return self._result(False, ReserveReason.UNHEALTHY, budget, 0.0)
+        if budget.capacity_tokens <= 0:
+            return self._result(False, ReserveReason.NO_CAPACITY, budget, 0.0)
         chain = prefix if prefix is not None and prefix.blocks else None
         own = tokens - chain.tokens if chain is not None else tokens
         cached = self.prefixes.cached_blocks(chain) * chain.block_tokens if chain is not None else 0
@@ -412,12 +413,3 @@ def check_ids(request_id: str, holder: str) -> None:
         # Characters first: a str of a few MiB is not encoded to learn that it is too long.
         if len(value) > MAX_ID_BYTES or len(value.encode("utf-8", "surrogatepass")) > MAX_ID_BYTES:
             raise ValueError(f"{name} is longer than {MAX_ID_BYTES} bytes")
-
-
-def _unserved(budget: Budget, tokens: int) -> ReserveReason | None:
-    """Why the node serves no request of `tokens` now, whatever its reservations: None when it may."""
-    if not budget.healthy:
-        return ReserveReason.UNHEALTHY
-    if budget.capacity_tokens <= 0:
-        return ReserveReason.NO_CAPACITY
-    return None

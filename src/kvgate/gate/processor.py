@@ -25,10 +25,11 @@ time before Envoy's message_timeout runs out (kvgate.gate.holding).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 import grpc
 from envoy.config.core.v3.base_pb2 import HeaderValue
@@ -193,8 +194,10 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
                         # stream, at its first message: inside the error boundary.
                         stream.route, metadata = self._pipeline.route_policy(metadata), None
                     if self._holding is not None and kind == "request_body":
-                        async for response in self._held(message, kind, stream):
-                            yield response
+                        # Closed with the stream: a Reserve it is still making is given back then.
+                        async with contextlib.aclosing(self._held(message, kind, stream)) as held:
+                            async for response in held:
+                                yield response
                         continue
                     answers = await self._respond(message, kind, stream)
                 except Exception as error:  # the stream's one error boundary (module docstring)
@@ -219,7 +222,7 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
 
     async def _held(
         self, message: ProcessingRequest, kind: str | None, stream: RequestStream
-    ) -> AsyncIterator[ProcessingResponse]:
+    ) -> AsyncGenerator[ProcessingResponse, None]:
         """The body's answer, which may wait for room: past the notice, Envoy is asked to keep
         waiting (kvgate.gate.holding), once, for the longest wait."""
         assert self._holding is not None
