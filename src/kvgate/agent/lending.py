@@ -30,6 +30,8 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+from kvgate.quantiles import nearest_rank
+
 # The quantile of chat's per-second peak use the reserve is sized from: rare spikes are what the
 # factor above it is for.
 CHAT_QUANTILE = 0.99
@@ -90,7 +92,7 @@ class Lending:
         while self._seconds and self._seconds[0][0] <= horizon:
             self._seconds.popleft()
         # A second closed: the quantile moves once a second, over what the window holds.
-        self._reserve_quantile = _quantile([peak for _, peak in self._seconds], CHAT_QUANTILE)
+        self._reserve_quantile = nearest_rank((peak for _, peak in self._seconds), CHAT_QUANTILE)
         self._seconds.append((second, chat_tokens))
 
     def chat_reserve(self, capacity_tokens: int) -> int:
@@ -117,11 +119,3 @@ class Lending:
         """A lent request was granted: its uncached prompt joins the prefill in flight."""
         self._backlog = self.prefill_backlog(now) + uncached_prompt_tokens
         self._backlog_at = now
-
-
-def _quantile(values: list[int], q: float) -> int:
-    """The `q` quantile of `values` (nearest rank; 0 for none)."""
-    if not values:
-        return 0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]

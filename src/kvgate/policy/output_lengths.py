@@ -13,9 +13,10 @@ node's agent, not as a preemption.
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict, deque
 from collections.abc import Hashable
+
+from kvgate.quantiles import nearest_rank
 
 KEEP = 1000  # output lengths remembered per model and route
 MIN_SAMPLES = 50  # before the quantile replaces the configured default
@@ -52,7 +53,7 @@ class OutputLengths:
         if len(history.lengths) >= MIN_SAMPLES and (
             history.budget is None or history.unread >= REFRESH_EVERY
         ):
-            history.budget = _quantile(history.lengths, QUANTILE)
+            history.budget = nearest_rank(history.lengths, QUANTILE)
             history.unread = 0
 
     def budget(self, key: Hashable, ceiling: int) -> int | None:
@@ -62,9 +63,3 @@ class OutputLengths:
         if history is None or history.budget is None:
             return None
         return max(1, min(ceiling, max(FLOOR, history.budget)))
-
-
-def _quantile(values: deque[int], q: float) -> int:
-    """Nearest rank."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
