@@ -81,6 +81,7 @@ SHARED = {
     "kvgate.errors",
     "kvgate.names",
     "kvgate.bounds",
+    "kvgate.quantiles",
 }
 # The floor: modules every package may stand on. They import only each other (and kvgate.config's
 # own section modules), never a package above them.
