@@ -34,6 +34,7 @@ ROUTE_POLICY_IGNORED = "kvgate.gate.route_policy.ignored"
 # Streams the gate answered with the refusal table's internal_error row (an exception it did not expect).
 INTERNAL_ERRORS = "kvgate.gate.internal_errors"
 SERVED_ELSEWHERE = "kvgate.gate.picker_served_elsewhere"
+LEASE_RENEWALS = "kvgate.gate.lease_renewals"
 ADMISSION_WAITING = "kvgate.gate.admission.waiting"
 EXACT_COUNTS_PENDING = "kvgate.gate.exact_counts.pending"
 POOL_WATER_LEVEL = "kvgate.pool.water_level"
@@ -292,6 +293,14 @@ class GateMetrics:
             "held the reservation (a fallback or a retry); the reservation was released",
             (),
         )
+        self._lease_renewals = Tally(
+            m,
+            LEASE_RENEWALS,
+            "{reservation}",
+            "Reservations whose lease the gate renewed (renewed), found lapsed at the agent (lapsed: that "
+            "request runs on unreserved), or could not renew this period (error: the agent gave no answer)",
+            ("result",),
+        )
         self._placements = Tally(
             m,
             PLACEMENTS,
@@ -386,6 +395,9 @@ class GateMetrics:
 
     def served_elsewhere(self) -> None:
         self._served_elsewhere.add()
+
+    def renewed(self, result: str, reservations: int) -> None:
+        self._lease_renewals.add(result, n=reservations)
 
     def placed(self, placement: str, cached_tokens: int, saved_tokens: int, prefix_tokens: int) -> None:
         self._placements.add(placement)

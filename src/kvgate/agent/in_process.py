@@ -19,7 +19,7 @@ the tokens ended reservations freed.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvgate.agent.backfill import Waiter, WaitingClaims
@@ -113,6 +113,7 @@ class FakeHeadroom:
         self._nodes: dict[str, _Node] = {}
         self._update = asyncio.Event()
         self.released: list[tuple[str, str]] = []
+        self.renewals: list[tuple[str, tuple[str, ...]]] = []  # (node, ids) of each Renew
         # Every Reserve answered, in order: (node, request id, whether it holds its slot there).
         self.reserves: list[tuple[str, str, bool]] = []
 
@@ -274,6 +275,13 @@ class FakeHeadroom:
         self.released.append((node, request_id))
         self._notify()
         return state.ledger.release_answer(released, state.budget())
+
+    async def renew(self, node: str, request_ids: Sequence[str]) -> frozenset[str]:
+        state = self._answering(node)
+        lapsed, _ = state.ledger.renew(request_ids, "", self._lease_s)
+        self.renewals.append((node, tuple(request_ids)))
+        await asyncio.sleep(0)
+        return frozenset(lapsed)
 
     def _answering(self, name: str) -> _Node:
         node = self._nodes.get(name)

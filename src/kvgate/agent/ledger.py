@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvgate.agent.footprint import Footprint, held_now, peak, project
@@ -306,6 +306,25 @@ class ReservationLedger:
         self._asked += tokens
         self._held_by[holder] = self._held_by.get(holder, 0) + charged
         return self._result(True, ReserveReason.GRANTED, budget, lease, charged=charged, cached=cached)
+
+    def renew(self, request_ids: Iterable[str], holder: str, lease_s: float) -> tuple[list[str], float]:
+        """Extend `holder`'s live reservations among `request_ids` by `lease_s` (<= 0: the default) from
+        now; return the ids it holds nothing under (lapsed, released, or another holder's) and the lease
+        granted. A lapsed id is never booked again here: its room may already be someone else's, so
+        the holder learns it lost it rather than double-booking the node (kvgate.gate.leases)."""
+        check_ids("renew", holder)
+        lease = self._lease(lease_s)
+        self.expire()
+        until = self._clock() + lease
+        lapsed = []
+        for request_id in request_ids:
+            check_ids(request_id, holder)
+            existing = self._live.get(request_id)
+            if existing is None or existing.holder != holder:
+                lapsed.append(request_id)
+            elif existing.expires_at < until:
+                self._hold(dataclasses.replace(existing, expires_at=until))
+        return lapsed, lease
 
     def release(self, request_id: str, holder: str = "", *, unanswered_reserve: bool = False) -> bool:
         """End `holder`'s reservation; False when it was already gone (released twice, or expired), is

@@ -80,7 +80,8 @@ class AgentMetrics:
             m,
             AGENT_RESERVATIONS,
             "{reservation}",
-            "Reservation events: granted, refused (by reason), released, expired",
+            "Reservation events: granted, refused (by reason), released, expired, renewed, lapsed (a "
+            "renewal that came after the lease ended)",
             ("event", "reason"),
         )
         self._prefix = Tally(
@@ -210,6 +211,10 @@ class AgentMetrics:
 
     def expired(self) -> None:
         self._reservations.add("expired", "")
+
+    def renewed(self, renewed: int, lapsed: int) -> None:
+        self._reservations.add("renewed", "", n=renewed)
+        self._reservations.add("lapsed", "", n=lapsed)
 
     def prefix_granted(self, cached_tokens: int, saved_tokens: int) -> None:
         self._prefix.add(n=cached_tokens)

@@ -34,7 +34,7 @@ that found no room holds its slot, and whoever is behind it takes only what leav
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvgate.agent.backfill import NO_ROOM, Waiter, WaitingClaims
@@ -340,6 +340,10 @@ class NodeState:
         # A waiter that went elsewhere or gave up says so with a Release: its claim goes with it.
         self.claims.drop(Waiter(holder, request_id))
         return self.ledger.release_answer(released, self.budget())
+
+    def renew(self, request_ids: Sequence[str], holder: str, lease_s: float) -> tuple[list[str], float]:
+        """Extend `holder`'s leases of `request_ids`: the ids it holds nothing under, and the lease."""
+        return self.ledger.renew(request_ids, holder, lease_s)
 
     def expire(self) -> list[Reservation]:
         """End the reservations whose lease ran out; the ones ended."""

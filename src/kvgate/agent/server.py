@@ -330,6 +330,23 @@ class _AgentServicer(pb_grpc.AgentServicer):
         self._agent.changed.set()
         return release_to_proto(outcome)
 
+    async def Renew(self, request: pb.RenewRequest, context: grpc.aio.ServicerContext) -> pb.RenewResponse:
+        holder = await self._holder(request.holder, context)
+        try:
+            lapsed, lease_s = self._agent.state.renew(request.request_ids, holder, request.lease_s)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise AssertionError("abort returns by raising") from exc
+        self._agent.metrics.renewed(len(request.request_ids) - len(lapsed), len(lapsed))
+        if lapsed:
+            log.warning(
+                "renewal by %r: %d of %d reservations had lapsed",
+                holder,
+                len(lapsed),
+                len(request.request_ids),
+            )
+        return pb.RenewResponse(lapsed=lapsed, lease_s=lease_s)
+
     async def _holder(self, claimed: str, context: grpc.aio.ServicerContext) -> str:
         """Who the caller holds reservations as: its certificate's identity under mTLS (what it
         claims is then only logged), else what it claims (the ledger bounds its length)."""
@@ -367,6 +384,11 @@ def _add_agent_service(servicer: _AgentServicer, server: grpc.aio.Server) -> Non
             servicer.Release,
             request_deserializer=pb.ReleaseRequest.FromString,
             response_serializer=pb.ReleaseResponse.SerializeToString,
+        ),
+        "Renew": grpc.unary_unary_rpc_method_handler(
+            servicer.Renew,
+            request_deserializer=pb.RenewRequest.FromString,
+            response_serializer=pb.RenewResponse.SerializeToString,
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

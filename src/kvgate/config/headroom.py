@@ -36,6 +36,8 @@ from kvgate.errors import ConfigError
 STALE_HEARTBEATS = 3
 HUNG_HEARTBEATS = 5
 MAX_HEARTBEAT_S = 10.0
+# A gate's reservation lease (headroom.lease_s): renewed every third of it while the request lives.
+DEFAULT_LEASE_S = 30.0
 
 IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -53,8 +55,9 @@ class HeadroomSettings:
     # when that is longer: the agent is hung; drop the stream and reconnect.
     idle_timeout_s: float = field(default=1.0, metadata=at_least(0.05))
     reserve_timeout_s: float = field(default=0.05, metadata=at_least(0.001))
-    # Safety net only: the gate releases at the end of the request; a lost release expires here.
-    lease_s: float = field(default=600.0, metadata=at_least(1))
+    # The gate releases at the end of the request and renews every third of the lease while the
+    # request lives (kvgate.gate.leases): a gate that dies holds its KV one lease at most.
+    lease_s: float = field(default=DEFAULT_LEASE_S, metadata=at_least(1))
     reconnect_initial_s: float = field(default=0.1, metadata=at_least(0.001))
     reconnect_max_s: float = field(default=5.0, metadata=at_least(0.001))
     # Where agents' engine endpoints may be besides the agent's own host: CIDRs, IP addresses or host

@@ -22,12 +22,14 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvgate.config import AdmissionConfig, ModelConfig
+from kvgate.config.headroom import DEFAULT_LEASE_S
 from kvgate.errors import HeadroomError
+from kvgate.gate.leases import LeaseKeeper
 from kvgate.gate.waitqueue import MONOTONIC, Clock, Place, WaitQueue
 from kvgate.headroom import giveback
 from kvgate.headroom.giveback import unanswered
@@ -79,6 +81,11 @@ class HeadroomSource(Protocol):
     async def release(self, node: str, request_id: str, *, unanswered: bool = False) -> ReleaseOutcome:
         """End the reservation this source made (it releases as the holder it reserved as: an agent
         frees only its holder's reservations); `unanswered`: its Reserve got no answer (giveback)."""
+        ...
+
+    async def renew(self, node: str, request_ids: Sequence[str]) -> frozenset[str]:
+        """Extend the leases of this source's reservations `request_ids` on `node`, in one call: the ids
+        the agent no longer holds (lapsed). HeadroomError when it gives no answer."""
         ...
 
     async def wait_update(self, timeout_s: float) -> bool: ...
@@ -145,9 +152,11 @@ class Admission:
         *,
         rng: Callable[[], float] = random.random,
         wall_ns: Callable[[], int] = time.time_ns,
+        lease_s: float = DEFAULT_LEASE_S,
     ) -> None:
         """`wall_ns`: the wall clock a request's place in the one waiting order is read from; the
-        agents compare it with other gates' and the queue's, so it is the host's real time."""
+        agents compare it with other gates' and the queue's, so it is the host's real time. `lease_s`:
+        the lease the long pool's agents grant this gate, renewed every third of it (kvgate.gate.leases)."""
         self._config = config
         self._wall_ns = wall_ns
         # The head of this gate's line while it holds its place on an agent: behind it, this gate asks
@@ -163,6 +172,8 @@ class Admission:
         self._pump: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._metrics = telemetry or GateMetrics()
+        self.leases = LeaseKeeper(long, lease_s, self._metrics) if long is not None else None
+        self._renewing: asyncio.Task[None] | None = None
         retry = RetrySettings(
             config.retry_after,
             config.retry_after_s,
@@ -189,11 +200,14 @@ class Admission:
         """Wake the waiting requests whenever an agent of the long pool speaks."""
         if self._long is not None:
             self._pump = asyncio.create_task(self._pump_updates(self._long), name="kvgate-admission")
+        if self.leases is not None:
+            self._renewing = asyncio.create_task(self.leases.run(), name="kvgate-leases")
 
     async def stop(self) -> None:
-        if self._pump is not None:
-            self._pump.cancel()
-            await asyncio.gather(self._pump, return_exceptions=True)
+        for task in (self._pump, self._renewing):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     @property
     def waiters_woken(self) -> int:
@@ -446,6 +460,8 @@ class Admission:
         self._metrics.reservation("granted" if outcome.granted else "refused")
         if not outcome.granted:
             return None
+        if self.leases is not None:
+            self.leases.hold(agent, request_id)
         return Ticket(agent, request_id, ask.tokens, outcome)
 
     def _release_later(self, agent: str, request_id: str, *, unanswered: bool = False) -> None:
@@ -458,6 +474,8 @@ class Admission:
 
     async def _release(self, agent: str, request_id: str, *, unanswered: bool = False) -> None:
         assert self._long is not None, "a reservation exists only where a long pool granted it"
+        if self.leases is not None:
+            self.leases.let_go(agent, request_id)
         await giveback.release(self._long, agent, request_id, unanswered=unanswered)
         self._pulse()
 
@@ -511,6 +529,9 @@ class _Within:
 
     async def release(self, node: str, request_id: str, *, unanswered: bool = False) -> ReleaseOutcome:
         return await self._source.release(node, request_id, unanswered=unanswered)
+
+    async def renew(self, node: str, request_ids: Sequence[str]) -> frozenset[str]:
+        return await self._source.renew(node, request_ids)
 
     async def wait_update(self, timeout_s: float) -> bool:
         return await self._source.wait_update(timeout_s)

@@ -76,7 +76,11 @@ async def serve(
     long_view, interactive_view = _view(config, config.headroom), _view(config, config.interactive_headroom)
     views = [view for view in (long_view, interactive_view) if view is not None]
     long = _long_source(config, long_view, interactive_view)
-    admission = Admission(config.admission, long, interactive_view, telemetry) if views else None
+    admission = (
+        Admission(config.admission, long, interactive_view, telemetry, lease_s=_lease_s(config))
+        if views
+        else None
+    )
     for view in views:
         await view.start()
     if admission is not None:
@@ -148,6 +152,13 @@ def _long_source(
     if long is None or interactive is None or not config.soft_pools.borrow:
         return long
     return SoftPool(long, interactive)
+
+
+def _lease_s(config: Config) -> float:
+    """The shortest lease of the pools a long request may reserve in: renewals keep pace with it."""
+    if config.soft_pools.borrow:
+        return min(config.headroom.lease_s, config.interactive_headroom.lease_s)
+    return config.headroom.lease_s
 
 
 def run_worker(config: Config, metrics_listen: str | None, otlp_endpoint: str | None) -> None:

@@ -3,7 +3,7 @@ pool's agents that lend (docs/operations.md, "Soft pools").
 
 One `HeadroomSource` over two views: its snapshot is every long-pool node followed by the interactive
 nodes whose agent says it lends (role interactive, `lend_tokens` set), so `choose_nodes` tries them
-after the long nodes and within what they lend; a Reserve or Release goes to the view that follows
+after the long nodes and within what they lend; a Reserve, Release or Renew goes to the view that follows
 that agent; an update from either view wakes admission. The interactive view still serves the
 interactive pool's water level as before. Pinning needs nothing more: the gate pins an admitted long
 request to the endpoint its node's agent reports (vetted by that view's headroom.allowed_endpoints),
@@ -13,6 +13,7 @@ and Envoy's long_pinned cluster routes to the address in x-kvgate-endpoint whate
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 from kvgate.gate.admission import HeadroomSource
@@ -46,6 +47,9 @@ class SoftPool:
 
     async def release(self, node: str, request_id: str, *, unanswered: bool = False) -> ReleaseOutcome:
         return await self._source(node).release(node, request_id, unanswered=unanswered)
+
+    async def renew(self, node: str, request_ids: Sequence[str]) -> frozenset[str]:
+        return await self._source(node).renew(node, request_ids)
 
     async def wait_update(self, timeout_s: float) -> bool:
         """Until either pool's agents speak; False when `timeout_s` passed first."""

@@ -1,4 +1,4 @@
-"""The gate's gRPC adapter to one agent: a Subscribe stream, Reserve and Release.
+"""The gate's gRPC adapter to one agent: a Subscribe stream, Reserve, Release and Renew.
 
 gRPC failures become HeadroomError here; nothing above this module sees grpc's exceptions.
 The channel's own reconnect backoff is kept short so that the view's jittered backoff, not
@@ -6,6 +6,8 @@ gRPC's default of up to two minutes, decides how soon a restarted agent is found
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import grpc
 
@@ -15,6 +17,10 @@ from kvgate.errors import AgentCallError
 from kvgate.headroom.credentials import ChannelSecurity, open_channel
 from kvgate.headroom.snapshot import NO_PREFIXES, NodeHeadroom, PrefixChain, ReleaseOutcome, ReserveOutcome
 from kvgate.headroom.wire import headroom_from_proto, release_from_proto, reserve_from_proto, reserve_request
+
+# Ids per Renew call: 200 ids at the 256-byte limit of an id are about 52 KiB, inside the agent's 64 KiB
+# request bound (a gate's own ids are about 50 bytes, so a call is about 10 KiB).
+RENEW_BATCH = 200
 
 
 class HeadroomStream:
@@ -112,6 +118,23 @@ class AgentClient:
         except grpc.aio.AioRpcError as exc:
             raise _error(self.address, "Release", exc) from exc
         return release_from_proto(response)
+
+    async def renew_leases(
+        self, request_ids: Sequence[str], holder: str, lease_s: float, timeout_s: float
+    ) -> frozenset[str]:
+        """Extend `holder`'s leases of `request_ids` on this agent: the ids it no longer holds (lapsed).
+        One call per RENEW_BATCH ids: the agent takes requests of at most 64 KiB."""
+        lapsed: set[str] = set()
+        for start in range(0, len(request_ids), RENEW_BATCH):
+            request = pb.RenewRequest(
+                request_ids=request_ids[start : start + RENEW_BATCH], lease_s=lease_s, holder=holder
+            )
+            try:
+                response: pb.RenewResponse = await self._stub.Renew(request, timeout=timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                raise _error(self.address, "Renew", exc) from exc
+            lapsed.update(response.lapsed)
+        return frozenset(lapsed)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -1,4 +1,4 @@
-"""The gate's view of every agent: one long-lived Subscribe stream each, Reserve and Release.
+"""The gate's view of every agent: one long-lived Subscribe stream each, Reserve, Release and Renew.
 
 The view holds data, not decisions: which node to choose, and what to do with a stale or unhealthy
 one, is the policy's business. For each agent it keeps the latest NodeHeadroom, when it arrived
@@ -33,7 +33,7 @@ import os
 import random
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvgate.addresses import split_host_port
 from kvgate.config.headroom import HeadroomSettings, IpAddress, hung_after, ip_or_none, stale_after
@@ -55,6 +55,9 @@ log = logging.getLogger(__name__)
 # How long an on-demand view keeps following the agents after the last demand: a queue whose jobs come
 # in trickles does not reconnect for each one.
 LINGER_S = 10.0
+# A renewal is off the request path and has a third of a lease to land: it may take far longer than a
+# Reserve (reserve_timeout_s) before it counts as failed.
+RENEW_TIMEOUT_S = 1.0
 
 
 class _Link:
@@ -220,6 +223,14 @@ class HeadroomView:
         )
         self._merge(link, outcome.headroom_tokens, outcome.reserved_tokens)
         return outcome
+
+    async def renew(self, node: str, request_ids: Sequence[str]) -> frozenset[str]:
+        """Extend the leases of this view's reservations `request_ids` on `node` by `lease_s` from now,
+        in one call: the ids the agent no longer holds for us (lapsed)."""
+        link = self._link(node)
+        return await link.client.renew_leases(
+            request_ids, self._holder, self.settings.lease_s, RENEW_TIMEOUT_S
+        )
 
     def _link(self, node: str) -> _Link:
         link = self._links.get(node)

@@ -206,3 +206,21 @@ class ReleaseResponse(_message.Message):
     headroom_tokens: int
     reserved_tokens: int
     def __init__(self, released: _Optional[bool] = ..., headroom_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ...) -> None: ...
+
+class RenewRequest(_message.Message):
+    __slots__ = ("request_ids", "lease_s", "holder")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    lease_s: float
+    holder: str
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., lease_s: _Optional[float] = ..., holder: _Optional[str] = ...) -> None: ...
+
+class RenewResponse(_message.Message):
+    __slots__ = ("lapsed", "lease_s")
+    LAPSED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    lapsed: _containers.RepeatedScalarFieldContainer[str]
+    lease_s: float
+    def __init__(self, lapsed: _Optional[_Iterable[str]] = ..., lease_s: _Optional[float] = ...) -> None: ...

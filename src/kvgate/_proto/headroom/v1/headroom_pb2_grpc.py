@@ -50,6 +50,11 @@ class AgentStub:
                 request_serializer=kvgate_dot_headroom_dot_v1_dot_headroom__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=kvgate_dot_headroom_dot_v1_dot_headroom__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Renew = channel.unary_unary(
+                '/kvgate.headroom.v1.Agent/Renew',
+                request_serializer=kvgate_dot_headroom_dot_v1_dot_headroom__pb2.RenewRequest.SerializeToString,
+                response_deserializer=kvgate_dot_headroom_dot_v1_dot_headroom__pb2.RenewResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServicer:
@@ -78,6 +83,16 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Renew(self, request, context):
+        """Extend the leases of the holder's live reservations named, all in one call: a gate renews every
+        reservation it holds on this node while each request's stream lives. A request_id the holder does
+        not hold (its lease lapsed, it was released, or it is another holder's) is returned in `lapsed`
+        and not booked again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +110,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=kvgate_dot_headroom_dot_v1_dot_headroom__pb2.ReleaseRequest.FromString,
                     response_serializer=kvgate_dot_headroom_dot_v1_dot_headroom__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Renew': grpc.unary_unary_rpc_method_handler(
+                    servicer.Renew,
+                    request_deserializer=kvgate_dot_headroom_dot_v1_dot_headroom__pb2.RenewRequest.FromString,
+                    response_serializer=kvgate_dot_headroom_dot_v1_dot_headroom__pb2.RenewResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +198,33 @@ class Agent:
             '/kvgate.headroom.v1.Agent/Release',
             kvgate_dot_headroom_dot_v1_dot_headroom__pb2.ReleaseRequest.SerializeToString,
             kvgate_dot_headroom_dot_v1_dot_headroom__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Renew(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvgate.headroom.v1.Agent/Renew',
+            kvgate_dot_headroom_dot_v1_dot_headroom__pb2.RenewRequest.SerializeToString,
+            kvgate_dot_headroom_dot_v1_dot_headroom__pb2.RenewResponse.FromString,
             options,
             channel_credentials,
             insecure,
