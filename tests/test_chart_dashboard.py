@@ -244,7 +244,7 @@ async def _reserve(agent: str, reservation: str, tokens: int, release: bool = Fa
         if release:
             await view.release(agent, reservation)
         else:
-            assert (await view.reserve(agent, reservation, tokens)).granted
+            assert (await view.reserve(agent, reservation, tokens, lease_s=600)).granted
     finally:
         await view.stop()
 
