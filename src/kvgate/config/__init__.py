@@ -163,6 +163,10 @@ class AdmissionConfig:
     # A long request that fits nowhere waits this long, in priority order, for a node to free up.
     max_wait_s: float = field(default=2.0, metadata=at_least(0))
     queue_size: int = field(default=64, metadata=at_least(1))
+    # Past this event-loop lag, a long request is answered at once (503 gateway_overloaded with
+    # Retry-After, or the async pool) rather than left for Envoy's message_timeout to fail open
+    # (kvgate.gate.loop_lag).
+    max_loop_lag_s: float = field(default=0.5, metadata=at_least(0.01))
     # Nodes whose headroom stream is stale: `probe` still asks their agent (it grants atomically from its
     # own data) after every fresh node; `exclude` never does.
     stale_nodes: Literal["probe", "exclude"] = "probe"

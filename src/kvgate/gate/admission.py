@@ -153,10 +153,13 @@ class Admission:
         rng: Callable[[], float] = random.random,
         wall_ns: Callable[[], int] = time.time_ns,
         lease_s: float = DEFAULT_LEASE_S,
+        loop_lag: Callable[[], float] | None = None,
     ) -> None:
         """`wall_ns`: the wall clock a request's place in the one waiting order is read from; the
         agents compare it with other gates' and the queue's, so it is the host's real time. `lease_s`:
-        the lease the long pool's agents grant this gate, renewed every third of it (kvgate.gate.leases)."""
+        the lease the long pool's agents grant this gate, renewed every third of it (kvgate.gate.leases).
+        `loop_lag`: how far behind the gate's event loop runs, in seconds (kvgate.gate.loop_lag)."""
+        self._loop_lag = loop_lag
         self._config = config
         self._wall_ns = wall_ns
         # The head of this gate's line while it holds its place on an agent: behind it, this gate asks
@@ -251,6 +254,11 @@ class Admission:
             why = f"the long-context pool is {self._long_pressure.level.name.lower()}"
             shed = overflow(route, model, Reason.SHED, why, self._config.async_fallback)
             return Admitted(self._come_back(shed, source, output_tokens))
+        behind_s = self._loop_lag() if self._loop_lag is not None else 0.0
+        if behind_s > self._config.max_loop_lag_s:
+            why = f"the gateway runs {behind_s:.1f} s behind"
+            late = overflow(route, model, Reason.OVERLOADED, why, self._config.async_fallback)
+            return Admitted(self._come_back(late, source, output_tokens))
         max_wait_s = self._config.max_wait_s if wait_s is None else min(wait_s, self._config.longest_wait_s)
         ask = _Ask(reservation_id, rank, max_wait_s, affinity, output_tokens, route.tokens, self._wall_ns())
         started = time.perf_counter()

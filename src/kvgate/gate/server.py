@@ -21,6 +21,7 @@ from kvgate.allocator import keep_big_buffers
 from kvgate.config import Config
 from kvgate.config.headroom import HeadroomSettings
 from kvgate.gate.admission import Admission, HeadroomSource
+from kvgate.gate.loop_lag import LoopLag
 from kvgate.gate.picker import EndpointPicker
 from kvgate.gate.pipeline import Pipeline, estimator_factory
 from kvgate.gate.processor import ExternalProcessor
@@ -28,6 +29,7 @@ from kvgate.gate.soft_pool import SoftPool
 from kvgate.headroom.credentials import ChannelSecurity, add_port
 from kvgate.headroom.view import HeadroomView
 from kvgate.telemetry import (
+    EVENT_LOOP_LAG,
     EXACT_COUNTS_PENDING,
     DecisionSpans,
     GateMetrics,
@@ -76,8 +78,25 @@ async def serve(
     long_view, interactive_view = _view(config, config.headroom), _view(config, config.interactive_headroom)
     views = [view for view in (long_view, interactive_view) if view is not None]
     long = _long_source(config, long_view, interactive_view)
+    lag = LoopLag()
+    probing = asyncio.create_task(lag.run(), name="kvgate-loop-lag")
+    observe(
+        telemetry.meter,
+        EVENT_LOOP_LAG,
+        "s",
+        "How late the gate's event loop runs its work: past admission.max_loop_lag_s long requests are "
+        "answered at once (503 gateway_overloaded, or the async pool)",
+        lambda: [(lag.current_s(), {})],
+    )
     admission = (
-        Admission(config.admission, long, interactive_view, telemetry, lease_s=_lease_s(config))
+        Admission(
+            config.admission,
+            long,
+            interactive_view,
+            telemetry,
+            lease_s=_lease_s(config),
+            loop_lag=lag.current_s,
+        )
         if views
         else None
     )
@@ -116,6 +135,7 @@ async def serve(
         await admission.stop()
     for view in views:
         await view.stop()
+    probing.cancel()
     pipeline.close()
     log.info("gate stopped")
 

@@ -1,0 +1,41 @@
+"""How far behind the gate's event loop runs: the time every answer waits before the gate can even
+start on it.
+
+Envoy gives the gate `message_timeout` (5 s in the shipped configs) per message and then fails open,
+sending the request on undecided. A gate whose loop is seconds behind (a CPU-starved pod, a burst of
+big bodies) would let that timeout decide for it. So the gate measures its own lag and, past
+admission.max_loop_lag_s, answers long requests at once, before any Reserve round trip (each costs a few
+more turns of a slow loop): 503 `gateway_overloaded` with Retry-After, or the async pool for
+requests that may go there (kvgate.policy.overflow). Short requests are still routed: their answer
+costs no more than a refusal would.
+
+A probe sleeps `INTERVAL_S` over and over; how late it wakes is the lag. The lag read by a request is
+the larger of the last probe's and how overdue the current probe already is, so a loop that was just
+blocked for a second reads a second behind at once, not one interval later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+INTERVAL_S = 0.05
+
+
+class LoopLag:
+    def __init__(self) -> None:
+        self._last_s = 0.0
+        self._due = 0.0  # the loop time the probe should wake at; 0 before it runs
+
+    def current_s(self) -> float:
+        if not self._due:
+            return 0.0
+        overdue = asyncio.get_running_loop().time() - self._due
+        return max(self._last_s, overdue)
+
+    async def run(self) -> None:
+        """Forever: probe the loop."""
+        loop = asyncio.get_running_loop()
+        while True:
+            self._due = loop.time() + INTERVAL_S
+            await asyncio.sleep(INTERVAL_S)
+            self._last_s = max(0.0, loop.time() - self._due)
