@@ -59,3 +59,17 @@ def test_a_long_request_is_answered_at_once_while_the_loop_is_behind() -> None:
         assert (await admission_behind(5.0).admit(short, ModelConfig(), None, "r4")).decision == short
 
     asyncio.run(scenario())
+
+
+def test_the_lag_reads_from_another_thread_as_the_metrics_exporter_does() -> None:
+    async def scenario() -> None:
+        lag = LoopLag()
+        probe = asyncio.create_task(lag.run())
+        try:
+            await asyncio.sleep(0.06)
+            read = await asyncio.to_thread(lag.current_s)
+            assert 0.0 <= read < 5.0
+        finally:
+            probe.cancel()
+
+    asyncio.run(scenario())

@@ -130,7 +130,9 @@ class Blockers:
         try:
             for agent in self._agents:
                 if reserve:
-                    outcome = await view.reserve(agent, f"blocker-{agent}", NODE_TOKENS - self._free, lease_s=600)
+                    outcome = await view.reserve(
+                        agent, f"blocker-{agent}", NODE_TOKENS - self._free, lease_s=600
+                    )
                     assert outcome.granted, outcome
                 else:
                     await view.release(agent, f"blocker-{agent}")

@@ -231,6 +231,11 @@ class ReservationLedger:
             return Footprint(prompt, 0, 0, math.inf)  # no output budget: no expected end
         return project(prompt, declared, age_s, rate, lambda g: self.outputs.projected(declared, g, levels))
 
+    def largest_holders(self, limit: int) -> list[tuple[str, int]]:
+        """The `limit` holders charged the most by their live reservations, largest first."""
+        self.expire()
+        return sorted(self._held_by.items(), key=lambda item: item[1], reverse=True)[:limit]
+
     def held_by(self, holder: str) -> int:
         """What `holder`'s live reservations were charged when granted (its part of the cap)."""
         self.expire()

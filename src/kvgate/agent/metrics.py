@@ -11,7 +11,7 @@ the KV token-seconds and prefill tokens each used, and the prefill in seconds at
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
@@ -25,6 +25,7 @@ from kvgate.telemetry import (
     AGENT_ENGINE_SCRAPES,
     AGENT_HEADROOM,
     AGENT_HEALTHY,
+    AGENT_HOLDER_TOKENS,
     AGENT_PREFIX_CACHED,
     AGENT_PREFIX_FORGOTTEN,
     AGENT_PREFIX_INDEXED,
@@ -45,6 +46,8 @@ from kvgate.telemetry import (
 )
 
 Reading = list[tuple[float, dict[str, str]]]
+# Holders shown by name: a bound on the series, since without mTLS a holder is whatever a caller claims.
+HOLDERS_SHOWN = 10
 ClassCallback = Callable[[CallbackOptions], list[Observation]]
 
 
@@ -57,7 +60,9 @@ class AgentMetrics:
         prefill_tokens_per_s: float = 1.0,
         *,
         ratio_steps: Callable[[], Mapping[str, int]] = dict,
+        holders: Callable[[int], Sequence[tuple[str, int]]] = lambda _limit: (),
     ) -> None:
+        """`holders(n)`: the n holders whose live reservations are charged the most, with their tokens."""
         m = meter("kvgate.agent")
         self._messages = Tally(
             m,
@@ -156,6 +161,14 @@ class AgentMetrics:
             "{token}",
             "Tokens held by live reservations",
             node_value(lambda h: h.reserved_tokens),
+        )
+        observe(
+            m,
+            AGENT_HOLDER_TOKENS,
+            "{token}",
+            f"Tokens charged to the live reservations of each of the {HOLDERS_SHOWN} largest holders (a gate "
+            "process, the queue, or a client certificate): a dead holder holds this until its lease ends",
+            lambda: [(float(tokens), {"holder": holder}) for holder, tokens in holders(HOLDERS_SHOWN)],
         )
         observe(
             m,

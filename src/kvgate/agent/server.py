@@ -119,6 +119,7 @@ class Agent:
             self.state.class_usage.figures,
             settings.lending.prefill_tokens_per_s,
             ratio_steps=lambda: self.state.ratio.steps,
+            holders=self.state.ledger.largest_holders,
         )
 
     async def start(self, listen: str, tls: ServerTls | None = None) -> int:

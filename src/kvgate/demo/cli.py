@@ -90,6 +90,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="with --trace: send the trace X times faster; the simulated nodes' prefill and decode "
         "rates are multiplied by X, so they stay as loaded as the trace makes them (default 1)",
     )
+    parser.add_argument(
+        "--faults",
+        default=None,
+        metavar="SPEC",
+        help="with --trace: kill processes of the kvgate runs during the replay, each restarted 5 s "
+        "later, and report what each cost: TARGET:SECONDS[:KILL|TERM], comma-separated, TARGET one of "
+        "gate, agent, queue, node (the first long node's agent or engine), SECONDS since the run's "
+        "first request as replayed, e.g. gate:40s,agent:100s,queue:160s,node:220s:TERM "
+        "(kvgate.demo.faults)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -114,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
     from kvgate.demo.runner import print_report, run_demo
     from kvgate.harness.processes import ChildError
 
+    if args.faults is not None and args.trace is None:
+        raise ConfigError("--faults needs --trace: faults are injected into a trace replay")
     scenario = with_engine(load_scenario(args.scenario or _default_scenario(args)), args.engine)
     runs = (args.only,) if args.only else scenario.runs
     envoy_config = Path()
@@ -135,12 +147,15 @@ def run(args: argparse.Namespace) -> int:
     if args.trace is None:
         print_report(report, args.out)
         return 0
+    from kvgate.demo.faults import fault_lines
     from kvgate.demo.soft_pools import soft_pool_lines
     from kvgate.demo.trace_report import format_trace_table
 
     print(format_trace_table(report))
     if soft := soft_pool_lines(report["runs"]):
         print(f"\nsoft pools (kvgate agents' per-class figures):\n{soft}")
+    if faults := fault_lines(report["runs"]):
+        print(f"\nfaults (kvgate.demo.faults):\n{faults}")
     for name, reason in report["not_run"].items():
         print(f"not run: {name}: {reason}")
     print(f"\nwrote {args.out / 'report.json'}, report.md and report.png")
@@ -181,6 +196,7 @@ def _trace_work(
         out_dir=args.out,
         envoy_config=envoy_config,
         runs=runs,
+        faults=args.faults,
     )
 
 

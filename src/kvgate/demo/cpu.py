@@ -67,6 +67,7 @@ class CpuMeter:
     def __init__(self, pids: Mapping[str, int]) -> None:
         self._pids = dict(pids)
         self._before: dict[int, float] = {}
+        self._banked: dict[str, float] = {}  # CPU of processes killed (`retire`)
         self._started = 0.0
         self.seconds = 0.0
 
@@ -74,11 +75,25 @@ class CpuMeter:
         self._before = tree_cpu_seconds(self._pids.values())
         self._started = time.monotonic()
 
+    def watches(self, name: str) -> bool:
+        return name in self._pids
+
+    def retire(self, name: str) -> None:
+        """`name` is about to be killed: bank what its process spent, read now while it lives."""
+        old = self._pids[name]
+        spent = tree_cpu_seconds([old])[old] - self._before.pop(old, 0.0)
+        self._banked[name] = self._banked.get(name, 0.0) + max(0.0, spent)
+
+    def follow(self, name: str, pid: int) -> None:
+        """`name` runs on as `pid` (restarted after `retire`): counted from here."""
+        self._pids[name] = pid
+        self._before[pid] = 0.0
+
     def stop(self) -> dict[str, float]:
         after = tree_cpu_seconds(self._pids.values())
         self.seconds = time.monotonic() - self._started
         return {
-            name: round(max(0.0, after[pid] - self._before.get(pid, 0.0)), 3)
+            name: round(self._banked.get(name, 0.0) + max(0.0, after[pid] - self._before.get(pid, 0.0)), 3)
             for name, pid in self._pids.items()
         }
 

@@ -27,7 +27,7 @@ from kvgate.demo.prompts import BLOCK_TOKENS
 from kvgate.demo.scenario import Planned, Scenario
 from kvgate.demo.tokenizer import prompt_blocks
 from kvgate.names import JOB_ID_HEADER
-from kvgate.sim.server import NODE_HEADER
+from kvgate.sim.server import GATE_REASON_HEADER, NODE_HEADER
 from kvgate.sim.tokens import make_prompt
 
 Outcome = Literal["ok", "async", "413", "429", "503", "other", "lost"]
@@ -42,12 +42,15 @@ class Result:
     outcome: Outcome
     status: int | None = None
     ttft_s: float | None = None
-    finished_s: float | None = None
+    finished_s: float | None = None  # after sent_s: the stream's [DONE], or when a lost request was lost
     completion_tokens: int = 0
     node: str | None = None
     detail: str = ""
     queued: bool = False  # answered by kvgate's queue (held until a node reserved for it)
     prompt_tokens: int = 0  # what the engine counted, from the stream's usage (0 when it sent none)
+    # How the gate routed it, as the node saw it (its x-kvgate-reason); "" for a request that reached
+    # the node without the gate's answer (Envoy failed open); None when no node answered.
+    gate_reason: str | None = None
 
 
 def classify_response(status: int, body: bytes) -> Outcome:
@@ -218,7 +221,9 @@ class LoadGenerator:
         try:
             result = await self._exchange(session, planned, body, sent, start)
         except (aiohttp.ClientError, OSError, ValueError) as exc:
-            result = Result(planned, sent - start, "lost", detail=_describe(exc))
+            result = Result(
+                planned, sent - start, "lost", finished_s=self._clock() - sent, detail=_describe(exc)
+            )
         finally:
             self._in_flight -= 1
         self._record(results, result)
@@ -229,6 +234,7 @@ class LoadGenerator:
         headers = {"Content-Type": "application/json"}
         async with session.post(self._url, data=body, headers=headers) as response:
             node = response.headers.get(NODE_HEADER)
+            routed = response.headers.get(GATE_REASON_HEADER)
             queued = JOB_ID_HEADER in response.headers
             if response.status != 200:
                 payload = await response.read()
@@ -240,18 +246,40 @@ class LoadGenerator:
                     response.status,
                     node=node,
                     detail=payload[:200].decode(errors="replace"),
+                    gate_reason=routed,
                 )
             try:
                 ttft, (prompt, tokens), done = await self._read_stream(response.content, sent)
             except (aiohttp.ClientError, OSError, ValueError) as exc:
-                return Result(planned, sent - start, "lost", 200, node=node, detail=_describe(exc))
+                cut_after = self._clock() - sent
+                return Result(
+                    planned,
+                    sent - start,
+                    "lost",
+                    200,
+                    finished_s=cut_after,
+                    node=node,
+                    detail=_describe(exc),
+                    gate_reason=routed,
+                )
         if done is None:
+            cut = "stream ended without [DONE]"
             return Result(
-                planned, sent - start, "lost", 200, ttft, None, tokens, node, "stream ended without [DONE]"
+                planned, sent - start, "lost", 200, ttft, None, tokens, node, cut, gate_reason=routed
             )
         served: Outcome = "async" if node in self._async_nodes else "ok"
         return Result(
-            planned, sent - start, served, 200, ttft, done, tokens, node, queued=queued, prompt_tokens=prompt
+            planned,
+            sent - start,
+            served,
+            200,
+            ttft,
+            done,
+            tokens,
+            node,
+            queued=queued,
+            prompt_tokens=prompt,
+            gate_reason=routed,
         )
 
     async def _read_stream(

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kvgate.demo.cpu import CpuMeter, idle_cpu_per_s
+from kvgate.demo.fault_injection import inject_faults, shift
+from kvgate.demo.faults import Fault, fault_figures, parse_faults
 from kvgate.demo.load import LazyBodies, LoadGenerator
 from kvgate.demo.peers import PEER_RUNS, limits, unavailable
 from kvgate.demo.runner import Progress, replay, write_requests
@@ -60,6 +62,7 @@ async def _replay_one(
     out_dir: Path,
     envoy_config: Path,
     progress: Progress,
+    faults: tuple[Fault, ...] = (),
 ) -> tuple[dict[str, Any], RunSeries]:
     with (
         tempfile.TemporaryDirectory(prefix=f"kvgate-trace-{name}-") as tmp,
@@ -84,9 +87,18 @@ async def _replay_one(
         nodes_meter.start()
         duration = planned[-1].at_s
         bodies = LazyBodies(scenario, planned)
+        start = time.monotonic()
+        injecting = None
+        if faults:
+            meters = (meter, nodes_meter)
+            first_at = start + planned[0].at_s
+            injecting = asyncio.create_task(
+                inject_faults(faults, group, stack, meters, first_at=first_at, progress=progress)
+            )
         results = await replay(
-            name, load, planned, bodies, duration_s=duration, progress=progress, sampler=sampler
+            name, load, planned, bodies, duration_s=duration, progress=progress, sampler=sampler, start=start
         )
+        injected = shift(await injecting, start) if injecting is not None else []
         cpu = meter.stop()
         nodes_cpu = nodes_meter.stop()
         own_cpu = time.process_time() - own_before
@@ -98,6 +110,14 @@ async def _replay_one(
     if pages:
         pools = {node.name: node.pool for node in stack.nodes}
         summary["soft_pools"] = soft_pool_figures(pages, results, pools)
+    if faults:
+        summary["faults"] = fault_figures(
+            injected,
+            results,
+            interactive_nodes=frozenset(n.name for n in stack.nodes if n.pool == "interactive"),
+            interactive_max_tokens=scenario.node.interactive_max_model_len,
+            first_s=planned[0].at_s,
+        )
     summary["load_average_1m"] = [round(load_before[0], 2), round(load_after[0], 2)]
     # Not the routing layer's, for the record: the simulated nodes' CPU and the load generator's own.
     summary["nodes_cpu_ms_per_request"] = round(sum(nodes_cpu.values()) * 1000 / len(results), 3)
@@ -123,6 +143,7 @@ async def run_trace_demo(
     envoy_config: Path,
     runs: tuple[RunName, ...] | None = None,
     stream: TextIO = sys.stderr,
+    faults: str | None = None,
 ) -> dict[str, Any]:
     """Replay `requests` (the trace's window) through each run; write report.json, report.md, the
     plot and one requests-<run>.jsonl per run; return the report."""
@@ -137,6 +158,7 @@ async def run_trace_demo(
     progress = Progress(stream)
     fast = compressed(scenario, speed)
     planned = plan_trace(requests, window, speed, scenario.node.interactive_max_model_len)
+    injected = parse_faults(faults, planned[-1].at_s - planned[0].at_s) if faults is not None else ()
     bound = prefix_bound(requests)
     summaries: dict[str, dict[str, Any]] = {}
     series: dict[str, RunSeries] = {}
@@ -155,6 +177,8 @@ async def run_trace_demo(
             out_dir=out_dir,
             envoy_config=envoy_config,
             progress=progress,
+            # Only kvgate's own processes are killed: the baseline and the peers have none of them.
+            faults=injected if name.startswith("kvgate") else (),
         )
     report: dict[str, Any] = {
         "trace": str(trace),

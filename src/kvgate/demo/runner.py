@@ -91,9 +91,11 @@ async def replay(
     duration_s: float,
     progress: Progress,
     sampler: Sampler | None,
+    start: float | None = None,
 ) -> list[Result]:
-    """Send `requests` open-loop through `load` (while `sampler` samples the nodes), with progress."""
-    start = time.monotonic()
+    """Send `requests` open-loop through `load` (while `sampler` samples the nodes), with progress,
+    their times counted from `start` (time.monotonic(); now by default)."""
+    start = time.monotonic() if start is None else start
     watchers = [asyncio.create_task(_report_progress(label, duration_s, load, progress))]
     if sampler is not None:
         watchers.append(asyncio.create_task(sampler.run(start)))

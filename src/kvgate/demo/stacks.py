@@ -45,6 +45,8 @@ class Stack:
     parse_page: Callable[[str], NodeMetrics] = parse_sim_metrics
     # Each agent's /metrics, by the node it serves (kvgate runs): its per-class figures.
     agent_metrics: Mapping[str, str] = field(default_factory=dict)
+    # The port each ProcessGroup name listens on (kvgate runs): where a restarted process is awaited.
+    listens: Mapping[str, int] = field(default_factory=dict)
 
 
 class NodeKind(Protocol):
@@ -329,4 +331,5 @@ async def start_kvgate(
         routing,
         kind.parse_page,
         agent_metrics,
+        ready,
     )

@@ -25,16 +25,18 @@ class LoopLag:
     def __init__(self) -> None:
         self._last_s = 0.0
         self._due = 0.0  # the loop time the probe should wake at; 0 before it runs
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def current_s(self) -> float:
-        if not self._due:
+        """The lag now. Safe from any thread (the metrics exporter reads it from its own): the loop's
+        clock is the monotonic clock."""
+        if self._loop is None or not self._due:
             return 0.0
-        overdue = asyncio.get_running_loop().time() - self._due
-        return max(self._last_s, overdue)
+        return max(self._last_s, self._loop.time() - self._due)
 
     async def run(self) -> None:
         """Forever: probe the loop."""
-        loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
         while True:
             self._due = loop.time() + INTERVAL_S
             await asyncio.sleep(INTERVAL_S)

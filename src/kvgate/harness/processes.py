@@ -93,9 +93,12 @@ class Service:
         self.name = name
         self.port = port
         self.metrics_port = metrics_port
+        self.argv = list(argv)
+        self.env = env
         self.log_path = log_dir / f"{name}.log"
         log_dir.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("wb") as log:
+        # A restarted service (ProcessGroup.restart) writes on after its first life's log.
+        with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
                 list(argv),
                 stdin=subprocess.DEVNULL,
@@ -204,6 +207,17 @@ class ProcessGroup:
         log_name: str | None = None,
     ) -> Service:
         service = Service(log_name or name, argv, self.log_dir, port=port, metrics_port=metrics_port)
+        self.services[name] = service
+        return service
+
+    def restart(self, name: str) -> Service:
+        """Start `name` again as it was started (same command, ports and log), as Kubernetes restarts a
+        container: the caller has stopped or killed the old process."""
+        old = self.services[name]
+        assert not old.alive, f"{name} is still running"
+        service = Service(
+            old.name, old.argv, self.log_dir, env=old.env, port=old.port, metrics_port=old.metrics_port
+        )
         self.services[name] = service
         return service
 

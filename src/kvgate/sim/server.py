@@ -42,6 +42,10 @@ from kvgate.sim.metrics import metrics_page
 from kvgate.sim.tokens import ByteQuads, SimTokenizer, output_word, vocabulary_size
 
 NODE_HEADER = "x-kvgate-sim-node"
+# Every answer says how the gate routed the request (its x-kvgate-reason upstream header, "" when the
+# request came without one: Envoy failed open past a gate that did not answer). The demo's fault report
+# counts long prompts that reached an interactive node that way (kvgate.demo.faults).
+GATE_REASON_HEADER = "x-kvgate-sim-gate-reason"
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -111,6 +115,7 @@ class SimServer:
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._dead_engine])
+        app.on_response_prepare.append(self._say_who)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
@@ -223,6 +228,10 @@ class SimServer:
         except _EngineDied:
             _cut(request)
         raise AssertionError("unreachable")
+
+    async def _say_who(self, request: web.Request, response: web.StreamResponse) -> None:
+        response.headers[NODE_HEADER] = self.node_name
+        response.headers[GATE_REASON_HEADER] = request.headers.get("x-kvgate-reason", "")
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._completion(request, "chat")
