@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
-from kvgate.demo.scenario import builtin_scenario, load_scenario, parse_scenario, plan
+from kvgate.demo.capacity import node_capacity_tokens_per_s
+from kvgate.demo.scenario import builtin_scenario, load_scenario, long_shape, parse_scenario, plan
 from kvgate.errors import ConfigError
 
 
@@ -63,3 +67,21 @@ def test_the_queue_and_separate_async_nodes_are_alternatives() -> None:
     assert parse_scenario("layout: {async_nodes: 1, queue: false}").layout.async_nodes == 1
     no_queue = parse_scenario("runs: [kvgate, kvgate_no_queue]")
     assert no_queue.runs == ("kvgate", "kvgate_no_queue")
+
+
+def test_the_capacity_planning_figures_of_operations_md_follow_from_its_scenario() -> None:
+    """docs/operations.md quotes the figures of its capacity.yaml that do not depend on a run: the
+    planned traffic and the long pool's capacity, computed here as the demo computes them."""
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    block = re.search(r"```yaml\n(# Will two long-context.*?)```", doc, re.DOTALL)
+    assert block is not None
+    scenario = parse_scenario(block[1])
+    requests = plan(scenario, scenario.timing.burst_phase_s, with_bursts=True)
+    quoted = re.search(r"`requests_total` and `long_requests`: (\d+) and (\d+) in both runs", doc)
+    assert quoted is not None
+    assert (len(requests), sum(r.kind == "long" for r in requests)) == (int(quoted[1]), int(quoted[2]))
+    per_node = node_capacity_tokens_per_s(scenario.node, *long_shape(scenario))
+    quoted = re.search(r"([\d,]+) tokens/s with two nodes, ([\d,]+) with three", doc)
+    assert quoted is not None
+    assert (f"{2 * per_node:,.0f}", f"{3 * per_node:,.0f}") == (quoted[1], quoted[2])
+    assert scenario.layout.long_nodes == 2 and scenario.layout.queue

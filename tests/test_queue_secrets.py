@@ -19,7 +19,7 @@ from test_queue_uploads import queue_process
 
 from kvgate.harness.processes import kvgate_command
 from kvgate.localports import free_port
-from kvgate.queue.stores import holds_password, redacted
+from kvgate.queue.stores import holds_password, redacted, shown
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +37,20 @@ def test_urls_are_logged_with_their_passwords_hidden() -> None:
     for plain in ("sqlite:////var/lib/kvgate/queue.db", "postgresql://kvgate@db:5432/queue"):
         assert redacted(plain) == plain and not holds_password(plain)
     assert redacted("postgresql://u:S3cret@[::1/queue") == "postgresql:***", "unreadable: nothing shown"
+
+
+def test_a_sqlite_store_is_logged_with_the_file_it_opens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Three slashes make a relative path: the store lands under the directory the queue started in.
+    monkeypatch.chdir(tmp_path)
+    assert shown("sqlite:///var/lib/kvgate/queue.db") == (
+        f"sqlite:///var/lib/kvgate/queue.db (the file {tmp_path}/var/lib/kvgate/queue.db)"
+    )
+    assert shown("sqlite:////var/lib/kvgate/queue.db") == (
+        "sqlite:////var/lib/kvgate/queue.db (the file /var/lib/kvgate/queue.db)"
+    )
+    assert shown("postgresql://kvgate:S3cret@db/queue") == "postgresql://kvgate:***@db/queue"
 
 
 @pytest.mark.parametrize("source", ["env", "file"])

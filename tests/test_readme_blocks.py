@@ -1,11 +1,11 @@
-"""Every command block of README.md runs as written, and shows what it prints.
+"""Every command block of README.md and docs/*.md runs as written, and shows what it prints.
 
-A block's fence says what it is:
-- ```sh: commands a reader pastes. Run here, in document order, in one working directory.
-- ```sh notest: commands for another place (a cluster, the whole test suite). Not run; each is listed
-  in NOT_RUN with why, so that no block stops running without a reason written down.
-- any other language (text, yaml, …): not commands.
-In docs/*.md, a block runs when its fence says ```sh runnable.
+A block's fence says what it is, in README.md and docs/*.md alike:
+- ```sh: commands a reader pastes. Run here, in document order, one working directory per document.
+- ```sh notest: REASON: commands for another place (a cluster, a Docker daemon, the whole test suite).
+  Not run; the fence says why, so that no block stops running without a reason written down.
+- ```console: a transcript, commands with what they printed elsewhere (`$ ` before each command).
+- any other language (text, yaml, …): not commands. A block of commands in one fails the test.
 
 How the blocks run:
 - In a temporary directory holding copies of the repository paths they name (the virtualenv is
@@ -16,9 +16,9 @@ How the blocks run:
 - Comment lines that end a block show what it prints. The block's output must be that text (JSON is
   compared as JSON); a leading HTTP status before it, which `curl -s` does not print, is checked by
   running the block's last curl once more with `-o /dev/null -w '%{http_code}'`.
-- The ports are the README's own (127.0.0.1:10000, …). As root the blocks get a network namespace of
-  their own, whose loopback nothing else on the machine uses; otherwise every port they name must be
-  free, or the test is skipped (and fails under CI=true).
+- The ports are the documents' own (127.0.0.1:10000, …). As root each document's blocks get a network
+  namespace of their own, whose loopback nothing else on the machine uses; otherwise every port they
+  name must be free, or the test is skipped (and fails under CI=true).
 """
 
 from __future__ import annotations
@@ -42,16 +42,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-# The README's blocks that do not run here, by their first line, and why.
-NOT_RUN = {
-    "make demo": "`make test` runs the whole suite, this test included; `make demo` runs for minutes and "
-    "tests/test_demo_*.py run its parts",
-    "make engines": "installs vLLM's CPU build and builds llama-server (about 12 minutes the first time), "
-    "then the demo starts three engines (over 10 minutes); `make test` runs tests/test_engines_*.py against "
-    "them and tests/test_demo_engines.py checks the demo's parts",
-    "helm install kvgate": "needs a Kubernetes cluster; tests/test_chart*.py render the chart and validate "
-    "it, tests/test_image.py runs its image as its manifests do",
-}
+DOCUMENTS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+NOT_RUN = "notest"
+# What starts a command, for finding commands in a block that says it holds none.
+_COMMAND = re.compile(r"(\.venv/bin/|(kvgate|envoy|helm|kubectl|make|curl|docker|python3?(\.\d+)?) )")
 # Paths the blocks name that they write themselves: never copied from the checkout.
 WRITTEN = frozenset({"out"})
 SERVICES_TIMEOUT_S = 120.0
@@ -76,13 +70,23 @@ class Block:
         return "\n".join(self.lines) + "\n"
 
     @property
-    def first(self) -> str:
-        return next((line.strip() for line in self.lines if line.strip()), "")
+    def language(self) -> str:
+        return self.info[0] if self.info else ""
+
+    @property
+    def first_command(self) -> str:
+        """The first line that is neither blank nor a comment."""
+        lines = (line.strip() for line in self.lines)
+        return next((line for line in lines if line and not line.startswith("#")), "")
+
+    def why_not_run(self) -> str | None:
+        """The REASON of a `sh notest: REASON` fence ('' when it gives none); None for other fences."""
+        if self.language != "sh" or self.info[1:2] not in ((NOT_RUN,), (f"{NOT_RUN}:",)):
+            return None
+        return " ".join(self.info[2:])
 
     def runs(self) -> bool:
-        if not self.info or self.info[0] != "sh" or "notest" in self.info:
-            return False
-        return self.path == README or "runnable" in self.info
+        return self.info == ("sh",)
 
     def serves(self) -> bool:
         return any(_BACKGROUND.search(line) for line in self.lines)
@@ -137,20 +141,42 @@ def read_blocks(path: Path) -> list[Block]:
 
 
 def documents() -> list[Path]:
-    """README.md, and every docs page with a runnable block."""
-    pages = sorted((ROOT / "docs").glob("*.md"))
-    return [README, *(page for page in pages if any(block.runs() for block in read_blocks(page)))]
+    """The documents with a block to run."""
+    return [document for document in DOCUMENTS if any(block.runs() for block in read_blocks(document))]
 
 
-def test_every_readme_block_says_what_it_is() -> None:
-    blocks = read_blocks(README)
-    assert all(block.info for block in blocks), [str(b) for b in blocks if not b.info]
-    skipped = {block.first: block for block in blocks if block.info[:1] == ("sh",) and not block.runs()}
-    listed = {prefix: [first for first in skipped if first.startswith(prefix)] for prefix in NOT_RUN}
-    assert all(len(found) == 1 for found in listed.values()), f"NOT_RUN entries without one block: {listed}"
-    unlisted = [str(b) for first, b in skipped.items() if not any(first.startswith(p) for p in NOT_RUN)]
-    assert not unlisted, f"blocks marked notest with no reason in NOT_RUN: {unlisted}"
-    assert any(block.runs() for block in blocks)
+def fence_problem(block: Block) -> str | None:
+    """What is wrong with the block's fence, if anything."""
+    if not block.info:
+        return f"{block}: a fence without a language (sh, console, text, yaml, …)"
+    if block.language == "sh" and not block.runs() and not block.why_not_run():
+        return f"{block}: ```{' '.join(block.info)}: a sh fence is ```sh or ```sh {NOT_RUN}: REASON"
+    if block.language not in ("sh", "console") and _COMMAND.match(block.first_command):
+        return f"{block}: commands in a ```{block.language} fence: ```sh, or ```sh {NOT_RUN}: REASON"
+    return None
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda path: str(path.relative_to(ROOT)))
+def test_every_block_says_what_it_is(document: Path) -> None:
+    problems = [problem for block in read_blocks(document) if (problem := fence_problem(block))]
+    assert not problems, "\n".join(problems)
+
+
+def test_fences_that_do_not_say_what_they_are_are_found() -> None:
+    def block(info: str, *lines: str) -> Block:
+        return Block(README, 1, tuple(info.split()), lines)
+
+    assert block("sh notest: needs a cluster", "helm install x").why_not_run() == "needs a cluster"
+    for fine in (block("sh", "make demo"), block("sh notest: why", "x"), block("console", "$ kvgate x")):
+        assert fence_problem(fine) is None, fine
+    for wrong in (
+        block("", "make image"),
+        block("sh notest", "helm install x"),
+        block("sh runnable", "kvgate queue"),
+        block("text", "# the demo", ".venv/bin/kvgate demo"),
+    ):
+        assert fence_problem(wrong) is not None, wrong
+    assert fence_problem(block("text", "kvgate-gate ──► agent")) is None
 
 
 def test_shown_output_joins_indented_comment_lines() -> None:
@@ -165,8 +191,8 @@ def test_shown_output_joins_indented_comment_lines() -> None:
 
 def unavailable(reason: str) -> NoReturn:
     if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"the README's blocks run in CI, but here: {reason}", pytrace=False)
-    pytest.skip(f"the README's blocks cannot run here: {reason}")
+        pytest.fail(f"the documents' blocks run in CI, but here: {reason}", pytrace=False)
+    pytest.skip(f"the documents' blocks cannot run here: {reason}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,14 +339,14 @@ def check_output(block: Block, printed: str, network: Network, workdir: Path) ->
             check=False,
         )
         assert again.stdout == status[1], (
-            f"{block}: HTTP status {again.stdout!r}, the README shows {status[1]}"
+            f"{block}: HTTP status {again.stdout!r}, the document shows {status[1]}"
         )
     try:
         assert json.loads(printed) == json.loads(shown), (
-            f"{block} printed\n{printed}\nthe README shows\n{shown}"
+            f"{block} printed\n{printed}\nthe document shows\n{shown}"
         )
     except json.JSONDecodeError:
-        assert printed.split() == shown.split(), f"{block} printed\n{printed}\nthe README shows\n{shown}"
+        assert printed.split() == shown.split(), f"{block} printed\n{printed}\nthe document shows\n{shown}"
 
 
 @pytest.mark.slow

@@ -268,6 +268,40 @@ def test_gate_reconnects_with_its_rotated_client_certificate(pki: Pki) -> None:
     asyncio.run(scenario())
 
 
+def test_status_says_the_agent_wants_tls_when_it_refuses_the_client(
+    pki: Pki, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvgate status` against an mTLS agent without the client flags: gRPC says only "Socket closed",
+    so the command asks the port itself and names the flags it lacks."""
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+
+    def status(address: str, *flags: str) -> tuple[int, str]:
+        args = parser.parse_args(["status", "--agent", address, "--timeout-s", "5", *flags])
+        code = args.func(args)
+        return code, capsys.readouterr().err
+
+    ca = ["--tls-ca", str(pki.ca.cert), "--tls-server-name", AGENT_NAME]
+    client = ["--tls-cert", str(pki.gate.cert), "--tls-key", str(pki.gate.key)]
+
+    async def scenario() -> None:
+        async with serving_agent(mtls_agent(pki)) as (_, address):
+            code, err = await asyncio.to_thread(status, address)
+            assert code == 2 and "Socket closed" in err
+            assert "the agent speaks TLS (it was started with --tls-cert): pass --tls-ca" in err, err
+            code, err = await asyncio.to_thread(status, address, *ca)
+            assert code == 2 and "pass --tls-cert and --tls-key" in err, err
+            assert (await asyncio.to_thread(status, address, *ca, *client))[0] == 0
+        async with serving_agent(ServerTls()) as (_, address):
+            code, err = await asyncio.to_thread(status, address, *ca)
+            assert code == 2 and "the agent does not speak TLS" in err, err
+        # Nothing listens any more: not a TLS matter, and no hint says it is.
+        code, err = await asyncio.to_thread(status, address)
+        assert code == 2 and err.count("kvgate status:") == 1 and "TLS" not in err, err
+
+    asyncio.run(scenario())
+
+
 # --- processes: the agent command, Envoy and the gate -------------------------------------------------
 
 

@@ -572,9 +572,10 @@ def _register_status(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
 
 
 def run_status(args: argparse.Namespace) -> int:
-    from kvgate.agent.status import status_json, status_text
+    from kvgate.agent.status import status_json, status_text, tls_hint
+    from kvgate.headroom.credentials import speaks_tls
 
-    split_host_port(args.agent, "--agent")
+    host, port = split_host_port(args.agent, "--agent")
     if args.timeout_s <= 0:
         raise ConfigError(f"--timeout-s must be > 0, got {args.timeout_s}")
     tls = ClientTls(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
@@ -582,6 +583,9 @@ def run_status(args: argparse.Namespace) -> int:
         headroom, age_s = asyncio.run(_first_message(args.agent, tls, args.timeout_s))
     except HeadroomError as exc:
         print(f"kvgate status: {exc}", file=sys.stderr)
+        hint = tls_hint(speaks_tls(host, port, args.timeout_s), tls.enabled, tls.cert is not None)
+        if hint is not None:
+            print(f"kvgate status: {hint}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(status_json(headroom, args.agent, age_s), indent=2))

@@ -126,3 +126,24 @@ def _plural(count: int) -> str:
 
 def _count(value: int | None) -> str:
     return "unknown" if value is None else str(value)
+
+
+def tls_hint(agent_speaks_tls: bool | None, with_ca: bool, with_cert: bool) -> str | None:
+    """What to change when the agent could not be read for a TLS mismatch, from whether its port speaks
+    TLS (None: unknown) and the client's flags (--tls-ca, --tls-cert); None when TLS is not the cause."""
+    if agent_speaks_tls is None:
+        return None
+    if agent_speaks_tls and not with_ca:
+        return (
+            "the agent speaks TLS (it was started with --tls-cert): pass --tls-ca, the CA that signed its "
+            "certificate, and for an agent started with --tls-client-ca also --tls-cert and --tls-key, a "
+            "client certificate from that CA (docs/tls.md)"
+        )
+    if agent_speaks_tls and not with_cert:
+        return (
+            "an agent started with --tls-client-ca takes only clients with a certificate from that CA: "
+            "pass --tls-cert and --tls-key (docs/tls.md)"
+        )
+    if not agent_speaks_tls and with_ca:
+        return "the agent does not speak TLS (it was started without --tls-cert): leave out the --tls-* flags"
+    return None

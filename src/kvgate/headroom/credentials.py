@@ -6,13 +6,23 @@ connection's handshake, and the fetcher answers with the files read again when t
 "keep the current one"). Open connections keep the certificate they were made with.
 Client credentials cannot change under a channel, so ChannelSecurity rebuilds them when the files
 change and whoever owns the channels (the headroom view) reopens them.
+`speaks_tls` asks a port whether it serves TLS at all, for the error of a client that could not connect
+(gRPC then says only "Socket closed").
 """
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import ssl
+
 import grpc
 
 from kvgate.tls import ClientTls, Pem, ServerTls
+
+# A TLS record's first bytes: its content type (handshake or alert) and the major version, 3 since SSL 3.0.
+_TLS_RECORD_TYPES = frozenset({22, 21})
+_TLS_MAJOR_VERSION = 3
 
 
 def _server_configuration(pem: Pem) -> grpc.ServerCertificateConfiguration:
@@ -77,3 +87,24 @@ def open_channel(
     if security is None:
         return grpc.aio.insecure_channel(address, options=options)
     return grpc.aio.secure_channel(address, security.credentials, options=[*options, *security.options()])
+
+
+def speaks_tls(host: str, port: int, timeout_s: float) -> bool | None:
+    """Whether the server at host:port answers a TLS ClientHello with a TLS record (its handshake, or an
+    alert); None when it cannot be reached. Nothing is verified: it tells TLS from plaintext, no more."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    outgoing = ssl.MemoryBIO()
+    client = context.wrap_bio(ssl.MemoryBIO(), outgoing, server_hostname=host)
+    # The handshake stops at once for want of the server's answer, its ClientHello written.
+    with contextlib.suppress(ssl.SSLWantReadError):
+        client.do_handshake()
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as connection:
+            connection.sendall(outgoing.read())
+            first = connection.recv(2, socket.MSG_WAITALL)
+    except OSError:
+        return None
+    # A plaintext gRPC server answers with an HTTP/2 frame, or closes the connection.
+    return len(first) == 2 and first[0] in _TLS_RECORD_TYPES and first[1] == _TLS_MAJOR_VERSION

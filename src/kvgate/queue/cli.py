@@ -137,7 +137,7 @@ async def _serve(
 
     from kvgate.errors import StoreError
     from kvgate.queue.service import QueueService
-    from kvgate.queue.stores import redacted
+    from kvgate.queue.stores import redacted, shown
     from kvgate.telemetry import start_prometheus
 
     stop = asyncio.Event()
@@ -146,7 +146,7 @@ async def _serve(
         loop.add_signal_handler(signum, stop.set)
     start_prometheus(metrics_listen)
     service = QueueService(config, store, replica)
-    log.info("queue %s opening its store %s", replica, redacted(store))
+    log.info("queue %s opening its store %s", replica, shown(store))
     try:
         await service.start()
     except StoreError as error:

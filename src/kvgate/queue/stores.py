@@ -1,18 +1,22 @@
 """The store URL that picks the queue's database adapter, and the URL as logs may show it.
 
-    sqlite:///PATH          one replica (the file is locked); embedded, nothing to run
+    sqlite:///PATH          one replica (the file is locked); embedded, nothing to run; PATH is
+                            relative to the working directory (sqlite:///out/queue.db) unless it
+                            starts with a slash of its own (sqlite:////var/lib/kvgate/queue.db)
     postgresql://…          several replicas; rows claimed with SKIP LOCKED, LISTEN/NOTIFY wakes them
 
 A PostgreSQL URL may hold a password: in its user info (`postgresql://user:secret@host/db`) or as a
 `password` (or `sslpassword`) query parameter, both of which libpq reads (PostgreSQL 17 docs,
 libpq "Connection URIs" and "Parameter Key Words"). `redacted` replaces each with `***`; nothing
-logs or echoes a store URL otherwise.
+logs or echoes a store URL otherwise. `shown` adds the file a SQLite URL opens, since a path meant
+absolute but written with three slashes puts the store under whatever directory the queue started in.
 
 Apart from kvgate.queue.database so that the contract does not know its implementations.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
 
 from kvgate.errors import ConfigError
@@ -20,14 +24,15 @@ from kvgate.queue.database import Database
 
 _SECRET_PARAMETERS = frozenset({"password", "sslpassword"})
 HIDDEN = "***"
+SQLITE = "sqlite:///"
 
 
 def open_database(url: str) -> Database:
     """The adapter for a store URL; ConfigError when it is not one."""
-    if url.startswith("sqlite:///"):
+    if url.startswith(SQLITE):
         from kvgate.queue.sqlite_db import SqliteDatabase
 
-        path = url.removeprefix("sqlite:///")
+        path = url.removeprefix(SQLITE)
         if not path:
             raise ConfigError("the store: sqlite:///PATH needs a file path")
         # sqlite:///relative/path and sqlite:////absolute/path, as SQLAlchemy spells them.
@@ -37,6 +42,13 @@ def open_database(url: str) -> Database:
 
         return PostgresDatabase(url)
     raise ConfigError(f"the store: expected sqlite:///PATH or postgresql://..., got {redacted(url)!r}")
+
+
+def shown(url: str) -> str:
+    """The URL as the queue logs it: `redacted`, and for SQLite the absolute path of the file it opens."""
+    if url.startswith(SQLITE) and url != SQLITE:
+        return f"{url} (the file {Path(url.removeprefix(SQLITE)).absolute()})"
+    return redacted(url)
 
 
 def holds_password(url: str) -> bool:
