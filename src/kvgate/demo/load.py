@@ -42,7 +42,7 @@ class Result:
     outcome: Outcome
     status: int | None = None
     ttft_s: float | None = None
-    finished_s: float | None = None  # after sent_s: the stream's [DONE], or when a lost request was lost
+    finished_s: float | None = None  # after sent_s: the stream's [DONE], an error's answer, or the loss
     completion_tokens: int = 0
     node: str | None = None
     detail: str = ""
@@ -244,6 +244,7 @@ class LoadGenerator:
                     sent - start,
                     outcome,
                     response.status,
+                    finished_s=self._clock() - sent,
                     node=node,
                     detail=payload[:200].decode(errors="replace"),
                     gate_reason=routed,
