@@ -25,7 +25,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -74,6 +74,8 @@ class HeadroomSource(Protocol):
     ) -> ReserveOutcome: ...
 
     async def release(self, node: str, request_id: str, *, unanswered: bool = False) -> ReleaseOutcome: ...
+
+    async def renew(self, node: str, request_ids: Sequence[str]) -> frozenset[str]: ...
 
     async def wait_update(self, timeout_s: float) -> bool: ...
 

@@ -67,6 +67,8 @@ class Reservations(Protocol):
 
     async def release(self, node: str, request_id: str, *, unanswered: bool = False) -> ReleaseOutcome: ...
 
+    async def renew(self, node: str, request_ids: Sequence[str]) -> frozenset[str]: ...
+
 
 class Abort(enum.Enum):
     CANCELLED = "cancelled"  # the store already says so
@@ -239,11 +241,24 @@ class Runner:
                 self.abort(entry.job.id, Abort.LOST)
             else:
                 entry.valid_until = sent + self._trust_s
-        await asyncio.gather(*(self._renew_reservation(e) for e in entries if e.job.id not in lost))
+        by_agent: dict[str, list[str]] = {}
+        for entry in entries:
+            if entry.job.id not in lost:
+                by_agent.setdefault(entry.agent, []).append(entry.reservation)
+        await asyncio.gather(*(self._renew_reservations(agent, ids) for agent, ids in by_agent.items()))
 
-    async def _renew_reservation(self, entry: _Running) -> None:
-        # Reserve again with the same id and tokens: the agent extends the lease, charging nothing more.
+    async def _renew_reservations(self, agent: str, reservations: list[str]) -> None:
+        """One Renew for every running job's reservation on `agent`. One that lapsed is not booked
+        again (its room may be another's by now): its job runs on, and the agent sees its KV in the
+        engine's usage (kvgate.gate.leases says the same of the gate's)."""
         try:
-            await self._reservations.reserve(entry.agent, entry.reservation, entry.job.tokens)
+            lapsed = await self._reservations.renew(agent, reservations)
         except HeadroomError as error:
-            log.warning("could not renew reservation %s on %s: %s", entry.reservation, entry.agent, error)
+            log.warning("could not renew %d reservations on %s: %s", len(reservations), agent, error)
+            return
+        for reservation in lapsed:
+            log.warning(
+                "reservation %s on %s lapsed before its renewal: its job runs on unreserved",
+                reservation,
+                agent,
+            )
