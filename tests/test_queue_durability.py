@@ -285,3 +285,36 @@ def test_two_replicas_on_postgresql_run_each_job_once_and_never_twice_at_once(
     # Four jobs of 5,000 tokens fit each 20,000-token node: never more than eight calls at once.
     assert recorder.most_in_flight <= 8
     assert recorder.most_in_flight >= 6
+
+
+def test_sigterm_answers_the_clients_the_queue_holds_before_it_exits(tmp_path: Path) -> None:
+    """A rolling update's SIGTERM: the replica stops taking connections, runs on until the held client's
+    job has answered it (within queue.drain_s), and exits 0 with nothing held on the agent."""
+    with ExitStack() as stack:
+        agent = simulated_node(stack, tmp_path)
+        config = write_config(tmp_path, [agent])
+        port = free_port()
+        queue = queue_process(tmp_path, "queue-1", port, f"sqlite:///{tmp_path / 'queue.db'}", config)
+        stack.callback(queue.stop)
+        held: list[Reply | Exception] = []
+
+        def hold() -> None:
+            try:
+                headers = {"x-request-id": "held-1", "x-kvgate-tokens": str(JOB_TOKENS)}
+                held.append(post(port, CHAT, chat("held", max_tokens=150), headers, timeout=60))
+            except OSError as error:
+                held.append(error)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        deadline = time.monotonic() + 20
+        while job(port, "held-1").get("status") != "running":
+            assert time.monotonic() < deadline, job(port, "held-1")
+            time.sleep(0.05)
+        queue.signal(signal.SIGTERM)
+        holder.join(30)
+        (answer,) = held
+        assert isinstance(answer, Reply) and answer.status == 200, answer
+        assert answer.json()["object"] == "chat.completion"
+        assert queue.process.wait(30) == 0
+        assert reserved_on([agent]) == [0]

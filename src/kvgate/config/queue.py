@@ -29,6 +29,10 @@ class QueueSettings:
     # The agent's KV reservation lease, renewed while the job runs: what a crash leaves held.
     reservation_lease_s: float = field(default=60.0, metadata=at_least(1))
     retry_after_s: int = field(default=10, metadata=at_least(1))
+    # On SIGTERM the replica stops taking connections and keeps running jobs and answering the clients
+    # it holds for up to this long (under Kubernetes' 30 s terminationGracePeriodSeconds); what is still
+    # running then goes back in the queue, and those clients' connections close.
+    drain_s: float = field(default=25.0, metadata=at_least(0))
     # Request headers stored with a job and sent to the engine with it (never x-kvgate-*).
     # `authorization` is left out on purpose: listing it stores clients' credentials in the store.
     forward_headers: tuple[str, ...] = ("content-type", "accept", "traceparent", "tracestate")

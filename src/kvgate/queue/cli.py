@@ -152,8 +152,12 @@ async def _serve(
     except StoreError as error:
         log.error("%s", error)
         return 1
-    runner = web.AppRunner(service.app(), access_log=None, shutdown_timeout=5.0)
+    # runner.cleanup() stops listening, then waits this long for the requests in flight: the clients
+    # the queue holds are answered while the service still runs jobs (a graceful SIGTERM loses none).
+    drain_s = config.queue.drain_s
+    runner = web.AppRunner(service.app(), access_log=None, shutdown_timeout=drain_s)
     await runner.setup()
+    drained = False
     try:
         await web.TCPSite(runner, address[0], address[1]).start()
         log.info(
@@ -164,7 +168,12 @@ async def _serve(
         await asyncio.wait({stopping, failing}, return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
         failing.cancel()
+        if not service.failed.is_set():
+            log.info("queue %s draining: held clients get up to %.0f s to be answered", replica, drain_s)
+            await runner.cleanup()
+            drained = True
     finally:
         await service.stop()
-        await runner.cleanup()
+        if not drained:
+            await runner.cleanup()
     return 1 if service.failed.is_set() else 0
