@@ -14,7 +14,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from kvgate.addresses import join_host_port, split_host_port
+from kvgate.addresses import join_host_port, listen_or_off, split_host_port
 from kvgate.agent.cadence import KV_LEVEL, RECENT_S
 from kvgate.agent.capacity import DTYPE_BYTES, ModelShape
 from kvgate.agent.kv_events import check_endpoint
@@ -382,6 +382,7 @@ def _idle_scrape_ms(args: argparse.Namespace) -> int:
 
 def settings_from_args(args: argparse.Namespace) -> NodeSettings:
     split_host_port(args.listen, "--listen", allow_port_zero=True)
+    listen_or_off(args.metrics_listen, "--metrics-listen")
     split_host_port(args.endpoint, "--endpoint")
     if args.engine_metrics is not None:
         metrics_url(args.engine_metrics, "--engine-metrics")
@@ -526,7 +527,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    start_prometheus(None if args.metrics_listen == "off" else args.metrics_listen)
+    start_prometheus(listen_or_off(args.metrics_listen, "--metrics-listen"))
     agent = build_agent(args)
     listen: str = args.listen
     stop = asyncio.Event()

@@ -120,13 +120,13 @@ def store_url(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
 def run(args: argparse.Namespace) -> int:
     import uvloop
 
-    from kvgate.addresses import split_host_port
+    from kvgate.addresses import listen_or_off, split_host_port
 
     config = resolve_config(args)
     store = store_url(args, os.environ)
     host, port = split_host_port(args.listen, "--listen")
     replica = args.replica_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-    metrics_listen = None if args.metrics_listen == "off" else args.metrics_listen
+    metrics_listen = listen_or_off(args.metrics_listen, "--metrics-listen")
     return uvloop.run(_serve(config, store, replica, (host, port), metrics_listen))
 
 

@@ -173,10 +173,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def parse_listen(value: str) -> tuple[str, int]:
-    try:
-        return split_host_port(value, "--listen", allow_port_zero=True)
-    except ConfigError as exc:
-        raise ConfigError(f"--listen must be HOST:PORT, got {value!r}") from exc
+    return split_host_port(value, "--listen", allow_port_zero=True)
 
 
 def run(args: argparse.Namespace) -> int:
