@@ -24,6 +24,7 @@ from kvgate.agent.ratio import CEILING, FLOOR_BELOW_START, FREEZE_S, STEP_DOWN, 
 from kvgate.agent.sources.scrape import metrics_url
 from kvgate.errors import ConfigError, HeadroomError
 from kvgate.headroom.snapshot import NodeRole
+from kvgate.listening import check_listen
 from kvgate.telemetry import start_prometheus
 from kvgate.tls import ClientTls, ServerTls
 
@@ -517,11 +518,12 @@ def build_agent(args: argparse.Namespace) -> Agent:
 def run(args: argparse.Namespace) -> int:
     import uvloop
 
-    # Flag and certificate file errors surface before anything starts.
+    # Flag and certificate file errors, and a port another agent holds, surface before anything starts.
     settings_from_args(args)
     tls = tls_from_args(args)
     if tls.enabled:
         tls.open_files("agent TLS")
+    check_listen(*split_host_port(args.listen, "--listen", allow_port_zero=True), "--listen")
     uvloop.run(_serve(args))
     return 0
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from kvgate.addresses import listen_or_off, split_host_port
 from kvgate.config import Config, load_config
 from kvgate.errors import ConfigError
+from kvgate.listening import check_listen
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -82,4 +83,11 @@ def run(args: argparse.Namespace) -> int:
     from kvgate.gate.server import run_gate
 
     metrics_listen = listen_or_off(args.metrics_listen, "--metrics-listen")
-    return run_gate(resolve_config(args), metrics_listen, args.otlp_endpoint)
+    config = resolve_config(args)
+    # Before any worker starts: workers share their port (SO_REUSEPORT), and would share it with
+    # another gate's just as well.
+    check_listen(
+        *split_host_port(config.server.listen, "server.listen"),
+        "--listen" if args.listen else "server.listen",
+    )
+    return run_gate(config, metrics_listen, args.otlp_endpoint)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from kvgate.addresses import split_host_port
 from kvgate.errors import ConfigError
+from kvgate.listening import cannot_listen
 from kvgate.sim.engine import EngineConfig
 from kvgate.sim.layout import Layout
 from kvgate.sim.tokens import ByteQuads, SimTokenizer, load_tokenizer
@@ -246,7 +247,10 @@ async def _serve(served: _Served, address: tuple[str, int]) -> None:
         loop.add_signal_handler(signum, stop.set)
     try:
         site = web.TCPSite(runner, host, port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:
+            raise cannot_listen(host, port, "--listen", exc) from None
         log.info("simulated node %s serving on http://%s:%d", server.node_name, host, port)
         await stop.wait()
     finally:
