@@ -477,6 +477,10 @@ def test_cli_writes_a_bootstrap_for_the_gates_config(tmp_path: Path) -> None:
             ["--pool", "interactive=a:1", "--pool", "long=b:2", "--default-pool", "x"],
             r"default pool 'x' has no",
         ),
+        (
+            ["--pool", "interactive=a:1", "--pool", "long=b:2", "--output", "/nonexistent/envoy.yaml"],
+            r"--output /nonexistent/envoy.yaml: cannot write: No such file or directory",
+        ),
     ],
 )
 def test_cli_errors_name_the_flag(argv: list[str], message: str) -> None:

@@ -10,6 +10,7 @@ import pytest
 from kvgate.cli import main
 from kvgate.config import Config, load_config, parse_config
 from kvgate.errors import ConfigError
+from kvgate.localports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -126,5 +127,6 @@ def test_cli_reports_a_missing_file(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 
 def test_cli_reports_a_missing_tokenizer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["gate", "--tokenizer", str(tmp_path / "missing.model"), "--listen", "127.0.0.1:0"]) == 2
+    listen = f"127.0.0.1:{free_port()}"
+    assert main(["gate", "--tokenizer", str(tmp_path / "missing.model"), "--listen", listen]) == 2
     assert "tokenizer file not found" in capsys.readouterr().err

@@ -12,6 +12,7 @@ from conftest import TOKENIZER_DIR
 from corpus.cases import text
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+from kvgate.cli import main
 from kvgate.errors import ConfigError
 from kvgate.estimate import calibration
 from kvgate.estimate.cli import register
@@ -85,6 +86,23 @@ def test_estimate_reads_one_body_from_stdin_without_a_tokenizer(
     assert result["class"] == "interactive"
     with pytest.raises(ConfigError, match="needs --tokenizer"):
         run(["estimate", "--method", "exact", str(path)])
+
+
+def test_a_file_it_cannot_read_or_write_is_one_line_and_exit_2(
+    tmp_path: Path, sp_model_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "missing.json"
+    assert main(["estimate", str(missing)]) == 2
+    assert main(["estimate", str(tmp_path)]) == 2
+    # Refused before the fit, which takes minutes on a real corpus.
+    out = tmp_path / "nowhere" / "fitted.json"
+    argv = ["calibrate", "--tokenizer", str(sp_model_path), "--corpus", str(missing), "--out", str(out)]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"kvgate: configuration error: cannot read {missing}: No such file or directory",
+        f"kvgate: configuration error: cannot read {tmp_path}: Is a directory",
+        f"kvgate: configuration error: --out {out}: no directory {out.parent}",
+    ]
 
 
 @pytest.fixture(scope="module")

@@ -85,7 +85,7 @@ SHARED = {
 }
 # The floor: modules every package may stand on. They import only each other (and kvgate.config's
 # own section modules), never a package above them.
-FLOOR = SHARED | {"kvgate.tls", "kvgate.telemetry", "kvgate.localports"}
+FLOOR = SHARED | {"kvgate.tls", "kvgate.telemetry", "kvgate.localports", "kvgate.listening"}
 # Packages that see an agent only through kvgate.headroom's contract, never the agent process's code.
 AGENT_CLIENTS = ("gate", "policy", "queue", "headroom", "request", "estimate")
 FORBIDDEN = (

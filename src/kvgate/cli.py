@@ -8,7 +8,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from kvgate.errors import ConfigError
+from kvgate.errors import ConfigError, ListenError
 
 # Modules that each define `register(subparsers)`; kept as names so `kvgate --help` imports little.
 SUBCOMMAND_MODULES = (
@@ -50,6 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.func(args)
     except ConfigError as exc:
         print(f"kvgate: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except ListenError as exc:
+        print(f"kvgate: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

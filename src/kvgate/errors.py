@@ -6,6 +6,7 @@
     │   ├── InvalidRequestError       not JSON, not UTF-8, a missing or mistyped field, too deep
     │   ├── BodyTooLargeError         the body, or what it inflates to, is past the configured limit
     │   └── UnsupportedEncodingError  a Content-Encoding the gate cannot undo
+    ├── ListenError                 a server cannot listen where it was told: its port is taken, say
     ├── HeadroomError               talking to an agent failed (the gate treats the node as unknown)
     └── StoreError                  the async queue's store could not be read or written
 
@@ -43,6 +44,10 @@ class BodyTooLargeError(RequestError):
 
 class UnsupportedEncodingError(RequestError):
     """The body's Content-Encoding is not one the gate can undo."""
+
+
+class ListenError(KvgateError):
+    """A server cannot listen on its address; the message names the flag or key that gave it."""
 
 
 class HeadroomError(KvgateError):

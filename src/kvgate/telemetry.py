@@ -22,6 +22,8 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from opentelemetry.util.types import AttributeValue
 from prometheus_client.core import REGISTRY, HistogramMetricFamily, Metric
 
+from kvgate.addresses import split_host_port
+
 log = logging.getLogger(__name__)
 
 DECISIONS = "kvgate.gate.decisions"
@@ -107,10 +109,10 @@ def start_prometheus(listen: str | None) -> None:
     from opentelemetry.sdk.metrics import MeterProvider
     from prometheus_client import start_http_server
 
-    host, _, port = listen.rpartition(":")
+    host, port = split_host_port(listen, "the metrics address")
     try:
-        start_http_server(int(port), addr=host.strip("[]") or "127.0.0.1")
-    except (OSError, ValueError) as exc:
+        start_http_server(port, addr=host)
+    except (OSError, OverflowError) as exc:  # OverflowError: a gate worker's port + i past 65535
         log.error("metrics endpoint %s could not start (%s); serving without metrics", listen, exc)
         return
     metrics.set_meter_provider(MeterProvider(metric_readers=[PrometheusMetricReader()]))

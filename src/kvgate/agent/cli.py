@@ -14,7 +14,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from kvgate.addresses import join_host_port, split_host_port
+from kvgate.addresses import join_host_port, listen_or_off, split_host_port
 from kvgate.agent.cadence import KV_LEVEL, RECENT_S
 from kvgate.agent.capacity import DTYPE_BYTES, ModelShape
 from kvgate.agent.kv_events import check_endpoint
@@ -24,6 +24,7 @@ from kvgate.agent.ratio import CEILING, FLOOR_BELOW_START, FREEZE_S, STEP_DOWN, 
 from kvgate.agent.sources.scrape import metrics_url
 from kvgate.errors import ConfigError, HeadroomError
 from kvgate.headroom.snapshot import NodeRole
+from kvgate.listening import check_listen
 from kvgate.telemetry import start_prometheus
 from kvgate.tls import ClientTls, ServerTls
 
@@ -382,6 +383,7 @@ def _idle_scrape_ms(args: argparse.Namespace) -> int:
 
 def settings_from_args(args: argparse.Namespace) -> NodeSettings:
     split_host_port(args.listen, "--listen", allow_port_zero=True)
+    listen_or_off(args.metrics_listen, "--metrics-listen")
     split_host_port(args.endpoint, "--endpoint")
     if args.engine_metrics is not None:
         metrics_url(args.engine_metrics, "--engine-metrics")
@@ -516,17 +518,18 @@ def build_agent(args: argparse.Namespace) -> Agent:
 def run(args: argparse.Namespace) -> int:
     import uvloop
 
-    # Flag and certificate file errors surface before anything starts.
+    # Flag and certificate file errors, and a port another agent holds, surface before anything starts.
     settings_from_args(args)
     tls = tls_from_args(args)
     if tls.enabled:
         tls.open_files("agent TLS")
+    check_listen(*split_host_port(args.listen, "--listen", allow_port_zero=True), "--listen")
     uvloop.run(_serve(args))
     return 0
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    start_prometheus(None if args.metrics_listen == "off" else args.metrics_listen)
+    start_prometheus(listen_or_off(args.metrics_listen, "--metrics-listen"))
     agent = build_agent(args)
     listen: str = args.listen
     stop = asyncio.Event()

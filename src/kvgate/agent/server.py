@@ -128,14 +128,17 @@ class Agent:
         Plaintext without `tls`. With `tls.client_ca`, only clients holding a certificate from that CA
         get past the handshake, so no unauthenticated gate can Reserve, Release or even Subscribe.
         """
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        options = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            # gRPC's default shares the port with any other process that asks: a second agent would
+            # grant from a ledger of its own (kvgate.listening).
+            ("grpc.so_reuseport", 0),
+        ]
+        server = grpc.aio.server(options=options)
         authenticated = tls is not None and tls.client_ca is not None
         _add_agent_service(_AgentServicer(self, authenticated), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        try:
-            port = add_port(server, listen, tls, "agent TLS")
-        except RuntimeError as exc:
-            raise HeadroomError(f"agent cannot listen on {listen}: {exc}") from exc
+        port = add_port(server, listen, "--listen", tls, "agent TLS")
         await server.start()
         self._server = server
         if self._kv_events is not None:

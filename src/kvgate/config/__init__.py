@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import yaml
 
+from kvgate.addresses import split_host_port
 from kvgate.bounds import at_least
 from kvgate.config.headroom import HeadroomSettings
 from kvgate.config.queue import QueueSettings
@@ -49,6 +50,10 @@ class ServerConfig:
     # Extension's Endpoint Picker Protocol: an InferencePool's gateway asks it for the endpoint of
     # every request (kvgate.gate.picker, envoy/envoy-inferencepool.yaml).
     protocol: Literal["kvgate", "endpoint-picker"] = "kvgate"
+
+    def __post_init__(self) -> None:
+        # No port 0: the gate is found where its config says, by Envoy and by its own workers.
+        split_host_port(self.listen, "server.listen")
 
 
 @dataclass(frozen=True, slots=True)

@@ -384,7 +384,10 @@ def run(args: argparse.Namespace) -> int:
     )
     text = yaml.safe_dump(render_bootstrap(settings), sort_keys=False)
     if args.output:
-        args.output.write_text(text, encoding="utf-8")
+        try:
+            args.output.write_text(text, encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"--output {args.output}: cannot write: {exc.strerror}") from None
     else:
         sys.stdout.write(text)
     return 0

@@ -117,7 +117,10 @@ def run_estimate(args: argparse.Namespace) -> int:
     estimator = local_estimator(args.tokenizer, costs)
     if args.method == "exact" and args.tokenizer is None:
         raise ConfigError("--method exact needs --tokenizer")
-    stream = args.file.open("rb") if args.file else sys.stdin.buffer
+    try:
+        stream = args.file.open("rb") if args.file else sys.stdin.buffer
+    except OSError as exc:
+        raise ConfigError(f"cannot read {args.file}: {exc.strerror}") from None
     status = 0
     try:
         for body in _bodies(stream, args.jsonl):
@@ -156,6 +159,9 @@ def corpus_texts(paths: list[Path]) -> Iterator[str]:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
+    # Before the fit, which takes minutes on a real corpus.
+    if not args.out.parent.is_dir():
+        raise ConfigError(f"--out {args.out}: no directory {args.out.parent}")
     tokenizer = TokenizerFile.open(args.tokenizer)
     texts = [text for text in corpus_texts(args.corpus) if text.strip()]
     if not texts:

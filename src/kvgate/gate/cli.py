@@ -7,8 +7,10 @@ import dataclasses
 import os
 from pathlib import Path
 
+from kvgate.addresses import listen_or_off, split_host_port
 from kvgate.config import Config, load_config
 from kvgate.errors import ConfigError
+from kvgate.listening import check_listen
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -55,6 +57,7 @@ def resolve_config(args: argparse.Namespace) -> Config:
     config = load_config(args.config) if args.config else Config()
     server = config.server
     if args.listen:
+        split_host_port(args.listen, "--listen")
         server = dataclasses.replace(server, listen=args.listen)
     if args.workers is not None:
         if args.workers < 1:
@@ -79,5 +82,12 @@ def with_default_tokenizer(config: Config, tokenizer: str) -> Config:
 def run(args: argparse.Namespace) -> int:
     from kvgate.gate.server import run_gate
 
-    metrics_listen = None if args.metrics_listen == "off" else args.metrics_listen
-    return run_gate(resolve_config(args), metrics_listen, args.otlp_endpoint)
+    metrics_listen = listen_or_off(args.metrics_listen, "--metrics-listen")
+    config = resolve_config(args)
+    # Before any worker starts: workers share their port (SO_REUSEPORT), and would share it with
+    # another gate's just as well.
+    check_listen(
+        *split_host_port(config.server.listen, "server.listen"),
+        "--listen" if args.listen else "server.listen",
+    )
+    return run_gate(config, metrics_listen, args.otlp_endpoint)

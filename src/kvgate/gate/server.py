@@ -119,7 +119,7 @@ async def serve(
     external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(processor, server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    add_port(server, config.server.listen, config.tls.server, "tls.server")
+    add_port(server, config.server.listen, "server.listen", config.tls.server, "tls.server")
     await server.start()
     for service in HEALTH_SERVICES:
         await health.set(service, health_pb2.HealthCheckResponse.SERVING)

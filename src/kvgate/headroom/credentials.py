@@ -18,6 +18,7 @@ import ssl
 
 import grpc
 
+from kvgate.errors import ListenError
 from kvgate.tls import ClientTls, Pem, ServerTls
 
 # A TLS record's first bytes: its content type (handshake or alert) and the major version, 3 since SSL 3.0.
@@ -45,11 +46,19 @@ def server_credentials(tls: ServerTls, where: str) -> grpc.ServerCredentials:
     )
 
 
-def add_port(server: grpc.aio.Server, listen: str, tls: ServerTls | None, where: str) -> int:
-    """Listen on `listen` with TLS when `tls` is enabled, in plaintext otherwise; returns the bound port."""
-    if tls is None or not tls.enabled:
-        return int(server.add_insecure_port(listen))
-    return int(server.add_secure_port(listen, server_credentials(tls, where)))
+def add_port(server: grpc.aio.Server, listen: str, key: str, tls: ServerTls | None, where: str) -> int:
+    """Listen on `listen` (given by the flag or config key `key`) with TLS when `tls` is enabled, in
+    plaintext otherwise; returns the bound port. ListenError when gRPC cannot bind it."""
+    credentials = None if tls is None or not tls.enabled else server_credentials(tls, where)
+    try:
+        if credentials is None:
+            return int(server.add_insecure_port(listen))
+        return int(server.add_secure_port(listen, credentials))
+    except RuntimeError as exc:
+        # gRPC says only "Failed to bind" (its own log line has the errno).
+        raise ListenError(
+            f"{key} {listen}: cannot listen there (the port in use, or the address not this machine's)"
+        ) from exc
 
 
 class ChannelSecurity:

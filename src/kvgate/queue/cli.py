@@ -120,13 +120,15 @@ def store_url(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
 def run(args: argparse.Namespace) -> int:
     import uvloop
 
-    from kvgate.addresses import split_host_port
+    from kvgate.addresses import listen_or_off, split_host_port
+    from kvgate.listening import check_listen
 
     config = resolve_config(args)
     store = store_url(args, os.environ)
     host, port = split_host_port(args.listen, "--listen")
+    check_listen(host, port, "--listen")
     replica = args.replica_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-    metrics_listen = None if args.metrics_listen == "off" else args.metrics_listen
+    metrics_listen = listen_or_off(args.metrics_listen, "--metrics-listen")
     return uvloop.run(_serve(config, store, replica, (host, port), metrics_listen))
 
 
@@ -136,6 +138,7 @@ async def _serve(
     from aiohttp import web
 
     from kvgate.errors import StoreError
+    from kvgate.listening import cannot_listen
     from kvgate.queue.service import QueueService
     from kvgate.queue.stores import redacted, shown
     from kvgate.telemetry import start_prometheus
@@ -159,7 +162,10 @@ async def _serve(
     await runner.setup()
     drained = False
     try:
-        await web.TCPSite(runner, address[0], address[1]).start()
+        try:
+            await web.TCPSite(runner, address[0], address[1]).start()
+        except OSError as exc:
+            raise cannot_listen(address[0], address[1], "--listen", exc) from None
         log.info(
             "queue %s serving on http://%s:%d (store %s)", replica, address[0], address[1], redacted(store)
         )

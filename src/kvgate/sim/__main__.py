@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from kvgate.errors import ConfigError
+from kvgate.errors import ConfigError, ListenError
 from kvgate.sim.cli import register
 
 
@@ -19,6 +19,9 @@ def main() -> int:
         code: int = args.func(args)
     except ConfigError as exc:
         print(f"kvgate sim: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except ListenError as exc:
+        print(f"kvgate sim: {exc}", file=sys.stderr)
         return 2
     return code
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from kvgate.addresses import split_host_port
 from kvgate.errors import ConfigError
+from kvgate.listening import cannot_listen
 from kvgate.sim.engine import EngineConfig
 from kvgate.sim.layout import Layout
 from kvgate.sim.tokens import ByteQuads, SimTokenizer, load_tokenizer
@@ -173,10 +174,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def parse_listen(value: str) -> tuple[str, int]:
-    try:
-        return split_host_port(value, "--listen", allow_port_zero=True)
-    except ConfigError as exc:
-        raise ConfigError(f"--listen must be HOST:PORT, got {value!r}") from exc
+    return split_host_port(value, "--listen", allow_port_zero=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -249,7 +247,10 @@ async def _serve(served: _Served, address: tuple[str, int]) -> None:
         loop.add_signal_handler(signum, stop.set)
     try:
         site = web.TCPSite(runner, host, port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:
+            raise cannot_listen(host, port, "--listen", exc) from None
         log.info("simulated node %s serving on http://%s:%d", server.node_name, host, port)
         await stop.wait()
     finally:
