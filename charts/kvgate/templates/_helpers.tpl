@@ -281,6 +281,68 @@ x-kvgate-pool,x-kvgate-tokens,x-kvgate-reason
 {{- end -}}
 
 {{/*
+Failing open by size (kvgate.envoyconfig.unanswered): a request the gate did not answer goes to
+envoy.defaultPool only when its Content-Length proves it fits there. This is the fewest body bytes that
+may not: the smallest interactive_max_tokens among the models whose short requests go to that pool
+(model entries inherit default_model's keys, as kvgate.yaml's do), at one token per byte, the most any
+shipped calibration allows (kvgate.estimate.calibration.most_tokens_per_byte; a test keeps the chart's
+bootstrap equal to `kvgate envoy-config`'s). Empty when envoy.failOpen is off (Envoy answers 500 itself)
+or no model sends its short requests to envoy.defaultPool.
+*/}}
+{{- define "kvgate.unsafeBodyBytes" -}}
+{{- $default := .Values.gate.config.default_model | default dict -}}
+{{- $defaultPools := $default.pools | default dict -}}
+{{- $limit := 0 -}}
+{{- range $model := prepend (.Values.gate.config.models | default list) $default -}}
+{{- $interactive := ($model.pools | default dict).interactive | default $defaultPools.interactive | default "interactive" -}}
+{{- if eq $interactive $.Values.envoy.defaultPool -}}
+{{- $tokens := int ($model.interactive_max_tokens | default $default.interactive_max_tokens | default 4096) -}}
+{{- if or (eq $limit 0) (lt $tokens $limit) -}}
+{{- $limit = $tokens -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if and .Values.envoy.failOpen $limit -}}
+{{- $limit -}}
+{{- end -}}
+{{- end -}}
+
+{{/* envoy.failOpenLong long-pool: the default model's long pool, where those requests go unreserved. */}}
+{{- define "kvgate.failOpenLongPool" -}}
+{{- if eq .Values.envoy.failOpenLong "long-pool" -}}
+{{- ((.Values.gate.config.default_model | default dict).pools | default dict).long | default "long" -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Envoy's own answer to those requests where they are refused: the gate_unavailable row of the refusal
+table (kvgate.policy.refusals; kvgate.envoyconfig.unanswered.gate_unavailable), as direct_response and
+response_headers_to_add of a route. OVERWRITE: Envoy gives a direct response its own Content-Type
+(text/plain).
+*/}}
+{{- define "kvgate.gateUnavailable.body" -}}
+{"error": {"message": "The admission gate did not answer, and this request may be too long for the interactive pool; retry shortly.", "type": "server_error", "param": null, "code": "gate_unavailable"}}
+{{- end -}}
+
+{{- define "kvgate.gateUnavailable.headers" -}}
+{{- toJson (list (list "content-type" "application/json") (list "x-kvgate-reason" "gate_unavailable") (list "retry-after" "1") (list "x-kvgate-retry-after-ms" "1000") (list "retry-after-ms" "1000")) -}}
+{{- end -}}
+
+{{- define "kvgate.gateUnavailable" -}}
+direct_response:
+  status: 503
+  body:
+    inline_string: {{ include "kvgate.gateUnavailable.body" . | quote }}
+response_headers_to_add:
+  {{- range $pair := include "kvgate.gateUnavailable.headers" . | fromJsonArray }}
+  - header:
+      key: {{ index $pair 0 }}
+      value: {{ index $pair 1 | quote }}
+    append_action: OVERWRITE_IF_EXISTS_OR_ADD
+  {{- end }}
+{{- end -}}
+
+{{/*
 Envoy inflates gzip request bodies ahead of ext_proc, so the gate reads plain JSON and the engine
 (which does not inflate) gets it too; other encodings pass to the gate, which inflates deflate itself.
 Requests only, as envoy/envoy.yaml: a response stays as the engine sent it, and nothing is added to the
