@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import gzip
 import http.client
+import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -31,6 +33,8 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
     ProcessingResponse,
 )
 from google.protobuf import json_format
+from test_chart import CHART, Helm, by_kind, one, real_helm, standalone
+from test_chart_envoy import chart_bootstrap
 from test_envoyconfig_routes import run_cli
 from test_gate_holds import with_message_timeout
 
@@ -50,6 +54,8 @@ CHAT = "/v1/chat/completions"
 POOLS = ("interactive", "long", "async")
 # The default interactive_max_tokens at the shipped calibrations' one token per byte.
 UNSAFE_BYTES = 4096
+EG_VALUES = CHART / "ci" / "envoy-gateway-values.yaml"
+EXT_PROC = "envoy.filters.http.ext_proc"
 
 
 def routes_of(bootstrap: dict[str, Any], host: int = 0) -> list[dict[str, Any]]:
@@ -330,3 +336,133 @@ def test_the_long_pool_switch_sends_long_bodies_to_the_long_pool(tmp_path: Path,
         assert post_chunked(listener, SMALL).json()["pool"] == "long"
         # Unreserved: nothing pins it to a node.
         assert "x-kvgate-endpoint" not in upstreams.received[-1].headers
+
+
+# --- the chart's three Envoy modes --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def helm() -> Helm:
+    return real_helm()
+
+
+def test_the_standalone_chart_renders_the_routes(helm: Helm) -> None:
+    routes = routes_of(chart_bootstrap(helm, standalone()))
+    found = unanswered_routes(routes)
+    assert routes[-4:-1] == found and len(found) == 3
+    assert found[0]["match"]["headers"][-1]["range_match"] == {"start": UNSAFE_BYTES, "end": 2**63 - 1}
+    assert all(r["direct_response"]["status"] == 503 for r in found)
+    assert unanswered_routes(routes_of(chart_bootstrap(helm, standalone(envoy={"failOpen": False})))) == []
+
+
+def istio_inserted(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        p
+        for p in one(docs, "EnvoyFilter")["spec"]["configPatches"]
+        if p["applyTo"] == "HTTP_ROUTE" and p["patch"]["operation"] == "INSERT_BEFORE"
+    ]
+
+
+def test_istio_inserts_the_routes_before_each_catch_all(helm: Helm) -> None:
+    docs = helm.template(CHART / "ci" / "istio-values.yaml")
+    services = by_kind(docs, "VirtualService")
+    catch_alls = {
+        r["name"]: r
+        for spec in services
+        for r in spec["spec"]["http"]
+        if r["name"].endswith("pool-interactive")
+    }
+    merged = {
+        p["match"]["routeConfiguration"]["vhost"]["route"]["name"]: p["patch"]["value"][
+            "typed_per_filter_config"
+        ]
+        for p in one(docs, "EnvoyFilter")["spec"]["configPatches"]
+        if p["patch"]["operation"] == "MERGE"
+        and "typed_per_filter_config" in p["patch"].get("value", {})
+        and "overrides" in p["patch"]["value"]["typed_per_filter_config"]["envoy.filters.http.ext_proc"]
+    }
+    inserted = istio_inserted(docs)
+    by_catch_all: dict[str, list[dict[str, Any]]] = {}
+    for patch in inserted:
+        name = patch["match"]["routeConfiguration"]["vhost"]["route"]["name"]
+        by_catch_all.setdefault(name, []).append(patch["patch"]["value"])
+    assert set(by_catch_all) == set(catch_alls), "three routes before every catch-all"
+    for name, values in by_catch_all.items():
+        assert [v["match"]["headers"][-1]["name"] for v in values] == [
+            "content-length",
+            "content-length",
+            "content-encoding",
+        ]
+        for value in values:
+            assert value["match"]["headers"][0] == {"name": "x-kvgate-pool", "present_match": False}
+            assert value["direct_response"]["status"] == 503
+            # The policy the gate reads before it answers: the catch-all's.
+            assert value.get("typed_per_filter_config") == merged.get(name), name
+        assert values[0]["match"]["headers"][1]["range_match"]["start"] == UNSAFE_BYTES
+        path = catch_alls[name].get("match", [{}])[0].get("uri")
+        assert ("path_separated_prefix" in values[0]["match"]) == (path is not None)
+    long_pool = helm.render({"envoy": {"failOpenLong": "long-pool"}}, CHART / "ci" / "istio-values.yaml")
+    clusters = {p["patch"]["value"]["route"]["cluster"] for p in istio_inserted(long_pool)}
+    assert clusters == {"outbound|8000||vllm-long.models.svc.cluster.local"}
+    closed = helm.render({"envoy": {"failOpen": False}}, CHART / "ci" / "istio-values.yaml")
+    assert istio_inserted(closed) == []
+
+
+def eg_rules(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rules: list[dict[str, Any]] = one(docs, "HTTPRoute", "-pools")["spec"]["rules"]
+    return rules
+
+
+def header_names(rule: dict[str, Any]) -> list[list[str]]:
+    """Per match of an HTTPRoute rule, the headers it matches on."""
+    return [[h["name"] for h in match.get("headers", [])] for match in rule.get("matches", [{}])]
+
+
+def test_envoy_gateway_adds_a_fail_open_rule_the_gates_answers_outrank(helm: Helm) -> None:
+    docs = helm.template(CHART / "ci" / "envoy-gateway-values.yaml")
+    rules = eg_rules(docs)
+    fail_open = [r for r in rules if header_names(r) == [["content-length"], ["content-encoding"]]]
+    assert len(fail_open) == 2, "one per route set"
+    for rule in fail_open:
+        index = rules.index(rule)
+        assert header_names(rules[index + 1]) == [[]], "the catch-all right after"
+        # One header match each, where every rule for the gate's answer has two (Envoy Gateway orders
+        # rules of a path by their number of header matches).
+        answered = rules[index - 3 : index]
+        assert [r["matches"][0]["headers"][0]["value"] for r in answered] == ["async", "long", "interactive"]
+        assert all(header_names(r) == [["x-kvgate-pool", "x-kvgate-reason"]] for r in answered)
+        extension, headers = rule["filters"]
+        assert extension["extensionRef"]["name"] == "rel-kvgate-gate-unavailable"
+        assert {h["name"]: h["value"] for h in headers["responseHeaderModifier"]["set"]} == {
+            "x-kvgate-reason": "gate_unavailable",
+            "retry-after": "1",
+            "x-kvgate-retry-after-ms": "1000",
+            "retry-after-ms": "1000",
+        }
+    answer = one(docs, "HTTPRouteFilter")["spec"]["directResponse"]
+    assert answer["statusCode"] == 503 and answer["contentType"] == "application/json"
+    assert json.loads(answer["body"]["inline"])["error"]["code"] == "gate_unavailable"
+    switched = [
+        r
+        for r in eg_rules(helm.render({"envoy": {"failOpenLong": "long-pool"}}, EG_VALUES))
+        if ["content-length"] in header_names(r)
+    ]
+    assert [r["backendRefs"][0]["name"] for r in switched] == ["vllm-long", "vllm-long"]
+    closed = helm.render({"envoy": {"failOpen": False}}, EG_VALUES)
+    assert not by_kind(closed, "HTTPRouteFilter")
+    assert not [r for r in eg_rules(closed) if ["content-length"] in header_names(r)]
+
+
+@pytest.mark.parametrize("tokens", [4096, 1000, 999, 8192, 131072])
+def test_envoy_gateways_content_length_regex_matches_exactly_the_unsafe_sizes(
+    helm: Helm, tokens: int
+) -> None:
+    values = {"gate": {"config": {"default_model": {"interactive_max_tokens": tokens}}}}
+    if tokens > 16384:
+        values["gate"]["config"]["default_model"]["max_total_tokens"] = tokens
+    rule = next(r for r in eg_rules(helm.render(values, EG_VALUES)) if "filters" in r)
+    pattern = rule["matches"][0]["headers"][0]["value"]
+    threshold = unsafe_bytes(tokens, most_tokens_per_byte())
+    for size in [*range(threshold - 1200, threshold + 1200), 0, 9, 10**12]:
+        if size >= 0:
+            assert bool(re.fullmatch(pattern, str(size))) == (size >= threshold), (pattern, size)

@@ -524,18 +524,7 @@ carries the route policy `metadata`.
       - name: x-kvgate-pool
         present_match: false
     {{- end }}
-    {{- if eq $size "large" }}
-      - name: content-length
-        range_match:
-          start: {{ $unsafe }}
-          end: 9223372036854775807
-    {{- else }}
-      - name: ":method"
-        string_match:
-          exact: POST
-      - name: {{ ternary "content-length" "content-encoding" (eq $size "unsized") }}
-        present_match: {{ ne $size "unsized" }}
-    {{- end }}
+      {{- include "kvgate.unansweredHeaders" (dict "size" $size "unsafe" $unsafe) | nindent 6 }}
   {{- if $longPool }}
   route:
     cluster: {{ printf "pool_%s" $longPool }}

@@ -315,6 +315,50 @@ or no model sends its short requests to envoy.defaultPool.
 {{- end -}}
 
 {{/*
+The header matchers that tell the three kinds of those requests apart (kvgate.envoyconfig.bootstrap
+unanswered_routes): `size` large (a Content-Length of `unsafe` bytes or more), unsized (a POST without
+Content-Length) or compressed (a POST with a Content-Encoding).
+*/}}
+{{- define "kvgate.unansweredHeaders" -}}
+{{- if eq .size "large" }}
+- name: content-length
+  range_match:
+    start: {{ .unsafe }}
+    end: 9223372036854775807
+{{- else }}
+- name: ":method"
+  string_match:
+    exact: POST
+- name: {{ ternary "content-length" "content-encoding" (eq .size "unsized") }}
+  present_match: {{ ne .size "unsized" }}
+{{- end }}
+{{- end -}}
+
+{{/*
+A regular expression (RE2, whole value) for the decimal integers of at least `.` (a positive integer),
+for a Gateway API header match, which has no range (envoy-gateway mode's content-length): more digits,
+or as many with a larger digit after a common prefix, or the number itself. 4096:
+0*([1-9][0-9]{4,}|[5-9][0-9]{3}|4[1-9][0-9]{2}|409[7-9]|4096).
+*/}}
+{{- define "kvgate.atLeastRegex" -}}
+{{- $digits := toString . -}}
+{{- $n := len $digits -}}
+{{- $alternatives := list (printf "[1-9][0-9]{%d,}" $n) -}}
+{{- range $i := until $n -}}
+{{- $digit := int (substr (int $i) (int (add1 $i)) $digits) -}}
+{{- if lt $digit 9 -}}
+{{- $larger := printf "%s[%d-9]" (substr 0 (int $i) $digits) (add1 $digit) -}}
+{{- $rest := sub $n (add1 $i) -}}
+{{- if gt $rest 0 -}}
+{{- $larger = printf "%s[0-9]{%d}" $larger $rest -}}
+{{- end -}}
+{{- $alternatives = append $alternatives $larger -}}
+{{- end -}}
+{{- end -}}
+{{- printf "0*(%s)" (join "|" (append $alternatives $digits)) -}}
+{{- end -}}
+
+{{/*
 Envoy's own answer to those requests where they are refused: the gate_unavailable row of the refusal
 table (kvgate.policy.refusals; kvgate.envoyconfig.unanswered.gate_unavailable), as direct_response and
 response_headers_to_add of a route. OVERWRITE: Envoy gives a direct response its own Content-Type
