@@ -274,6 +274,7 @@ def unanswered_routes(
         [post, HeaderMatcher(name="content-length", present_match=False)],
         [post, HeaderMatcher(name="content-encoding", present_match=True)],
     ]
+    answer = gate_unavailable()
     result = []
     for headers in sizes:
         match = _pool_match(settings, None, False, path)
@@ -288,7 +289,6 @@ def unanswered_routes(
         if unanswered.long_pool is not None:
             route.route = _pool_action(settings, unanswered.long_pool)
         else:
-            answer = gate_unavailable()
             route.direct_response = DirectResponseAction(
                 status=answer.status, body=DataSource(inline_string=answer.body.decode())
             )
