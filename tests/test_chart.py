@@ -167,6 +167,7 @@ CUSTOM_RESOURCES: dict[tuple[str, str], tuple[str, ...]] = {
     ("gateway.envoyproxy.io/v1alpha1", "EnvoyPatchPolicy"): ("targetRef", "type", "jsonPatches"),
     ("gateway.envoyproxy.io/v1alpha1", "BackendTrafficPolicy"): ("targetRefs",),
     ("gateway.networking.k8s.io/v1", "HTTPRoute"): ("parentRefs", "rules"),
+    ("gateway.envoyproxy.io/v1alpha1", "HTTPRouteFilter"): ("directResponse",),
     ("gateway.networking.k8s.io/v1beta1", "ReferenceGrant"): ("from", "to"),
     ("inference.networking.k8s.io/v1", "InferencePool"): ("selector", "targetPorts"),
 }
@@ -908,10 +909,13 @@ def test_istio_route_policies_patch_the_route_envoy_picks_before_the_gate_answer
     assert services["policy-strict"]["hosts"] == ["strict.example.com"]
     assert services["pools"]["hosts"] == ["llm.example.com"]
     routes = {r["name"]: r for spec in services.values() for r in spec["http"]}
+    # Not the fail-open routes inserted before each catch-all (test_failopen).
     patches = [
         p
         for p in one(docs, "EnvoyFilter")["spec"]["configPatches"]
-        if p["applyTo"] == "HTTP_ROUTE" and "vhost" in p["match"]["routeConfiguration"]
+        if p["applyTo"] == "HTTP_ROUTE"
+        and "vhost" in p["match"]["routeConfiguration"]
+        and p["patch"]["operation"] != "INSERT_BEFORE"
     ]
     by_route: dict[str, list[dict[str, Any]]] = {}
     for patch in patches:
@@ -980,17 +984,21 @@ def test_envoy_gateway_route_policies_patch_the_catch_all_rules(helm: Helm) -> N
             assert rule["matches"][0]["path"]["value"] in ("/v1/files", "/v1/batches", "/v1/kvgate/jobs")
             found[route.removeprefix("rel-kvgate-"), int(index)] = "off"
         else:
-            assert "headers" not in rule.get("matches", [{}])[0], (
-                "the rule Envoy picks before the gate answers"
-            )
+            headers = [h["name"] for m in rule.get("matches", [{}]) for h in m.get("headers", [])]
+            assert "x-kvgate-pool" not in headers, "a rule Envoy picks before the gate answers"
             found[route.removeprefix("rel-kvgate-"), int(index)] = metadata_of(
                 {"envoy.filters.http.ext_proc": value["config"]}
             )
     policies = {key: value for key, value in found.items() if value != "off"}
+    # Each path's catch-all and, just before it, its fail-open rule (test_failopen).
+    both = [("x-kvgate-max-total-tokens", "2000"), ("x-kvgate-model-policy", "batch")]
     assert policies == {
-        ("pools", 5): [("x-kvgate-model-policy", "batch")],
-        ("policy-strict", 5): [("x-kvgate-max-total-tokens", "2000"), ("x-kvgate-model-policy", "batch")],
-        ("policy-strict", 8): [("x-kvgate-max-total-tokens", "2000")],
+        ("pools", 6): [("x-kvgate-model-policy", "batch")],
+        ("pools", 7): [("x-kvgate-model-policy", "batch")],
+        ("policy-strict", 6): both,
+        ("policy-strict", 7): both,
+        ("policy-strict", 11): [("x-kvgate-max-total-tokens", "2000")],
+        ("policy-strict", 12): [("x-kvgate-max-total-tokens", "2000")],
     }
     queue_api = sorted(key for key, value in found.items() if value == "off")
     assert queue_api == [(route, i) for route in ("policy-strict", "pools") for i in range(3)]

@@ -174,6 +174,27 @@ BOOTSTRAP_CASES: dict[str, dict[str, Any]] = {
         gate={"config": {"policies": {"batch": {"async_mode": "prefer"}}}},
         envoy={"routePolicies": ROUTE_POLICIES, "standalone": {"roundTrips": 1}},
     ),
+    # Failing open by size: the smallest interactive limit of the models sharing the default pool
+    # (an entry inherits default_model's), and the long-pool switch.
+    "fail-open-long-pool": standalone(
+        gate={
+            "config": {
+                "default_model": {"interactive_max_tokens": 8192, "max_total_tokens": 32768},
+                "models": [
+                    {"match": "small-*", "interactive_max_tokens": 2048},
+                    {"match": "other-*", "interactive_max_tokens": 1024, "pools": {"interactive": "other"}},
+                ],
+            }
+        },
+        envoy={
+            "pools": {"other": {"address": "vllm-other.models.svc.cluster.local", "port": 8000}},
+            "failOpenLong": "long-pool",
+            "routePolicies": ROUTE_POLICIES[2:3],
+        },
+    ),
+    "fail-open-long-pool-one-trip": standalone(
+        envoy={"failOpenLong": "long-pool", "standalone": {"roundTrips": 1}},
+    ),
 }
 
 
@@ -197,6 +218,7 @@ def python_bootstrap(values: dict[str, Any]) -> dict[str, Any]:
         gate=HostPort("rel-kvgate-gate-headless.llm.svc.cluster.local", 9002),
         message_timeout_ms=envoy.get("messageTimeoutMs", 5000),
         fail_open=envoy.get("failOpen", True),
+        fail_open_long=envoy.get("failOpenLong", "refuse"),
         route_timeout_seconds=envoy.get("routeTimeoutSeconds", 0),
         round_trips=envoy.get("standalone", {}).get("roundTrips", 2),
         queue=(
@@ -356,10 +378,12 @@ def test_queue_api_bypasses_the_gate_and_held_requests_outwait_envoys_idle_timeo
                 "disabled": True,
             },
         }
-    (to_queue,) = [r for r in routes[3:] if r["route"]["cluster"] == "pool_async"]
+    # Routes without an upstream answer themselves (the gate did not answer: kvgate.envoyconfig.unanswered).
+    routed = [r for r in routes if "route" in r]
+    (to_queue,) = [r for r in routed[3:] if r["route"]["cluster"] == "pool_async"]
     assert to_queue["match"]["headers"][0]["string_match"] == {"exact": "async"}
     assert to_queue["route"]["idle_timeout"] == "151s", "queue.max_hold_s 120.5, rounded up, + 30 s"
-    assert not [r for r in routes if r["route"]["cluster"] != "pool_async" and "idle_timeout" in r["route"]]
+    assert not [r for r in routed if r["route"]["cluster"] != "pool_async" and "idle_timeout" in r["route"]]
     bootstrap = chart_bootstrap(helm, BOOTSTRAP_CASES["queue"])
     clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
     address = clusters["pool_async"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"][

@@ -207,8 +207,9 @@ def test_bodiless_and_unknown_paths_pass_through(stack: Stack) -> None:
     assert stack.upstreams.received[-1].headers["x-kvgate-reason"] == "unparsed"
 
 
-def test_gate_killed_fails_open_to_interactive(stack: Stack, texts: dict[str, str], tmp_path: Path) -> None:
-    """Kill the gate mid-test: requests still flow, to interactive, and a forged header cannot pick long."""
+def test_gate_killed_fails_open_by_size(stack: Stack, texts: dict[str, str], tmp_path: Path) -> None:
+    """Kill the gate mid-test: small requests still flow, to interactive; a long one gets Envoy's 503
+    rather than the interactive engine's 400 (test_failopen); a forged header picks neither."""
     ports = dict(stack.ports, gate=free_port(), listener=free_port(), admin=free_port())
     envoy = _envoy_for(ports, tmp_path, stack.envoy_source)
     try:
@@ -217,7 +218,10 @@ def test_gate_killed_fails_open_to_interactive(stack: Stack, texts: dict[str, st
             gate.signal(signal.SIGKILL)
             gate.process.wait(10)
             for headers in ({}, {"x-kvgate-pool": "long", "x-kvgate-endpoint": f"127.0.0.1:{ports['long']}"}):
-                reply = post(ports["listener"], CHAT, chat(texts["8k"]), headers)
+                refused = post(ports["listener"], CHAT, chat(texts["8k"]), headers)
+                assert refused.status == 503, refused.body
+                assert refused.headers["x-kvgate-reason"] == "gate_unavailable"
+                reply = post(ports["listener"], CHAT, chat("Say hello."), headers)
                 assert reply.status == 200, reply.body
                 assert reply.json()["pool"] == "interactive"
                 assert "x-kvgate-pool" not in stack.upstreams.received[-1].headers

@@ -280,7 +280,8 @@ def test_queue_serves_the_pool_the_config_names_async(tmp_path: Path) -> None:
     manager = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     routes = manager["route_config"]["virtual_hosts"][0]["routes"]
     assert {r["route"]["cluster"] for r in routes[:3]} == {"pool_deferred"}
-    held = [r for r in routes[3:] if r["route"]["cluster"] == "pool_deferred"]
+    # Routes without an upstream answer themselves (the gate did not answer: kvgate.envoyconfig.unanswered).
+    held = [r for r in routes[3:] if r.get("route", {}).get("cluster") == "pool_deferred"]
     assert [r["route"]["idle_timeout"] for r in held] == ["90s"]
 
 

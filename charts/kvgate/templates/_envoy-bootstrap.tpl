@@ -477,6 +477,7 @@ Include with (dict "root" $ "paths" LIST "oneTrip" BOOL "namespace" NS).
   {{- end }}
 {{- end }}
 {{- end }}
+{{- include "kvgate.envoy.unansweredRoutes" (dict "root" $root "common" $common "metadata" .metadata) }}
 - match:
     {{- include "kvgate.envoy.poolMatch" (merge (dict "pool" "" "pinned" false) $common) | nindent 4 }}
   route:
@@ -489,4 +490,55 @@ Include with (dict "root" $ "paths" LIST "oneTrip" BOOL "namespace" NS).
   typed_per_filter_config:
     {{- include "kvgate.routePolicies.extProcPerRoute" . | nindent 4 }}
   {{- end }}
+{{- end -}}
+
+
+{{/*
+Failing open by size, as kvgate.envoyconfig.bootstrap.unanswered_routes: requests the gate did not answer
+(no x-kvgate-pool header; one round trip: no pool metadata) whose body may be too long for the default
+pool (kvgate.unsafeBodyBytes), whose size is unknown (a POST without Content-Length) or that are
+compressed (sized before Envoy inflates them) are refused (kvgate.gateUnavailable) or sent to the long
+pool unreserved (envoy.failOpenLong). Before the gate answers, Envoy asks it from these routes too: each
+carries the route policy `metadata`.
+*/}}
+{{- define "kvgate.envoy.unansweredRoutes" -}}
+{{- $root := .root -}}
+{{- $unsafe := include "kvgate.unsafeBodyBytes" $root -}}
+{{- $longPool := include "kvgate.failOpenLongPool" $root -}}
+{{- $queuePool := ternary (include "kvgate.queue.pool" $root) "" $root.Values.queue.enabled -}}
+{{- if $unsafe }}
+{{- range $size := list "large" "unsized" "compressed" }}
+- match:
+    {{- include "kvgate.envoy.poolMatch" (merge (dict "pool" "" "pinned" false) $.common) | nindent 4 }}
+    {{- if $.common.oneTrip }}
+    dynamic_metadata:
+      - filter: {{ $.common.namespace }}
+        path:
+          - key: pool
+        value:
+          present_match: true
+        invert: true
+    headers:
+    {{- else }}
+    headers:
+      - name: x-kvgate-pool
+        present_match: false
+    {{- end }}
+      {{- include "kvgate.unansweredHeaders" (dict "size" $size "unsafe" $unsafe) | nindent 6 }}
+  {{- if $longPool }}
+  route:
+    cluster: {{ printf "pool_%s" $longPool }}
+    timeout: {{ printf "%ds" (int $root.Values.envoy.routeTimeoutSeconds) }}
+    {{- if eq $longPool $queuePool }}
+    idle_timeout: {{ printf "%ss" (include "kvgate.queue.idleTimeoutSeconds" $root) }}
+    {{- end }}
+  {{- else }}
+  {{- include "kvgate.gateUnavailable" $root | nindent 2 }}
+  {{- end }}
+  {{- with $.metadata }}
+  typed_per_filter_config:
+    {{- include "kvgate.routePolicies.extProcPerRoute" . | nindent 4 }}
+  {{- end }}
+{{- end }}
+{{- end }}
 {{- end -}}

@@ -281,6 +281,112 @@ x-kvgate-pool,x-kvgate-tokens,x-kvgate-reason
 {{- end -}}
 
 {{/*
+Failing open by size (kvgate.envoyconfig.unanswered): a request the gate did not answer goes to
+envoy.defaultPool only when its Content-Length proves it fits there. This is the fewest body bytes that
+may not: the smallest interactive_max_tokens among the models whose short requests go to that pool
+(model entries inherit default_model's keys, as kvgate.yaml's do), at one token per byte, the most any
+shipped calibration allows (kvgate.estimate.calibration.most_tokens_per_byte; a test keeps the chart's
+bootstrap equal to `kvgate envoy-config`'s). Empty when envoy.failOpen is off (Envoy answers 500 itself)
+or no model sends its short requests to envoy.defaultPool.
+*/}}
+{{- define "kvgate.unsafeBodyBytes" -}}
+{{- $default := .Values.gate.config.default_model | default dict -}}
+{{- $defaultPools := $default.pools | default dict -}}
+{{- $limit := 0 -}}
+{{- range $model := prepend (.Values.gate.config.models | default list) $default -}}
+{{- $interactive := ($model.pools | default dict).interactive | default $defaultPools.interactive | default "interactive" -}}
+{{- if eq $interactive $.Values.envoy.defaultPool -}}
+{{- $tokens := int ($model.interactive_max_tokens | default $default.interactive_max_tokens | default 4096) -}}
+{{- if or (eq $limit 0) (lt $tokens $limit) -}}
+{{- $limit = $tokens -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if and .Values.envoy.failOpen $limit -}}
+{{- $limit -}}
+{{- end -}}
+{{- end -}}
+
+{{/* envoy.failOpenLong long-pool: the default model's long pool, where those requests go unreserved. */}}
+{{- define "kvgate.failOpenLongPool" -}}
+{{- if eq .Values.envoy.failOpenLong "long-pool" -}}
+{{- ((.Values.gate.config.default_model | default dict).pools | default dict).long | default "long" -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The header matchers that tell the three kinds of those requests apart (kvgate.envoyconfig.bootstrap
+unanswered_routes): `size` large (a Content-Length of `unsafe` bytes or more), unsized (a POST without
+Content-Length) or compressed (a POST with a Content-Encoding).
+*/}}
+{{- define "kvgate.unansweredHeaders" -}}
+{{- if eq .size "large" }}
+- name: content-length
+  range_match:
+    start: {{ .unsafe }}
+    end: 9223372036854775807
+{{- else }}
+- name: ":method"
+  string_match:
+    exact: POST
+- name: {{ ternary "content-length" "content-encoding" (eq .size "unsized") }}
+  present_match: {{ ne .size "unsized" }}
+{{- end }}
+{{- end -}}
+
+{{/*
+A regular expression (RE2, whole value) for the decimal integers of at least `.` (a positive integer),
+for a Gateway API header match, which has no range (envoy-gateway mode's content-length): more digits,
+or as many with a larger digit after a common prefix, or the number itself. 4096:
+0*([1-9][0-9]{4,}|[5-9][0-9]{3}|4[1-9][0-9]{2}|409[7-9]|4096).
+*/}}
+{{- define "kvgate.atLeastRegex" -}}
+{{- $digits := toString . -}}
+{{- $n := len $digits -}}
+{{- $alternatives := list (printf "[1-9][0-9]{%d,}" $n) -}}
+{{- range $i := until $n -}}
+{{- $digit := int (substr (int $i) (int (add1 $i)) $digits) -}}
+{{- if lt $digit 9 -}}
+{{- $larger := printf "%s[%d-9]" (substr 0 (int $i) $digits) (add1 $digit) -}}
+{{- $rest := sub $n (add1 $i) -}}
+{{- if gt $rest 0 -}}
+{{- $larger = printf "%s[0-9]{%d}" $larger $rest -}}
+{{- end -}}
+{{- $alternatives = append $alternatives $larger -}}
+{{- end -}}
+{{- end -}}
+{{- printf "0*(%s)" (join "|" (append $alternatives $digits)) -}}
+{{- end -}}
+
+{{/*
+Envoy's own answer to those requests where they are refused: the gate_unavailable row of the refusal
+table (kvgate.policy.refusals; kvgate.envoyconfig.unanswered.gate_unavailable), as direct_response and
+response_headers_to_add of a route. OVERWRITE: Envoy gives a direct response its own Content-Type
+(text/plain).
+*/}}
+{{- define "kvgate.gateUnavailable.body" -}}
+{"error": {"message": "The admission gate did not answer, and this request may be too long for the interactive pool; retry shortly.", "type": "server_error", "param": null, "code": "gate_unavailable"}}
+{{- end -}}
+
+{{- define "kvgate.gateUnavailable.headers" -}}
+{{- toJson (list (list "content-type" "application/json") (list "x-kvgate-reason" "gate_unavailable") (list "retry-after" "1") (list "x-kvgate-retry-after-ms" "1000") (list "retry-after-ms" "1000")) -}}
+{{- end -}}
+
+{{- define "kvgate.gateUnavailable" -}}
+direct_response:
+  status: 503
+  body:
+    inline_string: {{ include "kvgate.gateUnavailable.body" . | quote }}
+response_headers_to_add:
+  {{- range $pair := include "kvgate.gateUnavailable.headers" . | fromJsonArray }}
+  - header:
+      key: {{ index $pair 0 }}
+      value: {{ index $pair 1 | quote }}
+    append_action: OVERWRITE_IF_EXISTS_OR_ADD
+  {{- end }}
+{{- end -}}
+
+{{/*
 Envoy inflates gzip request bodies ahead of ext_proc, so the gate reads plain JSON and the engine
 (which does not inflate) gets it too; other encodings pass to the gate, which inflates deflate itself.
 Requests only, as envoy/envoy.yaml: a response stays as the engine sent it, and nothing is added to the

@@ -64,6 +64,7 @@ with warnings.catch_warnings():
     )
     from envoy_data_plane.envoy.config.listener.v3 import Filter, FilterChain, Listener
     from envoy_data_plane.envoy.config.route.v3 import (
+        DirectResponseAction,
         FilterConfig,
         HeaderMatcher,
         Route,
@@ -114,6 +115,7 @@ with warnings.catch_warnings():
         StringMatcher,
         ValueMatcher,
     )
+    from envoy_data_plane.envoy.type.v3 import Int64Range
     from envoy_data_plane.google.protobuf import Any as AnyMessage
 
 from kvgate.config import MiB
@@ -128,6 +130,7 @@ from kvgate.envoyconfig.identity import (
 from kvgate.envoyconfig.limits import bound_manager, gate_circuit_breakers, overload_manager
 from kvgate.envoyconfig.routepolicy import Metadata, PolicyPath
 from kvgate.envoyconfig.settings import EnvoySettings, GateTls, HostPort
+from kvgate.envoyconfig.unanswered import gate_unavailable
 from kvgate.gate.processor import request_attributes
 from kvgate.names import (
     ENDPOINT_HEADER,
@@ -239,10 +242,65 @@ def pool_routes(settings: EnvoySettings, path: str | None = None, metadata: Meta
                 typed_per_filter_config=policy,
             )
         )
+    result += unanswered_routes(settings, path, policy)
     catch_all = _pool_action(settings, settings.default_pool)
     result.append(
         Route(match=_pool_match(settings, None, False, path), route=catch_all, typed_per_filter_config=policy)
     )
+    return result
+
+
+_INT64_MAX = 2**63 - 1
+
+
+def unanswered_routes(
+    settings: EnvoySettings, path: str | None, policy: dict[str, AnyMessage]
+) -> list[Route]:
+    """Requests the gate did not answer that may be too long for the default pool (a body of
+    `unsafe_bytes` or more, a POST of unknown size, a compressed one), refused or sent to the long
+    pool unreserved; each carries the route `policy`, since before the gate answers Envoy asks it from
+    these routes too (kvgate.envoyconfig.unanswered)."""
+    unanswered = settings.unanswered
+    if unanswered is None:
+        return []
+    post = HeaderMatcher(name=":method", string_match=StringMatcher(exact="POST"))
+    sizes = [
+        [
+            HeaderMatcher(
+                name="content-length",
+                range_match=Int64Range(start=unanswered.unsafe_bytes, end=_INT64_MAX),
+            )
+        ],
+        [post, HeaderMatcher(name="content-length", present_match=False)],
+        [post, HeaderMatcher(name="content-encoding", present_match=True)],
+    ]
+    answer = gate_unavailable()
+    result = []
+    for headers in sizes:
+        match = _pool_match(settings, None, False, path)
+        if settings.round_trips == 2:
+            match.headers = [HeaderMatcher(name=POOL_HEADER, present_match=False), *headers]
+        else:
+            pool = _metadata_of(settings, POOL_HEADER, ValueMatcher(present_match=True))
+            pool.invert = True
+            match.dynamic_metadata = [pool]
+            match.headers = headers
+        route = Route(match=match, typed_per_filter_config=policy)
+        if unanswered.long_pool is not None:
+            route.route = _pool_action(settings, unanswered.long_pool)
+        else:
+            route.direct_response = DirectResponseAction(
+                status=answer.status, body=DataSource(inline_string=answer.body.decode())
+            )
+            # OVERWRITE: Envoy's own Content-Type for a direct response is text/plain.
+            route.response_headers_to_add = [
+                HeaderValueOption(
+                    header=HeaderValue(key=key, value=value),
+                    append_action=HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD,
+                )
+                for key, value in answer.headers
+            ]
+        result.append(route)
     return result
 
 

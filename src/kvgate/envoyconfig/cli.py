@@ -13,6 +13,7 @@ from kvgate.envoyconfig.identity import ExtAuthzAuth, Identity, JwtAuth, MtlsAut
 from kvgate.envoyconfig.limits import Limits
 from kvgate.envoyconfig.routepolicy import load_route_policies
 from kvgate.envoyconfig.settings import GateTls, HostPort, envoy_settings, parse_host_port
+from kvgate.envoyconfig.unanswered import LONG_CHOICES
 from kvgate.errors import ConfigError
 
 
@@ -89,6 +90,18 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--fail-closed",
         action="store_true",
         help="answer 500 when the gate is unreachable (default: fail open)",
+    )
+    parser.add_argument(
+        "--fail-open-long",
+        choices=LONG_CHOICES,
+        default="refuse",
+        help=(
+            "failing open, where a request the gate did not answer (down, or past --message-timeout-ms) "
+            "goes when its body may hold more tokens than the default pool's interactive_max_tokens (at "
+            "one token per byte: that many bytes and more), or is of unknown size (no Content-Length) "
+            "or compressed: refuse (default: 503 gate_unavailable with Retry-After) or long-pool (the "
+            "long pool, unreserved). Smaller bodies fail open to the default pool"
+        ),
     )
     parser.add_argument(
         "--route-timeout-seconds",
@@ -373,6 +386,7 @@ def run(args: argparse.Namespace) -> int:
         message_timeout_ms=args.message_timeout_ms,
         max_message_timeout_ms=args.max_message_timeout_ms,
         fail_open=not args.fail_closed,
+        fail_open_long=args.fail_open_long,
         route_timeout_seconds=args.route_timeout_seconds,
         round_trips=args.round_trips,
         gate_tls=gate_tls,

@@ -13,6 +13,7 @@ from kvgate.config import Config, MiB
 from kvgate.envoyconfig.identity import Identity
 from kvgate.envoyconfig.limits import Limits
 from kvgate.envoyconfig.routepolicy import RouteLayout, RoutePolicy, layout
+from kvgate.envoyconfig.unanswered import LongChoice, Unanswered, unanswered
 from kvgate.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,9 @@ class EnvoySettings:
     # The longest the gate may ask Envoy to wait for one answer, holding a request (kvgate.gate.holding).
     max_message_timeout_ms: int = DEFAULT_MAX_MESSAGE_TIMEOUT_MS
     fail_open: bool = True
+    # Failing open, where a request the gate did not answer goes by its size (kvgate.envoyconfig.unanswered);
+    # None: every such request to the default pool.
+    unanswered: Unanswered | None = None
     # 0 disables the upstream timeout: long generations stream for minutes.
     route_timeout_seconds: int = 0
     # None: plaintext to the gate.
@@ -113,6 +117,7 @@ def envoy_settings(
     message_timeout_ms: int = 2000,
     max_message_timeout_ms: int | None = None,
     fail_open: bool = True,
+    fail_open_long: LongChoice = "refuse",
     route_timeout_seconds: int = 0,
     round_trips: RoundTrips = 2,
     gate_tls: GateTls | None = None,
@@ -124,7 +129,9 @@ def envoy_settings(
 ) -> EnvoySettings:
     """Check the pools against every pool name the gate can set, and size Envoy's buffers to the gate.
 
-    `queue`: the address of `kvgate queue`, which serves the default model's async pool."""
+    `queue`: the address of `kvgate queue`, which serves the default model's async pool.
+    `fail_open_long`: failing open, whether a request the gate did not answer whose body may be too long
+    for the default pool is refused or sent to the long pool unreserved."""
     queue_pool = None
     if queue is not None:
         queue_pool = config.default_model.pools.async_
@@ -174,6 +181,8 @@ def envoy_settings(
         message_timeout_ms=message_timeout_ms,
         max_message_timeout_ms=max_message_timeout_ms,
         fail_open=fail_open,
+        # Failing closed, Envoy answers 500 itself to a request the gate did not answer.
+        unanswered=unanswered(config, default, fail_open_long) if fail_open else None,
         route_timeout_seconds=route_timeout_seconds,
         gate_tls=gate_tls,
         queue_pool=queue_pool,

@@ -183,6 +183,12 @@ def load(path: Path) -> Calibration:
         raise ConfigError(f"cannot read calibration {path}: {exc}") from exc
 
 
+def most_tokens_per_byte() -> float:
+    """The most tokens a byte of text took under any shipped tokenizer (their certainty rules): where
+    the tokenizer is not known, a text of b bytes takes at most this * b + 1 tokens."""
+    return max(load(path).max_tokens_per_byte for path in sorted(SHIPPED.glob("*.json")))
+
+
 def for_tokenizer(tokenizer: TokenizerFile) -> Calibration:
     """The calibration fitted for exactly this tokenizer file."""
     for candidate in sorted(SHIPPED.glob("*.json")):

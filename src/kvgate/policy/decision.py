@@ -40,6 +40,9 @@ class Reason(enum.StrEnum):
     NOT_FOUND = "not_found"
     JOB_CANCELLED = "job_cancelled"
     ENGINE_FAILED = "engine_failed"
+    # Envoy's own, without the gate: the gate did not answer a request too big to fail open to the
+    # interactive pool (kvgate.envoyconfig.unanswered).
+    GATE_UNAVAILABLE = "gate_unavailable"
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,6 +85,9 @@ RULES: Mapping[Reason, RefusalRule] = MappingProxyType({
     Reason.JOB_CANCELLED:        RefusalRule(409, "job_cancelled",                _INVALID, _INVALID, _N),
     # The engine dropped the job on its last allowed attempt.
     Reason.ENGINE_FAILED:        RefusalRule(502, "engine_failed",         "server_error", "api_error", _S),
+    # Envoy answers this one itself, from its route table, when the gate did not answer a request
+    # whose body may be too long for the interactive pool (kvgate.envoyconfig.unanswered).
+    Reason.GATE_UNAVAILABLE:     RefusalRule(503, "gate_unavailable",      "server_error", _OVERLOADED, _S),
 })
 # fmt: on
 
