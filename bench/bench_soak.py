@@ -2,7 +2,8 @@
 
 The stack (bench/soak_stack.py): Envoy from envoy/envoy.yaml, `kvgate gate --workers 2`, two agents in
 front of simulated long-context nodes, a simulated interactive node. The traffic
-(bench/soak_traffic.py): short chats, long requests, too-long and malformed requests, gzip bodies.
+(bench/soak_traffic.py): short chats, long requests, long requests that generate for 1.5 leases
+(alive only if the gate renews them), too-long and malformed requests, gzip bodies.
 Meanwhile, periodically, one agent is SIGKILLed and started again, and the gate worker that holds
 Envoy's ext_proc connection is SIGKILLed (the gate's supervisor starts a new one).
 
@@ -29,7 +30,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench.soak_stack import LONG_NODES, ROOT, SoakStack, rss_bytes
+from bench.soak_stack import DECODE_TOKENS_PER_S, LONG_NODES, ROOT, SoakStack, rss_bytes
 from bench.soak_traffic import Tally, send_steady
 from kvgate.config.headroom import HeadroomSettings
 from kvgate.headroom.view import HeadroomView
@@ -39,6 +40,8 @@ DEFAULT_RATE = 8.0
 MiB = 1024 * 1024
 # Imports and first allocations of a fresh process are not growth.
 WARMUP_S = 5.0
+# A long_held request generates this many leases long: it lives only if its reservation is renewed.
+HELD_LEASES = 1.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +177,11 @@ async def _reserved_after_lease(agents: tuple[str, ...], lease_s: float) -> dict
         await asyncio.sleep(1.0)
 
 
+def held_output_tokens(lease_s: float) -> int:
+    """The output of a long_held request: HELD_LEASES leases of decoding on a soak node."""
+    return int(HELD_LEASES * lease_s * DECODE_TOKENS_PER_S)
+
+
 async def _soak(stack: SoakStack, duration_s: float, rate: float, seed: int) -> SoakReport:
     t0 = time.monotonic()
     series: dict[int, RssSeries] = {}
@@ -181,7 +189,9 @@ async def _soak(stack: SoakStack, duration_s: float, rate: float, seed: int) -> 
     sampler = asyncio.create_task(_sample_rss(stack, series, max(1.0, duration_s / 300), t0))
     chaos = asyncio.create_task(_chaos(stack, Chaos.for_duration(duration_s), counts))
     try:
-        tally = await send_steady(stack.url, rate, duration_s, seed)
+        tally = await send_steady(
+            stack.url, rate, duration_s, seed, held_output_tokens=held_output_tokens(stack.lease_s)
+        )
     finally:
         chaos.cancel()
         await asyncio.gather(chaos, return_exceptions=True)
