@@ -208,10 +208,14 @@ async def _free_after_s(
     return None
 
 
-async def _inject(stack: SoakStack, kind: FaultKind, session: aiohttp.ClientSession) -> Injected | None:
-    """One fault, from the signal until the process is back; None when there was nothing to kill."""
+async def _inject(
+    stack: SoakStack, kind: FaultKind, session: aiohttp.ClientSession, watch_s: float
+) -> tuple[Injected, asyncio.Task[float | None] | None] | None:
+    """One fault, from the signal until the process is back, and for a gate fault the task that follows
+    its holders from the signal on for up to `watch_s` (`_free_after_s`); None when there was nothing
+    to kill."""
     holders: tuple[str, ...] = ()
-    held = exit_code = None
+    exit_code = None
     if kind == "worker":
         if len(stack.gate_workers()) < WORKERS or (busy := _busy_worker(stack)) is None:
             return None
@@ -219,9 +223,9 @@ async def _inject(stack: SoakStack, kind: FaultKind, session: aiohttp.ClientSess
     elif kind in ("gate_kill", "gate_term"):
         # Each worker reserves as a holder of its own; the supervisor holds nothing.
         holders = tuple(_holder(pid) for pid in stack.gate_workers())
-    if holders:
-        held = await _holding(session, stack, holders)
+    held = await _holding(session, stack, holders) if holders else None
     killed = time.monotonic()
+    watch = asyncio.create_task(_free_after_s(session, stack, holders, killed, watch_s)) if holders else None
     if kind == "agent":
         await asyncio.to_thread(stack.restart_agent, CHAOS_SIDE)
     elif kind == "node":
@@ -239,7 +243,7 @@ async def _inject(stack: SoakStack, kind: FaultKind, session: aiohttp.ClientSess
             exit_code = await asyncio.to_thread(stack.term_gate)
         await asyncio.sleep(RESTART_S)
         await asyncio.to_thread(stack.start_gate)
-    return Injected(kind, killed, time.monotonic(), holders, held, exit_code)
+    return Injected(kind, killed, time.monotonic(), holders, held, exit_code), watch
 
 
 async def _chaos(
@@ -260,15 +264,10 @@ async def _chaos(
             return
         except TimeoutError:
             pass
-        event = await _inject(stack, planned.kind, session)
-        if event is None:
-            continue
-        injected.append(event)
-        watch = None
-        if event.holders:
-            free = _free_after_s(session, stack, event.holders, event.killed_at, watch_s)
-            watch = asyncio.create_task(free)
-        frees.append(watch)
+        done = await _inject(stack, planned.kind, session, watch_s)
+        if done is not None:
+            injected.append(done[0])
+            frees.append(done[1])
 
 
 async def _watch_agent_events(
