@@ -1,16 +1,32 @@
-"""Soak: mixed traffic at a steady rate through the real Envoy while agents and gate workers are killed.
+"""Soak: mixed traffic at a steady rate through the real Envoy while agents, nodes and the gate are killed.
 
 The stack (bench/soak_stack.py): Envoy from envoy/envoy.yaml, `kvgate gate --workers 2`, two agents in
-front of simulated long-context nodes, a simulated interactive node. The traffic
-(bench/soak_traffic.py): short chats, long requests, too-long and malformed requests, gzip bodies.
-Meanwhile, periodically, one agent is SIGKILLed and started again, and the gate worker that holds
-Envoy's ext_proc connection is SIGKILLed (the gate's supervisor starts a new one).
+front of simulated long-context nodes, a simulated interactive node; the gate's lease is short
+(--lease-s, 15 s) so the run sees it. The traffic (bench/soak_traffic.py): short chats, long requests,
+long requests that generate for 1.5 leases (alive only if the gate renews them), too-long and
+malformed requests, gzip bodies. Meanwhile, one at a time (bench/soak_faults.py): an agent SIGKILLed
+and started again; the whole gate (supervisor and workers) SIGKILLed and started again on its port
+3 s later; the gate worker holding Envoy's ext_proc connection SIGKILLed (the supervisor starts a new
+one); a long node's engine SIGKILLed and started again with an empty cache; the gate SIGTERMed (it
+drains) and started again.
 
-It reports every process's RSS over time (growth from the first to the last quarter of the run, for
-processes that lived through it; per lifetime for the ones killed), outcomes by kind (lost requests
-apart from explicit refusals), and the reservations still held on the agents once the traffic has
-stopped: right away (releases lost with killed workers) and after the lease (leaked for good).
-Targets: zero lost, zero leaked, flat memory.
+It reports:
+- every process's RSS over time (growth from the first to the last quarter of the run, for processes
+  that lived through it; per lifetime for the ones killed);
+- outcomes by kind, and every failed answer (no answer, Envoy's error, failed open, a refusal its
+  kind should not get) charged to the fault it followed: in flight at the kill, sent while the
+  process was down, or sent after it was back (target: none), or `steady` before any fault;
+- per fault on the gate (kill, worker kill, SIGTERM): what its processes held on the agents
+  (`kvgate_agent_holder_tokens` of each one's holder, `<hostname>:<pid>`, every worker's for a whole
+  gate) and how long after the signal every agent showed none of it (target: lease + lease/3; the
+  signal waits up to 5 s for the gate to hold something, so the measure means something). A drain
+  releases what ends within it; a request still running after it is left to its lease, like a kill's;
+- the agents' renewals and lapsed renewals (`kvgate_agent_reservations_total`), the lapsed ones
+  charged to the fault they followed (target: none in `steady`; a restarted agent's empty ledger
+  lapses the renewals of what its predecessor had granted);
+- the reservations still held on the agents once the traffic has stopped: right away (releases lost
+  with killed gates) and after the lease (leaked for good).
+Targets: zero failed outside a fault, zero leaked, zero lapsed in steady state, flat memory.
 
     python -m bench soak                  10 minutes (KVGATE_SOAK_SECONDS=60 to shorten it)
     python -m bench.bench_soak --seconds 60 --rate 8
@@ -23,15 +39,33 @@ import asyncio
 import json
 import logging
 import os
+import socket
 import statistics
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
-from bench.soak_stack import LONG_NODES, ROOT, SoakStack, rss_bytes
+import aiohttp
+
+from bench.soak_faults import (
+    PHASES,
+    STEADY,
+    Chaos,
+    FaultKind,
+    Injected,
+    charge_events,
+    charge_failures,
+    holder_tokens,
+    new_events,
+    reservation_events,
+)
+from bench.soak_stack import DECODE_TOKENS_PER_S, LONG_NODES, RESTART_S, ROOT, WORKERS, SoakStack, rss_bytes
 from bench.soak_traffic import Tally, send_steady
 from kvgate.config.headroom import HeadroomSettings
+from kvgate.gate.leases import RENEWALS_PER_LEASE
 from kvgate.headroom.view import HeadroomView
 
 DEFAULT_SECONDS = 600.0
@@ -39,21 +73,18 @@ DEFAULT_RATE = 8.0
 MiB = 1024 * 1024
 # Imports and first allocations of a fresh process are not growth.
 WARMUP_S = 5.0
-
-
-@dataclass(frozen=True, slots=True)
-class Chaos:
-    """When to kill what: an agent restart every `agent_every_s`, a worker kill every `worker_every_s`."""
-
-    agent_every_s: float
-    worker_every_s: float
-
-    @staticmethod
-    def for_duration(duration_s: float) -> Chaos:
-        return Chaos(
-            agent_every_s=min(max(duration_s / 4, 8.0), 45.0),
-            worker_every_s=min(max(duration_s / 3, 10.0), 90.0),
-        )
+# A long_held request generates this many leases long: it lives only if its reservation is renewed.
+HELD_LEASES = 1.5
+# Agents and nodes are killed on the same side: long-0's agent and engine live through the run, so
+# their memory can be judged.
+CHAOS_SIDE = len(LONG_NODES) - 1
+# A gate that holds nothing when it dies shows nothing of the lease: its kill waits this long for a
+# reservation to be held.
+HOLD_WAIT_S = 5.0
+POLL_S = 0.5
+# How long a dead gate's reservations are followed past their bound before the soak calls it "never".
+FREE_WATCH_SLACK_S = 10.0
+AGENT_EVENTS_EVERY_S = 1.0
 
 
 @dataclass
@@ -86,11 +117,15 @@ class SoakReport:
     errors: int
     ok_p50_ms: float
     ok_p99_ms: float
-    agent_restarts: int
-    worker_kills: int
+    fault_counts: dict[str, int]
+    faults: list[dict[str, Any]]
+    failures_by_fault: dict[str, dict[str, dict[str, int]]]
+    agent_events: dict[str, int]
+    lapsed_by_fault: dict[str, int]
     reserved_after_drain: dict[str, int]
     reserved_after_lease: dict[str, int]
     lease_s: float
+    held_free_bound_s: float
     rss: list[dict[str, float | int | str]]
 
     @property
@@ -130,23 +165,128 @@ def _busy_worker(stack: SoakStack) -> int | None:
     return None
 
 
-async def _chaos(stack: SoakStack, chaos: Chaos, counts: dict[str, int]) -> None:
-    loop = asyncio.get_running_loop()
-    next_agent, next_worker = chaos.agent_every_s, chaos.worker_every_s
-    t0 = time.monotonic()
+def _holder(pid: int) -> str:
+    """A gate process's holder name on the agents (its headroom view's subscriber name)."""
+    return f"{socket.gethostname()}:{pid}"
+
+
+async def _page(session: aiohttp.ClientSession, url: str) -> str | None:
+    try:
+        async with session.get(url) as response:
+            response.raise_for_status()
+            return await response.text()
+    except (aiohttp.ClientError, OSError, TimeoutError):
+        return None
+
+
+async def _held(session: aiohttp.ClientSession, stack: SoakStack, holders: Sequence[str]) -> int | None:
+    """What `holders` hold on all the agents; None while one does not answer (it may hold some)."""
+    pages = await asyncio.gather(*(_page(session, url) for url in stack.agent_metrics_urls))
+    if any(page is None for page in pages):
+        return None
+    return sum(holder_tokens(page, holders) for page in pages if page is not None)
+
+
+async def _holding(session: aiohttp.ClientSession, stack: SoakStack, holders: Sequence[str]) -> int | None:
+    """What `holders` hold, once it is something or HOLD_WAIT_S has passed (None: an agent was silent)."""
+    deadline = time.monotonic() + HOLD_WAIT_S
     while True:
-        await asyncio.sleep(min(next_agent, next_worker) - (time.monotonic() - t0))
-        elapsed = time.monotonic() - t0
-        if elapsed >= next_agent:
-            # Always the same agent: the other one lives through the run, so its memory can be judged.
-            await loop.run_in_executor(None, stack.restart_agent, len(LONG_NODES) - 1)
-            counts["agent_restarts"] += 1
-            next_agent += chaos.agent_every_s
-        if elapsed >= next_worker:
-            if len(stack.gate_workers()) == 2 and (pid := _busy_worker(stack)) is not None:
-                stack.kill_gate_worker(pid)
-                counts["worker_kills"] += 1
-            next_worker += chaos.worker_every_s
+        held = await _held(session, stack, holders)
+        if held or time.monotonic() > deadline:
+            return held
+        await asyncio.sleep(POLL_S / 2)
+
+
+async def _free_after_s(
+    session: aiohttp.ClientSession, stack: SoakStack, holders: Sequence[str], since: float, limit_s: float
+) -> float | None:
+    """Seconds after `since` when every agent showed nothing held by `holders`; None past `limit_s`."""
+    while time.monotonic() - since < limit_s:
+        if await _held(session, stack, holders) == 0:
+            return time.monotonic() - since
+        await asyncio.sleep(POLL_S)
+    return None
+
+
+async def _inject(
+    stack: SoakStack, kind: FaultKind, session: aiohttp.ClientSession, watch_s: float
+) -> tuple[Injected, asyncio.Task[float | None] | None] | None:
+    """One fault, from the signal until the process is back, and for a gate fault the task that follows
+    its holders from the signal on for up to `watch_s` (`_free_after_s`); None when there was nothing
+    to kill."""
+    holders: tuple[str, ...] = ()
+    exit_code = None
+    if kind == "worker":
+        if len(stack.gate_workers()) < WORKERS or (busy := _busy_worker(stack)) is None:
+            return None
+        holders = (_holder(busy),)
+    elif kind in ("gate_kill", "gate_term"):
+        # Each worker reserves as a holder of its own; the supervisor holds nothing.
+        holders = tuple(_holder(pid) for pid in stack.gate_workers())
+    held = await _holding(session, stack, holders) if holders else None
+    killed = time.monotonic()
+    watch = asyncio.create_task(_free_after_s(session, stack, holders, killed, watch_s)) if holders else None
+    if kind == "agent":
+        await asyncio.to_thread(stack.restart_agent, CHAOS_SIDE)
+    elif kind == "node":
+        await asyncio.to_thread(stack.kill_node, CHAOS_SIDE)
+        await asyncio.sleep(RESTART_S)
+        await asyncio.to_thread(stack.start_node, CHAOS_SIDE)
+    elif kind == "worker":
+        stack.kill_gate_worker(busy)
+        # The supervisor starts another after 1 s.
+        await asyncio.to_thread(stack.wait_gate_workers)
+    else:
+        if kind == "gate_kill":
+            await asyncio.to_thread(stack.kill_gate)
+        else:
+            exit_code = await asyncio.to_thread(stack.term_gate)
+        await asyncio.sleep(RESTART_S)
+        await asyncio.to_thread(stack.start_gate)
+    return Injected(kind, killed, time.monotonic(), holders, held, exit_code), watch
+
+
+async def _chaos(
+    stack: SoakStack,
+    chaos: Chaos,
+    session: aiohttp.ClientSession,
+    *,
+    stop: asyncio.Event,
+    injected: list[Injected],
+    frees: list[asyncio.Task[float | None] | None],
+) -> None:
+    """The planned faults in turn until `stop`; a gate fault's holders are followed until they are free."""
+    t0 = time.monotonic()
+    watch_s = free_bound_s(stack.lease_s) + FREE_WATCH_SLACK_S
+    for planned in chaos.planned:
+        try:
+            await asyncio.wait_for(stop.wait(), t0 + planned.at_s - time.monotonic())
+            return
+        except TimeoutError:
+            pass
+        done = await _inject(stack, planned.kind, session, watch_s)
+        if done is not None:
+            injected.append(done[0])
+            frees.append(done[1])
+
+
+async def _watch_agent_events(
+    stack: SoakStack, session: aiohttp.ClientSession, seen: list[tuple[float, str, int]]
+) -> None:
+    """Forever: each agent's new reservation events, with when they were seen. A restarted agent
+    counts from zero again, so each process's counts are kept apart (by pid)."""
+    last: dict[tuple[int, int], dict[str, int]] = {}
+    while True:
+        for index, url in enumerate(stack.agent_metrics_urls):
+            key = (index, stack.agent_pid(index))
+            page = await _page(session, url)
+            if page is None:
+                continue
+            counts = reservation_events(page)
+            now = time.monotonic()
+            seen.extend((now, event, n) for event, n in new_events(last.get(key, {}), counts).items())
+            last[key] = counts
+        await asyncio.sleep(AGENT_EVENTS_EVERY_S)
 
 
 async def _reserved(agents: tuple[str, ...]) -> dict[str, int]:
@@ -174,29 +314,58 @@ async def _reserved_after_lease(agents: tuple[str, ...], lease_s: float) -> dict
         await asyncio.sleep(1.0)
 
 
+def free_bound_s(lease_s: float) -> float:
+    """How long a dead gate's reservations may outlive it (kvgate.gate.leases): a lease after its last
+    renewal, and a renewal period."""
+    return lease_s * (1 + 1 / RENEWALS_PER_LEASE)
+
+
+def held_output_tokens(lease_s: float) -> int:
+    """The output of a long_held request: HELD_LEASES leases of decoding on a soak node."""
+    return int(HELD_LEASES * lease_s * DECODE_TOKENS_PER_S)
+
+
 async def _soak(stack: SoakStack, duration_s: float, rate: float, seed: int) -> SoakReport:
     t0 = time.monotonic()
     series: dict[int, RssSeries] = {}
-    counts = {"agent_restarts": 0, "worker_kills": 0}
-    sampler = asyncio.create_task(_sample_rss(stack, series, max(1.0, duration_s / 300), t0))
-    chaos = asyncio.create_task(_chaos(stack, Chaos.for_duration(duration_s), counts))
-    try:
-        tally = await send_steady(stack.url, rate, duration_s, seed)
-    finally:
-        chaos.cancel()
-        await asyncio.gather(chaos, return_exceptions=True)
-    stack.check_alive()
-    # Give the gate's releases (sent when Envoy ends each ext_proc stream) a moment to land.
-    await asyncio.sleep(1.0)
-    after_drain = await _reserved(stack.agent_addresses)
-    after_lease = await _reserved_after_lease(stack.agent_addresses, stack.lease_s)
-    sampler.cancel()
-    await asyncio.gather(sampler, return_exceptions=True)
+    injected: list[Injected] = []
+    frees: list[asyncio.Task[float | None] | None] = []
+    events: list[tuple[float, str, int]] = []
+    stop = asyncio.Event()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as session:
+        background = [
+            asyncio.create_task(_sample_rss(stack, series, max(1.0, duration_s / 300), t0)),
+            asyncio.create_task(_watch_agent_events(stack, session, events)),
+        ]
+        chaos = asyncio.create_task(
+            _chaos(stack, Chaos.for_duration(duration_s), session, stop=stop, injected=injected, frees=frees)
+        )
+        try:
+            tally = await send_steady(
+                stack.url, rate, duration_s, seed, held_output_tokens=held_output_tokens(stack.lease_s)
+            )
+            # A fault under way ends (its process is back) before the stack is judged.
+            stop.set()
+            await chaos
+            held_free = [None if watch is None else await watch for watch in frees]
+            stack.check_alive()
+            # Give the gate's releases (sent when Envoy ends each ext_proc stream) a moment to land.
+            await asyncio.sleep(1.0)
+            after_drain = await _reserved(stack.agent_addresses)
+            after_lease = await _reserved_after_lease(stack.agent_addresses, stack.lease_s)
+        finally:
+            pending = [*background, chaos, *(watch for watch in frees if watch is not None)]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
     return _report(
         duration_s,
         rate,
         tally,
-        counts=counts,
+        t0=t0,
+        injected=injected,
+        held_free=held_free,
+        events=events,
         after_drain=after_drain,
         after_lease=after_lease,
         lease_s=stack.lease_s,
@@ -227,12 +396,32 @@ def _percentile_ms(values: list[float], q: float) -> float:
     return 1000 * ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
+def _fault_rows(
+    injected: Sequence[Injected], held_free: Sequence[float | None], t0: float
+) -> list[dict[str, Any]]:
+    return [
+        {
+            "kind": event.kind,
+            "at_s": round(event.killed_at - t0, 1),
+            "back_after_s": round(event.back_at - event.killed_at, 1),
+            "holders": list(event.holders),
+            "held_tokens": event.held_tokens,
+            "held_free_after_s": None if free is None else round(free, 1),
+            "exit_code": event.exit_code,
+        }
+        for event, free in zip(injected, held_free, strict=True)
+    ]
+
+
 def _report(
     duration_s: float,
     rate: float,
     tally: Tally,
     *,
-    counts: dict[str, int],
+    t0: float,
+    injected: Sequence[Injected],
+    held_free: Sequence[float | None],
+    events: Sequence[tuple[float, str, int]],
     after_drain: dict[str, int],
     after_lease: dict[str, int],
     lease_s: float,
@@ -241,6 +430,10 @@ def _report(
     outcomes: dict[str, dict[str, int]] = defaultdict(dict)
     for (kind, outcome), n in sorted(tally.outcomes.items()):
         outcomes[kind][outcome] = n
+    agent_events: Counter[str] = Counter()
+    for _seen, event, n in events:
+        agent_events[event] += n
+    lapsed = charge_events([e for e in events if e[1] == "lapsed"], injected, lease_s / RENEWALS_PER_LEASE)
     return SoakReport(
         duration_s=duration_s,
         rate=rate,
@@ -253,11 +446,15 @@ def _report(
         errors=tally.count("error"),
         ok_p50_ms=_percentile_ms(tally.latencies_s, 50),
         ok_p99_ms=_percentile_ms(tally.latencies_s, 99),
-        agent_restarts=counts["agent_restarts"],
-        worker_kills=counts["worker_kills"],
+        fault_counts=dict(Counter(event.kind for event in injected)),
+        faults=_fault_rows(injected, held_free, t0),
+        failures_by_fault=charge_failures(tally.failures, injected),
+        agent_events=dict(sorted(agent_events.items())),
+        lapsed_by_fault={kind: counts["lapsed"] for kind, counts in lapsed.items()},
         reserved_after_drain=after_drain,
         reserved_after_lease=after_lease,
         lease_s=lease_s,
+        held_free_bound_s=free_bound_s(lease_s),
         rss=_rss_rows(series),
     )
 
@@ -266,22 +463,55 @@ def run_soak(
     duration_s: float, rate: float, work_dir: Path, lease_s: float = 15.0, seed: int = 7
 ) -> SoakReport:
     with SoakStack(work_dir / "logs", lease_s) as stack:
-        # Every step is bounded on its own; this bounds their sum, so a stuck soak fails instead of hanging.
-        bound_s = duration_s + lease_s + 120
+        # Every step is bounded on its own; this bounds their sum, so a stuck soak fails instead of hanging:
+        # the traffic and its last answers, the holders of a last gate fault followed, then the lease.
+        bound_s = duration_s + 3 * lease_s + 180
         return asyncio.run(asyncio.wait_for(_soak(stack, duration_s, rate, seed), bound_s))
 
 
+def _fault_line(row: dict[str, Any], bound_s: float) -> str:
+    line = f"    {row['at_s']:>6} s {row['kind']:<9} back after {row['back_after_s']} s"
+    if row["exit_code"] is not None:
+        line += f", exit code {row['exit_code']}"
+    if row["holders"]:
+        free = row["held_free_after_s"]
+        after = "never" if free is None else f"{free} s after the signal"
+        line += (f"; its {len(row['holders'])} holder(s) held {row['held_tokens']} tokens, none left "
+                 f"on any agent {after} (target {bound_s:.1f} s)")  # fmt: skip
+    return line
+
+
+def _phase_text(outcomes: dict[str, int] | None) -> str:
+    if not outcomes:
+        return "0"
+    return f"{sum(outcomes.values())} (" + ", ".join(f"{o}: {n}" for o, n in outcomes.items()) + ")"
+
+
 def print_report(report: SoakReport) -> None:
+    counts = ", ".join(f"{n} {kind}" for kind, n in report.fault_counts.items())
     print(f"soak: {report.duration_s:.0f} s at {report.rate:g} req/s, {report.sent} sent "
-          f"({report.skipped} skipped: client backlog), {report.agent_restarts} agent restarts "
-          f"(kill -9), {report.worker_kills} gate worker kills (kill -9)")  # fmt: skip
+          f"({report.skipped} skipped: client backlog); faults: {counts}")  # fmt: skip
     print(f"  lost (no answer): {report.lost}   fail-open: {report.fail_open}   other errors: "
           f"{report.errors}   unexpected refusals: {report.unexpected_refusals}   "
           f"ok latency p50 {report.ok_p50_ms:.0f} ms, p99 {report.ok_p99_ms:.0f} ms")  # fmt: skip
     for kind, outcomes in report.outcomes.items():
         print(f"  {kind:<11} " + ", ".join(f"{outcome}: {n}" for outcome, n in outcomes.items()))
+    print("  faults (s since the traffic started):")
+    for row in report.faults:
+        print(_fault_line(row, report.held_free_bound_s))
+    print("  failed answers by the fault they followed (in flight at the signal / sent while down / "
+          "sent after it was back, target 0):")  # fmt: skip
+    steady = report.failures_by_fault.get(STEADY, {})
+    print(f"    {STEADY:<9} {_phase_text(steady.get(STEADY))} (target 0)")
+    for kind in report.fault_counts:
+        phases = report.failures_by_fault.get(kind, {})
+        print(f"    {kind:<9} " + " / ".join(_phase_text(phases.get(phase)) for phase in PHASES))
+    lapsed = ", ".join(f"{kind} {n}" for kind, n in report.lapsed_by_fault.items()) or "none"
+    print(f"  agents' renewals: {report.agent_events.get('renewed', 0)} renewed, "
+          f"{report.agent_events.get('lapsed', 0)} lapsed; lapsed by the fault they followed: {lapsed} "
+          f"(target: none {STEADY})")  # fmt: skip
     print(f"  reserved tokens once traffic stopped: {report.reserved_after_drain} "
-          f"(releases lost with killed workers); after the {report.lease_s:g} s lease: "
+          f"(releases lost with killed gates); after the {report.lease_s:g} s lease: "
           f"{report.reserved_after_lease}  -> leaked {report.leaked} (target 0)")  # fmt: skip
     print("  RSS (MiB) first quarter -> last quarter of each process's life:")
     for row in report.rss:

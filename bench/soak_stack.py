@@ -1,10 +1,12 @@
 """The soak's stack on 127.0.0.1: the shipped Envoy config, a two-worker gate, agents, simulated nodes.
 
 Layout: one simulated interactive node; two simulated long-context nodes, each with a `kvgate agent`
-reading its vLLM-style /metrics; `kvgate gate --workers 2` with both agents; Envoy from
-envoy/envoy.yaml with its ports remapped. The soak kills things on purpose, so each process can be
-killed with SIGKILL and started again on the same port, and the gate's workers are found as the
-children of the gate's supervisor process.
+reading its vLLM-style /metrics and serving its own /metrics (holders, reservation events);
+`kvgate gate --workers 2` with both agents; Envoy from envoy/envoy.yaml with its ports remapped. The
+soak kills things on purpose: an agent, a node or the whole gate (supervisor and workers at once, as
+a container dies) is stopped and started again on the same ports; the gate can also be stopped
+gracefully (SIGTERM). The gate's workers are found as the children of the gate's supervisor process,
+and each is a holder of its own on the agents (`<hostname>:<worker pid>`).
 """
 
 from __future__ import annotations
@@ -26,9 +28,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 LONG_NODES = ("long-0", "long-1")
 # Sized so that a long request (~8k tokens) takes about a second and four fit on a node at once.
-SIM_FLAGS = ("--prefill-tokens-per-s", "40000", "--decode-tokens-per-s", "100", "--on-exhaustion", "preempt")
+DECODE_TOKENS_PER_S = 100
+SIM_FLAGS = (
+    *("--prefill-tokens-per-s", "40000", "--decode-tokens-per-s", str(DECODE_TOKENS_PER_S)),
+    *("--on-exhaustion", "preempt"),
+)
 LONG_KV_TOKENS = 40_000
 INTERACTIVE_KV_TOKENS = 200_000
+WORKERS = 2
+DRAIN_S = 5.0
+# A killed process is started again this long after it died: a container restart's back-off.
+RESTART_S = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +50,7 @@ class Ports:
     interactive: int
     long: tuple[int, ...]
     agents: tuple[int, ...]
+    agent_metrics: tuple[int, ...]
 
 
 def consecutive_free_ports(count: int) -> int:
@@ -62,17 +73,18 @@ def pick_ports() -> Ports:
         listener=free_port(),
         admin=free_port(),
         gate=free_port(),
-        gate_metrics=consecutive_free_ports(2),
+        gate_metrics=consecutive_free_ports(WORKERS),
         interactive=free_port(),
         long=tuple(free_port() for _ in LONG_NODES),
         agents=tuple(free_port() for _ in LONG_NODES),
+        agent_metrics=tuple(free_port() for _ in LONG_NODES),
     )
 
 
 def gate_yaml(ports: Ports, lease_s: float) -> str:
     agents = ", ".join(f"127.0.0.1:{port}" for port in ports.agents)
     return (
-        f"server: {{listen: '127.0.0.1:{ports.gate}', workers: 2, drain_seconds: 5}}\n"
+        f"server: {{listen: '127.0.0.1:{ports.gate}', workers: {WORKERS}, drain_seconds: {DRAIN_S:g}}}\n"
         # A lost release (a killed worker's) comes back after the lease; short so the soak can see it.
         f"headroom: {{agents: [{agents}], lease_s: {lease_s}}}\n"
         "admission: {max_wait_s: 1.0}\n"
@@ -80,6 +92,7 @@ def gate_yaml(ports: Ports, lease_s: float) -> str:
 
 
 def _pid_children(pid: int) -> list[int]:
+    """The live children of `pid`: a killed one stays a zombie until its parent reaps it, and is not."""
     children = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -88,8 +101,9 @@ def _pid_children(pid: int) -> list[int]:
             stat = (entry / "stat").read_text()
         except OSError:
             continue
-        # The command name, in parentheses, may hold spaces: the parent pid is the 2nd field after it.
-        if int(stat.rpartition(")")[2].split()[1]) == pid:
+        # The command name, in parentheses, may hold spaces: the state and the parent pid follow it.
+        state, parent = stat.rpartition(")")[2].split()[:2]
+        if int(parent) == pid and state != "Z":
             children.append(int(entry.name))
     return sorted(children)
 
@@ -138,6 +152,13 @@ class SoakStack:
     def agent_addresses(self) -> tuple[str, ...]:
         return tuple(f"127.0.0.1:{port}" for port in self.ports.agents)
 
+    @property
+    def agent_metrics_urls(self) -> tuple[str, ...]:
+        return tuple(f"http://127.0.0.1:{port}/metrics" for port in self.ports.agent_metrics)
+
+    def agent_pid(self, index: int) -> int:
+        return self.group[f"agent-{LONG_NODES[index]}"].process.pid
+
     def _start_all(self) -> None:
         p = self.ports
         self.group.start(
@@ -161,14 +182,19 @@ class SoakStack:
         envoy_yaml = render_envoy(ROOT / "envoy" / "envoy.yaml", self.log_dir / "envoy.yaml", envoy_ports)
         envoy_argv = [str(find_envoy()), "-c", str(envoy_yaml), "--disable-hot-restart", "--concurrency", "1"]
         self.group.start("envoy", [*envoy_argv, "--log-level", "warning"])
-        ready = {"sim-interactive": p.interactive, "gate": p.gate, "envoy": p.listener}
+        ready = {"sim-interactive": p.interactive, "envoy": p.listener}
         ready |= {f"sim-{node}": port for node, port in zip(LONG_NODES, p.long, strict=True)}
         for name, port in ready.items():
             self.group[name].wait_listening(port, timeout_s=60)
+        self.wait_gate_workers()
+
+    def wait_gate_workers(self) -> None:
+        """Until the gate listens and runs all its workers."""
+        self.group["gate"].wait_listening(self.ports.gate, timeout_s=60)
         deadline = time.monotonic() + 60
-        while len(self.gate_workers()) < 2:
+        while len(self.gate_workers()) < WORKERS:
             if time.monotonic() > deadline:
-                raise ChildError("the gate did not start its 2 workers within 60 s")
+                raise ChildError(f"the gate did not start its {WORKERS} workers within 60 s")
             time.sleep(0.1)
 
     @staticmethod
@@ -185,7 +211,8 @@ class SoakStack:
             "agent",
             *("--listen", f"127.0.0.1:{port}", "--endpoint", f"127.0.0.1:{self.ports.long[index]}"),
             *("--engine-metrics", f"http://127.0.0.1:{self.ports.long[index]}/metrics"),
-            *("--nvml", "off", "--node-name", node, "--metrics-listen", "off"),
+            *("--nvml", "off", "--node-name", node),
+            *("--metrics-listen", f"127.0.0.1:{self.ports.agent_metrics[index]}"),
         )
         name = f"agent-{node}"
         generation = self.restarts.get(name, 0)
@@ -212,6 +239,34 @@ class SoakStack:
         """SIGKILL one worker; the gate's supervisor is expected to start a new one."""
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+    def kill_gate(self) -> None:
+        """SIGKILL the supervisor and its workers at once, as a container is killed: no worker outlives
+        the supervisor long enough to release anything."""
+        gate = self.group["gate"]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(gate.process.pid, signal.SIGKILL)
+        gate.process.wait(10)
+        gate.end_session()
+
+    def term_gate(self) -> int:
+        """SIGTERM: the gate drains (in-flight streams finish, releases go out) and exits; its exit code
+        (a drain that overran DRAIN_S by far is SIGKILLed: -9)."""
+        return self.group["gate"].stop(timeout_s=DRAIN_S + 10)
+
+    def start_gate(self) -> None:
+        """Start the stopped gate again with its command and ports, and wait for all its workers."""
+        self.group.restart("gate")
+        self.wait_gate_workers()
+
+    def kill_node(self, index: int) -> None:
+        """SIGKILL a long node's engine (its cache and running requests die with it)."""
+        self.group[f"sim-{LONG_NODES[index]}"].kill()
+
+    def start_node(self, index: int) -> None:
+        """Start the killed engine again on its port, with an empty cache."""
+        node = self.group.restart(f"sim-{LONG_NODES[index]}")
+        node.wait_listening(self.ports.long[index], timeout_s=60)
 
     def pids(self) -> dict[str, int]:
         """The current pid of every process by role; gate workers as gate-worker:PID."""

@@ -1,14 +1,17 @@
 """The soak's traffic: a fixed mix of request kinds sent open loop at a steady rate, and what came back.
 
-Kinds: short chats (interactive), long requests (long-context pool, reserved on a node), too-long
-requests (the gate's 413), malformed JSON (the gate's 400), and gzip bodies of short and long chats.
-Every answer is sorted into one outcome:
+Kinds: short chats (interactive), long requests (long-context pool, reserved on a node), long requests
+that generate for longer than the gate's reservation lease (`long_held`: their reservations live only
+if the gate renews them), too-long requests (the gate's 413), malformed JSON (the gate's 400), and gzip
+bodies of short and long chats. Every answer is sorted into one outcome:
 - `ok`: a 2xx from a node of the pool the kind belongs to;
 - `refused`: an answer of the gate itself (it carries x-kvgate-reason), by status and reason;
 - `fail_open`: an answer from a node of another pool (the gate was unreachable and Envoy let the
   request through to the interactive pool), by node and status;
 - `error`: any other non-2xx, e.g. Envoy's own 503 when an upstream reset;
 - `lost`: no HTTP answer at all (connection error or timeout).
+Every answer that is neither `ok` nor a refusal its kind may get is kept with when it was sent and when
+it came back (`Tally.failures`), so the soak can charge it to the fault it followed.
 """
 
 from __future__ import annotations
@@ -26,10 +29,13 @@ import aiohttp
 NODE_HEADER = "x-kvgate-sim-node"
 REASON_HEADER = "x-kvgate-reason"
 
+HELD_KIND = "long_held"
 # Per kind: (weight, pool whose nodes serve it, or None when the gate answers it itself).
 KINDS: dict[str, tuple[float, str | None]] = {
-    "short": (0.55, "interactive"),
+    "short": (0.53, "interactive"),
     "long": (0.15, "long"),
+    # Few: each holds about a quarter of a long node for 1.5 leases.
+    HELD_KIND: (0.02, "long"),
     "too_long": (0.05, None),
     "malformed": (0.10, None),
     "gzip_short": (0.10, "interactive"),
@@ -66,17 +72,20 @@ class Planned:
     headers: dict[str, str]
 
 
-def make_bodies(seed: int, variants: int = 8) -> dict[str, list[Planned]]:
-    """A few bodies of every kind, built once: the soak measures the stack, not JSON encoding."""
+def make_bodies(seed: int, held_output_tokens: int, variants: int = 8) -> dict[str, list[Planned]]:
+    """A few bodies of every kind, built once: the soak measures the stack, not JSON encoding.
+    `held_output_tokens`: the output of a `long_held` request, which sets how long it runs."""
     rng = random.Random(seed)
     short = [chat_body(rng.randint(2_000, 4_000), 32, rng) for _ in range(variants)]
     # About 8k tokens by any count (the simulator's is bytes / 4): the long pool, well under 16,384.
     long = [chat_body(rng.randint(28_000, 34_000), 64, rng) for _ in range(variants)]
+    held = [chat_body(rng.randint(28_000, 34_000), held_output_tokens, rng) for _ in range(2)]
     json_type = {"content-type": "application/json"}
     gz = {**json_type, "content-encoding": "gzip"}
     return {
         "short": [Planned("short", body, json_type) for body in short],
         "long": [Planned("long", body, json_type) for body in long],
+        HELD_KIND: [Planned(HELD_KIND, body, json_type) for body in held],
         # Surely too long without a tokenizer: the gate refuses only when its whole band is above the
         # limit, so the output budget alone passes it.
         "too_long": [Planned("too_long", chat_body(2_000, 20_000, rng), json_type)],
@@ -103,12 +112,36 @@ def classify(kind: str, status: int, headers: dict[str, str]) -> str:
     return f"error {status}"
 
 
+def unexpected_refusal(kind: str, outcome: str) -> bool:
+    """A refusal the kind should never get (a short chat refused, a malformed body answered 413...)."""
+    if not outcome.startswith("refused"):
+        return False
+    _, status, reason = outcome.split()
+    long_refusal = KINDS[kind][1] == "long" and status in ("429", "503")
+    return (int(status), reason) != EXPECTED_REFUSALS.get(kind) and not long_refusal
+
+
+def failed(kind: str, outcome: str) -> bool:
+    """Neither served where it belongs nor refused the way its kind may be."""
+    return outcome.startswith(("lost", "error", "fail_open")) or unexpected_refusal(kind, outcome)
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    kind: str
+    outcome: str
+    sent_at: float  # time.monotonic()
+    ended_at: float
+
+
 @dataclass
 class Tally:
-    """Outcomes by kind, and the latency of the `ok` answers."""
+    """Outcomes by kind, the latency of the `ok` answers (long_held apart), and every failed answer with
+    its times."""
 
     outcomes: Counter[tuple[str, str]] = field(default_factory=Counter)
     latencies_s: list[float] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
     sent: int = 0
     skipped: int = 0
 
@@ -116,17 +149,7 @@ class Tally:
         return sum(n for (_kind, outcome), n in self.outcomes.items() if outcome.startswith(prefix))
 
     def unexpected_refusals(self) -> int:
-        """Refusals a kind should never get (a short chat refused, a malformed body answered 413...)."""
-        total = 0
-        for (kind, outcome), n in self.outcomes.items():
-            if not outcome.startswith("refused"):
-                continue
-            _, status, reason = outcome.split()
-            expected = EXPECTED_REFUSALS.get(kind)
-            long_refusal = KINDS[kind][1] == "long" and status in ("429", "503")
-            if (int(status), reason) != expected and not long_refusal:
-                total += n
-        return total
+        return sum(n for (kind, outcome), n in self.outcomes.items() if unexpected_refusal(kind, outcome))
 
 
 async def _one(session: aiohttp.ClientSession, url: str, planned: Planned, tally: Tally) -> None:
@@ -138,16 +161,28 @@ async def _one(session: aiohttp.ClientSession, url: str, planned: Planned, tally
             outcome = classify(planned.kind, response.status, headers)
     except (aiohttp.ClientError, TimeoutError) as exc:
         outcome = f"lost {type(exc).__name__}"
+    ended = time.monotonic()
     tally.outcomes[planned.kind, outcome] += 1
     if outcome == "ok":
-        tally.latencies_s.append(time.monotonic() - started)
+        # A long_held request's latency is the length it was made to run.
+        if planned.kind != HELD_KIND:
+            tally.latencies_s.append(ended - started)
+    elif failed(planned.kind, outcome):
+        tally.failures.append(Failure(planned.kind, outcome, started, ended))
 
 
 async def send_steady(
-    url: str, rate: float, duration_s: float, seed: int, *, max_in_flight: int = 256, timeout_s: float = 60.0
+    url: str,
+    rate: float,
+    duration_s: float,
+    seed: int,
+    *,
+    held_output_tokens: int,
+    max_in_flight: int = 256,
+    timeout_s: float = 60.0,
 ) -> Tally:
     """Send `rate` requests per second for `duration_s` (open loop) and wait for every answer."""
-    bodies = make_bodies(seed)
+    bodies = make_bodies(seed, held_output_tokens)
     rng = random.Random(seed + 1)
     kinds = list(KINDS)
     weights = [KINDS[kind][0] for kind in kinds]
