@@ -123,3 +123,42 @@ def test_the_trace_scenario_s_peer_routers_replay_the_same_trace(tmp_path: Path)
         assert set(run["routing_cpu_s"]) == {"router"}
         assert run["cannot"] == limits(name)
         assert run["prefix_hit_tokens"] > 0
+
+
+def write_steady_trace(path: Path) -> None:
+    """A request every half second for 30 trace seconds: chats, and every fourth a long prompt that
+    generates for about 4 s (one long node takes four at a time), so a gate killed at 5 s holds
+    reservations."""
+    rows = []
+    for i in range(60):
+        long = i % 4 == 3
+        tokens = 5000 if long else 1000
+        blocks = [100 * i + b for b in range(-(-tokens // 512))]
+        row = {"timestamp": i * 500, "input_length": tokens, "output_length": 400 if long else 20,
+               "hash_ids": blocks}  # fmt: skip
+        rows.append(json.dumps(row))
+    path.write_text("\n".join(rows) + "\n")
+
+
+def test_a_gate_killed_mid_replay_is_restarted_and_its_kv_comes_back_on_its_lease(tmp_path: Path) -> None:
+    trace = tmp_path / "steady.jsonl"
+    write_steady_trace(trace)
+    report = asyncio.run(
+        run_trace_demo(
+            parse_scenario(SCENARIO),
+            trace,
+            read_trace(trace),
+            window=Window(),
+            speed=1.0,
+            out_dir=tmp_path / "out",
+            envoy_config=REPO_ENVOY,
+            runs=("kvgate_prefix_off",),
+            stream=io.StringIO(),
+            faults="gate:5s",
+        )
+    )
+    (gate,) = report["runs"]["kvgate_prefix_off"]["faults"]
+    assert (gate["target"], gate["signal"]) == ("gate", "KILL")
+    assert gate["held_tokens"] > 0, "the killed gate held long requests' reservations"
+    assert gate["held_tokens_back_s"] is not None, "the agents freed them once its leases ran out"
+    assert gate["lost_not_in_flight"] == 0 and gate["long_to_interactive"] == 0, gate
