@@ -117,6 +117,10 @@ def unexpected_refusal(kind: str, outcome: str) -> bool:
     if not outcome.startswith("refused"):
         return False
     _, status, reason = outcome.split()
+    if reason == "gate_unavailable":
+        # Envoy's own answer while the gate is down (failing open by size, kvgate.envoyconfig.unanswered):
+        # a body that may be too long for the interactive pool, compressed or chunked, is told to retry.
+        return False
     long_refusal = KINDS[kind][1] == "long" and status in ("429", "503")
     return (int(status), reason) != EXPECTED_REFUSALS.get(kind) and not long_refusal
 
