@@ -35,6 +35,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 from google.protobuf import json_format
 from test_chart import CHART, Helm, by_kind, one, real_helm, standalone
 from test_chart_envoy import chart_bootstrap
+from test_envoy_trust import rendered
 from test_envoyconfig_routes import run_cli
 from test_gate_holds import with_message_timeout
 
@@ -81,14 +82,6 @@ def canonical(route: dict[str, Any]) -> dict[str, Any]:
     message = json_format.ParseDict(route, route_components_pb2.Route())
     result: dict[str, Any] = json_format.MessageToDict(message, preserving_proto_field_name=True)
     return result
-
-
-def rendered(tmp_path: Path, *flags: str) -> dict[str, Any]:
-    output = tmp_path / "rendered.yaml"
-    pools = ["--pool", "interactive=127.0.0.1:8001", "--pool", "long=127.0.0.1:8002"]
-    assert run_cli([*pools, *flags, "--output", str(output)]) == 0
-    bootstrap: dict[str, Any] = yaml.safe_load(output.read_text())
-    return bootstrap
 
 
 # --- the threshold ----------------------------------------------------------------------------------------

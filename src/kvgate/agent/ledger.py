@@ -232,8 +232,9 @@ class ReservationLedger:
         return project(prompt, declared, age_s, rate, lambda g: self.outputs.projected(declared, g, levels))
 
     def largest_holders(self, limit: int) -> list[tuple[str, int]]:
-        """The `limit` holders charged the most by their live reservations, largest first."""
-        self.expire()
+        """The `limit` holders charged the most by their live reservations, largest first. Read by the
+        metrics exporter from its own thread, so it changes nothing: a lease that ran out still counts
+        until the next tick expires it."""
         return sorted(self._held_by.items(), key=lambda item: item[1], reverse=True)[:limit]
 
     def held_by(self, holder: str) -> int:

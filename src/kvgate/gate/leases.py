@@ -45,7 +45,6 @@ class LeaseKeeper:
         self.period_s = lease_s / RENEWALS_PER_LEASE
         self._metrics = metrics
         self._held: dict[str, dict[str, None]] = {}  # agent -> the request ids held there, in grant order
-        self.calls = 0  # Renew calls made, in all
 
     def hold(self, agent: str, request_id: str) -> None:
         """A reservation was granted: renew it until `let_go`."""
@@ -73,7 +72,6 @@ class LeaseKeeper:
         await asyncio.gather(*(self._renew(agent, tuple(ids)) for agent, ids in list(self._held.items())))
 
     async def _renew(self, agent: str, request_ids: tuple[str, ...]) -> None:
-        self.calls += 1
         try:
             lapsed = await self._source.renew(agent, request_ids)
         except HeadroomError as error:
