@@ -86,7 +86,7 @@ class AgentMetrics:
             AGENT_RESERVATIONS,
             "{reservation}",
             "Reservation events: granted, refused (by reason), released, expired, renewed, lapsed (a "
-            "renewal that came after the lease ended)",
+            "renewal of an id not held: its lease ended, or a Release overtook the renewal)",
             ("event", "reason"),
         )
         self._prefix = Tally(
