@@ -54,6 +54,15 @@ def test_a_renewal_after_the_lease_lapsed_is_refused_and_books_nothing() -> None
     assert ledger.reserved_tokens == 0 and ledger.live() == ()
 
 
+def test_an_id_released_before_its_renewal_arrived_is_not_a_lapse() -> None:
+    clock = ManualClock()
+    ledger = ReservationLedger(clock, 10.0, 60.0)
+    ledger.reserve("ended", 1_000, LEASE_S, budget(), "gate-1")
+    assert ledger.release("ended", "gate-1")  # the Release overtook the renewal that names it
+    lapsed, _ = ledger.renew(["ended"], "gate-1", LEASE_S)
+    assert lapsed == [] and ledger.live() == ()
+
+
 def fake_with_nodes(clock: ManualClock, *names: str) -> FakeHeadroom:
     fake = FakeHeadroom(clock, lease_s=LEASE_S)
     for name in names:

@@ -144,6 +144,9 @@ class ReservationLedger:
         # called on every snapshot and reservation, has nothing to scan for.
         self._next_expiry = math.inf
         self._released_early: dict[tuple[str, str], float] = {}  # (holder, request_id) -> until, oldest first
+        # Reservations released lately, the same way: a renewal that a Release overtook names them, and
+        # they are not lapses (`renew`).
+        self._released_lately: dict[tuple[str, str], float] = {}
         self._held_by: dict[str, int] = {}  # holder -> what its live reservations' grants charged
         self._own = 0  # own tokens of live reservations: _reserved - _own is the held prefix blocks
         self._decode_rate = decode_rate if decode_rate is not None else _unknown_rate
@@ -315,19 +318,22 @@ class ReservationLedger:
 
     def renew(self, request_ids: Iterable[str], holder: str, lease_s: float) -> tuple[list[str], float]:
         """Extend `holder`'s live reservations among `request_ids` by `lease_s` (<= 0: the default) from
-        now; return the ids it holds nothing under (lapsed, released, or another holder's) and the lease
-        granted. A lapsed id is never booked again here: its room may already be someone else's, so
-        the holder learns it lost it rather than double-booking the node (kvgate.gate.leases)."""
+        now; return the ids it holds nothing under (lapsed, or another holder's) and the lease granted.
+        An id the holder released lately is neither: its Release overtook the renewal. A lapsed id is
+        never booked again here: its room may already be someone else's, so the holder learns it lost
+        it rather than double-booking the node (kvgate.gate.leases)."""
         check_ids("renew", holder)
         lease = self._lease(lease_s)
         self.expire()
-        until = self._clock() + lease
+        now = self._clock()
+        until = now + lease
         lapsed = []
         for request_id in request_ids:
             check_ids(request_id, holder)
             existing = self._live.get(request_id)
             if existing is None or existing.holder != holder:
-                lapsed.append(request_id)
+                if self._released_lately.get((holder, request_id), -math.inf) <= now:
+                    lapsed.append(request_id)
             elif existing.expires_at < until:
                 self._hold(dataclasses.replace(existing, expires_at=until))
         return lapsed, lease
@@ -343,9 +349,10 @@ class ReservationLedger:
             if existing.holder != holder:
                 return False
             self._learn(existing)
+            _remember(self._released_lately, (holder, request_id), self._clock())
             return self._drop(request_id)
         if unanswered_reserve:
-            self._remember_early_release((holder, request_id))
+            _remember(self._released_early, (holder, request_id), self._clock())
         return False
 
     def _learn(self, ended: Reservation) -> None:
@@ -358,17 +365,6 @@ class ReservationLedger:
             return
         held = max(0.0, self._clock() - ended.granted_at)
         self.outputs.learn(min(declared, math.floor(held * rate)))
-
-    def _remember_early_release(self, key: tuple[str, str]) -> None:
-        now = self._clock()
-        early = self._released_early
-        early.pop(key, None)
-        while early:
-            oldest = next(iter(early))
-            if early[oldest] > now and len(early) < EARLY_RELEASES_KEPT:
-                break
-            del early[oldest]
-        early[key] = now + EARLY_RELEASE_S
 
     def release_answer(self, released: bool, budget: Budget) -> ReleaseOutcome:
         """The answer to a Release: whether it ended a reservation, and the node's figures after it
@@ -424,6 +420,18 @@ class _Ask:
     own: int
     output: int
     shared: int
+
+
+def _remember(kept: dict[tuple[str, str], float], key: tuple[str, str], now: float) -> None:
+    """Keep `key` for EARLY_RELEASE_S in `kept` (oldest first), which never holds more than
+    EARLY_RELEASES_KEPT keys nor any that has run out when a new one comes."""
+    kept.pop(key, None)
+    while kept:
+        oldest = next(iter(kept))
+        if kept[oldest] > now and len(kept) < EARLY_RELEASES_KEPT:
+            break
+        del kept[oldest]
+    kept[key] = now + EARLY_RELEASE_S
 
 
 def _unknown_rate() -> float | None:

@@ -79,9 +79,11 @@ class LeaseKeeper:
             log.warning("renewing %d reservations on %s failed: %s", len(request_ids), agent, error)
             self._metrics.renewed("error", len(request_ids))
             return
-        # A request that ended while the call was out was released, and its id comes back as lapsed:
-        # only the ones still held here were lost.
-        lost = [r for r in request_ids if r in lapsed and r in self._held.get(agent, {})]
+        # A request that ended while the call was out was let go here: whatever the agent says of it,
+        # it was neither renewed nor lost.
+        held = self._held.get(agent, {})
+        lost = [r for r in request_ids if r in lapsed and r in held]
+        renewed = sum(1 for r in request_ids if r not in lapsed and r in held)
         for request_id in lost:
             log.warning(
                 "reservation %s on %s lapsed before its renewal: the request runs on unreserved",
@@ -89,6 +91,6 @@ class LeaseKeeper:
                 agent,
             )
             self.let_go(agent, request_id)
-        self._metrics.renewed("renewed", len(request_ids) - len(lapsed.intersection(request_ids)))
+        self._metrics.renewed("renewed", renewed)
         if lost:
             self._metrics.renewed("lapsed", len(lost))
