@@ -142,6 +142,7 @@ static_resources:
                       routes:
                         {{- include "kvgate.envoy.routes" (dict "root" $ "paths" $host.paths "oneTrip" $oneTrip "namespace" $namespace) | nindent 24 }}
                     {{- end }}
+                {{- include "kvgate.envoy.upstreamFailureReplies" . | nindent 16 }}
                 http_filters:
                   {{- include "kvgate.auth.standaloneFilter" . | nindent 18 }}
                   - {{- include "kvgate.identityFilter" . | nindent 20 }}

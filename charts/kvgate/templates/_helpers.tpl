@@ -387,6 +387,34 @@ response_headers_to_add:
 {{- end -}}
 
 {{/*
+Envoy's own answer to a node that failed before it answered (refused the connection while stopping,
+died, reset the stream before its first byte): the upstream_unavailable row of the refusal table
+(kvgate.envoyconfig.upstream_failure), in place of its plain-text 503, matched by the router's response
+flags. The HttpConnectionManager's local_reply_config.
+*/}}
+{{- define "kvgate.envoy.upstreamFailureReplies" -}}
+local_reply_config:
+  mappers:
+    - filter:
+        response_flag_filter:
+          flags: [UF, UC, UR, UO, UH, URX]
+      status_code: 503
+      body:
+        inline_string: {{ `{"error": {"message": "The engine chosen for this request could not be reached before it answered (it may be restarting); retry shortly.", "type": "server_error", "param": null, "code": "upstream_unavailable"}}` | quote }}
+      body_format_override:
+        text_format_source:
+          inline_string: "%LOCAL_REPLY_BODY%"
+        content_type: application/json
+      headers_to_add:
+        {{- range $pair := list (list "content-type" "application/json") (list "x-kvgate-reason" "upstream_unavailable") (list "retry-after" "1") (list "x-kvgate-retry-after-ms" "1000") (list "retry-after-ms" "1000") }}
+        - header:
+            key: {{ index $pair 0 }}
+            value: {{ index $pair 1 | quote }}
+          append_action: OVERWRITE_IF_EXISTS_OR_ADD
+        {{- end }}
+{{- end -}}
+
+{{/*
 Envoy inflates gzip request bodies ahead of ext_proc, so the gate reads plain JSON and the engine
 (which does not inflate) gets it too; other encodings pass to the gate, which inflates deflate itself.
 Requests only, as envoy/envoy.yaml: a response stays as the engine sent it, and nothing is added to the

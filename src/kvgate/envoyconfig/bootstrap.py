@@ -35,6 +35,7 @@ from typing import Any
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     import betterproto2
+    from envoy_data_plane.envoy.config.accesslog.v3 import AccessLogFilter, ResponseFlagFilter
     from envoy_data_plane.envoy.config.bootstrap.v3 import Admin, Bootstrap, BootstrapStaticResources
     from envoy_data_plane.envoy.config.cluster.v3 import (
         Cluster,
@@ -53,6 +54,7 @@ with warnings.catch_warnings():
         Http2ProtocolOptions,
         RuntimeFeatureFlag,
         SocketAddress,
+        SubstitutionFormatString,
         TransportSocket,
         TypedExtensionConfig,
     )
@@ -96,6 +98,8 @@ with warnings.catch_warnings():
     from envoy_data_plane.envoy.extensions.filters.network.http_connection_manager.v3 import (
         HttpConnectionManager,
         HttpFilter,
+        LocalReplyConfig,
+        ResponseMapper,
     )
     from envoy_data_plane.envoy.extensions.transport_sockets.tls.v3 import (
         CertificateValidationContext,
@@ -131,6 +135,7 @@ from kvgate.envoyconfig.limits import bound_manager, gate_circuit_breakers, over
 from kvgate.envoyconfig.routepolicy import Metadata, PolicyPath
 from kvgate.envoyconfig.settings import EnvoySettings, GateTls, HostPort
 from kvgate.envoyconfig.unanswered import gate_unavailable
+from kvgate.envoyconfig.upstream_failure import UPSTREAM_FAILURE_FLAGS, upstream_unavailable
 from kvgate.gate.processor import request_attributes
 from kvgate.names import (
     ENDPOINT_HEADER,
@@ -292,14 +297,7 @@ def unanswered_routes(
             route.direct_response = DirectResponseAction(
                 status=answer.status, body=DataSource(inline_string=answer.body.decode())
             )
-            # OVERWRITE: Envoy's own Content-Type for a direct response is text/plain.
-            route.response_headers_to_add = [
-                HeaderValueOption(
-                    header=HeaderValue(key=key, value=value),
-                    append_action=HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD,
-                )
-                for key, value in answer.headers
-            ]
+            route.response_headers_to_add = _header_options(answer.headers)
         result.append(route)
     return result
 
@@ -444,6 +442,33 @@ def _buffer(settings: EnvoySettings) -> HttpFilter:
     return HttpFilter(name=BUFFER_FILTER, typed_config=AnyMessage.pack(hold))
 
 
+def _header_options(headers: Sequence[tuple[str, str]]) -> list[HeaderValueOption]:
+    # OVERWRITE: Envoy's own Content-Type for a direct response or a local reply is text/plain.
+    return [
+        HeaderValueOption(
+            header=HeaderValue(key=key, value=value),
+            append_action=HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD,
+        )
+        for key, value in headers
+    ]
+
+
+def upstream_failure_replies() -> LocalReplyConfig:
+    """Envoy's own answer to a node that failed before it answered, as an explicit, retryable refusal
+    (kvgate.envoyconfig.upstream_failure)."""
+    answer = upstream_unavailable()
+    mapper = ResponseMapper(
+        filter=AccessLogFilter(response_flag_filter=ResponseFlagFilter(flags=list(UPSTREAM_FAILURE_FLAGS))),
+        status_code=answer.status,
+        body=DataSource(inline_string=answer.body.decode()),
+        body_format_override=SubstitutionFormatString(
+            text_format_source=DataSource(inline_string="%LOCAL_REPLY_BODY%"), content_type="application/json"
+        ),
+        headers_to_add=_header_options(answer.headers),
+    )
+    return LocalReplyConfig(mappers=[mapper])
+
+
 def ingress_listener(settings: EnvoySettings) -> Listener:
     one_trip = settings.round_trips == 1
     manager = HttpConnectionManager(
@@ -457,6 +482,7 @@ def ingress_listener(settings: EnvoySettings) -> Listener:
             request_headers_to_add=_headers_from_metadata(settings) if one_trip else [],
             response_headers_to_add=_decision_for_the_client(settings),
         ),
+        local_reply_config=upstream_failure_replies(),
         http_filters=[
             *auth_filters(settings.identity, settings.priority_header),
             decompressor_filter(),

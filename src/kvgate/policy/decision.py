@@ -43,6 +43,9 @@ class Reason(enum.StrEnum):
     # Envoy's own, without the gate: the gate did not answer a request too big to fail open to the
     # interactive pool (kvgate.envoyconfig.unanswered).
     GATE_UNAVAILABLE = "gate_unavailable"
+    # Envoy's own, in place of its plain-text 503: the node a request was routed to refused the
+    # connection or reset it before answering (kvgate.envoyconfig.upstream_failure).
+    UPSTREAM_UNAVAILABLE = "upstream_unavailable"
 
 
 @dataclass(frozen=True, slots=True)

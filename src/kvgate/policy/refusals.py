@@ -88,6 +88,9 @@ RULES: Mapping[Reason, RefusalRule] = MappingProxyType({
     # Envoy answers this one itself, from its route table, when the gate did not answer a request
     # whose body may be too long for the interactive pool (kvgate.envoyconfig.unanswered).
     Reason.GATE_UNAVAILABLE:     RefusalRule(503, "gate_unavailable",      "server_error", _OVERLOADED, _S),
+    # Envoy answers this one itself too, when the node it routed to could not be reached before it
+    # answered (kvgate.envoyconfig.upstream_failure).
+    Reason.UPSTREAM_UNAVAILABLE: RefusalRule(503, "upstream_unavailable",  "server_error", _OVERLOADED, _S),
 })
 # fmt: on
 
