@@ -204,6 +204,26 @@ def test_ledger_expires_every_lease_once_at_its_end_through_renewals_and_release
     assert [r.request_id for r in ledger.expire()] == ["d"]
 
 
+def test_the_agent_takes_every_expiry_once_whichever_call_ended_the_lease() -> None:
+    """A lease that a Reserve, a Release or a read ended before the agent's tick is still counted and
+    logged by that tick (kvgate_agent_reservations_total{event="expired"}), once."""
+    clock = Clock()
+    start = clock.now
+    ledger = ReservationLedger(clock, default_lease_s=60, max_lease_s=600)
+    for request_id, lease_s in (("a", 10), ("b", 20), ("c", 30)):
+        ledger.reserve(request_id, 1_000, lease_s, budget())
+    clock.now = start + 10
+    ledger.reserve("d", 1_000, 60, budget())  # expires "a" first
+    clock.now = start + 20
+    assert not ledger.release("b")  # expired by the Release itself
+    clock.now = start + 30
+    assert ledger.count == 1  # a read expires "c"
+    assert [r.request_id for r in ledger.take_expired()] == ["a", "b", "c"]
+    assert ledger.take_expired() == []
+    clock.now = start + 70
+    assert [r.request_id for r in ledger.take_expired()] == ["d"]
+
+
 def test_ledger_refuses_on_unhealthy_or_unknown_capacity_and_rejects_misuse() -> None:
     ledger = ReservationLedger(Clock(), 60, 600)
     assert ledger.reserve("a", 1, 0, budget(healthy=False)).reason is ReserveReason.UNHEALTHY

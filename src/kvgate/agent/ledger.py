@@ -143,6 +143,9 @@ class ReservationLedger:
         # No lease ends before this (renewals may leave it early, never late): until then `expire`,
         # called on every snapshot and reservation, has nothing to scan for.
         self._next_expiry = math.inf
+        # Expired since the agent last took them: any call may expire a lease (a Reserve, a snapshot),
+        # and the agent's tick counts and logs each one once (`take_expired`).
+        self._expired_untaken: list[Reservation] = []
         self._released_early: dict[tuple[str, str], float] = {}  # (holder, request_id) -> until, oldest first
         # Reservations released lately, the same way: a renewal that a Release overtook names them, and
         # they are not lapses (`renew`).
@@ -185,8 +188,15 @@ class ReservationLedger:
         expired = [r for r in self._live.values() if r.expires_at <= now]
         for reservation in expired:
             self._drop(reservation.request_id)
+        self._expired_untaken += expired
         self._next_expiry = min((r.expires_at for r in self._live.values()), default=math.inf)
         return expired
+
+    def take_expired(self) -> list[Reservation]:
+        """Every reservation whose lease ran out since the last call, whichever call expired it."""
+        self.expire()
+        taken, self._expired_untaken = self._expired_untaken, []
+        return taken
 
     def headroom(self, budget: Budget) -> int:
         """admissible - the commitment: the largest request of any shape (all prompt, never ending)

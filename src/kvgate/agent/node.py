@@ -346,8 +346,9 @@ class NodeState:
         return self.ledger.renew(request_ids, holder, lease_s)
 
     def expire(self) -> list[Reservation]:
-        """End the reservations whose lease ran out; the ones ended."""
-        return self.ledger.expire()
+        """End the reservations whose lease ran out; every one ended since the last call (a Reserve,
+        Renew or Release may have ended some first)."""
+        return self.ledger.take_expired()
 
     def snapshot(self, sample_time_unix_ns: int) -> NodeHeadroom:
         """The next message of the stream (its seq is one more than the last one's)."""
