@@ -282,3 +282,5 @@ def test_metrics_show_decisions(stack: Stack, texts: dict[str, str]) -> None:
     assert metric_value(text, "kvgate_gate_decision_duration_seconds_count", method="fast") >= 1
     assert metric_value(text, "kvgate_gate_envoy_messages_total", kind="request_body") >= 2
     assert metric_value(text, "kvgate_gate_exact_counts_pending") == 0
+    # Too few exact counts yet to correct the fast estimate by.
+    assert metric_value(text, "kvgate_gate_estimate_correction", model="*") == 1.0

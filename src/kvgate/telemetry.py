@@ -39,6 +39,8 @@ SERVED_ELSEWHERE = "kvgate.gate.picker_served_elsewhere"
 LEASE_RENEWALS = "kvgate.gate.lease_renewals"
 ADMISSION_WAITING = "kvgate.gate.admission.waiting"
 EXACT_COUNTS_PENDING = "kvgate.gate.exact_counts.pending"
+# What the fast estimate is multiplied by, learnt from exact counts on live traffic (per model match).
+ESTIMATE_CORRECTION = "kvgate.gate.estimate.correction"
 EVENT_LOOP_LAG = "kvgate.gate.event_loop.lag"
 POOL_WATER_LEVEL = "kvgate.pool.water_level"
 POOL_BREAKER_OPEN = "kvgate.pool.breaker.state"

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvgate.estimate import decide
+from kvgate.estimate.correction import LiveCorrection
 from kvgate.estimate.exact import TokenizerFile
 from kvgate.estimate.fast import FastEstimator, TextBand
 from kvgate.request.shape import RequestShape
@@ -78,6 +79,8 @@ class Estimator:
         self._executor = executor
         self._max_pending = max_pending
         self._pending = 0
+        # What the exact counts say the fast estimate misses on this traffic (kvgate.estimate.correction).
+        self.correction = LiveCorrection()
 
     @property
     def pending(self) -> int:
@@ -138,13 +141,15 @@ class Estimator:
         """The answer when no exact count runs: the estimate, settled on the safe side of any threshold
         its band reaches across when there is no tokenizer to count with."""
         if self._exact is not None or not shape.texts:
-            return self._result(shape, band.tokens, "fast", True)
+            return self._result(shape, self.correction.corrected(band), "fast", True)
         extra = self._extra(shape)
         estimate = band.tokens + extra
         total = decide.safe_total(estimate, band.low + extra, band.high + extra, thresholds)
         return self._result(shape, total - extra, "fast", True, rounded=total != estimate)
 
-    def _counted(self, shape: RequestShape, counted: decide.Counted) -> TokenEstimate:
+    def _counted(self, shape: RequestShape, band: TextBand, counted: decide.Counted) -> TokenEstimate:
+        if counted.complete:
+            self.correction.observe(band.tokens, counted.tokens)
         return self._result(shape, counted.tokens, "exact", counted.complete)
 
     def fast_estimate(self, shape: RequestShape) -> TokenEstimate:
@@ -155,14 +160,14 @@ class Estimator:
         """The gate's answer, computed in the calling thread (command line, benchmarks)."""
         band = self.fast_band(shape)
         if self.needs_exact(shape, band, thresholds):
-            return self._counted(shape, decide.run(self._job(shape, thresholds)))
+            return self._counted(shape, band, decide.run(self._job(shape, thresholds)))
         return self._fast_answer(shape, band, thresholds)
 
     def count_sync(self, shape: RequestShape) -> TokenEstimate:
         """The full exact count, whatever the thresholds; the fast estimate without a tokenizer."""
         if self._exact is None:
             return self.fast_estimate(shape)
-        return self._counted(shape, decide.run(self._job(shape, ())))
+        return self._counted(shape, self.fast_band(shape), decide.run(self._job(shape, ())))
 
     async def estimate(self, shape: RequestShape, thresholds: Sequence[int]) -> TokenEstimate | Unavailable:
         band = self.fast_band(shape)
@@ -178,4 +183,4 @@ class Estimator:
             return Unavailable("The gateway's token counter failed; retry shortly.")
         finally:
             self._pending -= 1
-        return self._counted(shape, counted)
+        return self._counted(shape, band, counted)

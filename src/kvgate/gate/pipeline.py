@@ -242,6 +242,10 @@ class Pipeline:
     def exact_counts_pending(self) -> int:
         return sum(e.pending for e in self._distinct_estimators())
 
+    def estimate_corrections(self) -> list[tuple[float, dict[str, str]]]:
+        """Per model entry, the factor its fast estimates are corrected by (kvgate.estimate.correction)."""
+        return [(e.correction.factor, {"model": model.match}) for model, e in self._estimators.items()]
+
     def _distinct_estimators(self) -> list[Estimator]:
         # Models share estimators (one per tokenizer and costs).
         return list({id(e): e for e in self._estimators.values()}.values())

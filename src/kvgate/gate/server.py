@@ -29,6 +29,7 @@ from kvgate.gate.soft_pool import SoftPool
 from kvgate.headroom.credentials import ChannelSecurity, add_port
 from kvgate.headroom.view import HeadroomView
 from kvgate.telemetry import (
+    ESTIMATE_CORRECTION,
     EVENT_LOOP_LAG,
     EXACT_COUNTS_PENDING,
     DecisionSpans,
@@ -112,6 +113,13 @@ async def serve(
         "{request}",
         "Exact token counts waiting or running",
         lambda: [(pipeline.exact_counts_pending(), {})],
+    )
+    observe(
+        telemetry.meter,
+        ESTIMATE_CORRECTION,
+        "1",
+        "What the fast token estimate is multiplied by, learnt from the exact counts of this traffic",
+        pipeline.estimate_corrections,
     )
     server = grpc.aio.server(options=_grpc_options(config))
     speaks = EndpointPicker if config.server.protocol == "endpoint-picker" else ExternalProcessor
