@@ -7,6 +7,9 @@ stops as soon as the class is certain. At most `max_pending` counts wait or run 
 the estimator answers `Unavailable` (the gateway's own overload, which the gate refuses with a
 retryable 503) rather than queue without bound.
 
+Each complete exact count also measures the fast estimate on the traffic served, and a fast answer's
+point estimate is corrected by what they showed, inside its band (kvgate.estimate.correction).
+
 Without a tokenizer nothing can be counted, so a band that reaches across a threshold is settled on
 its safe side (`decide.safe_total`): across a pool boundary the request goes to the larger pool (an
 interactive engine would refuse it; the long pool costs only capacity), and it is refused as too long
