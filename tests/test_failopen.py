@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import pytest
@@ -202,9 +202,12 @@ class LateGate(external_processor_pb2_grpc.ExternalProcessorServicer):  # type: 
                 yield response
 
 
+Servicer = TypeVar("Servicer", bound=external_processor_pb2_grpc.ExternalProcessorServicer)
+
+
 @contextlib.contextmanager
-def late_gate(port: int) -> Iterator[LateGate]:
-    servicer = LateGate(delay_s=3 * MESSAGE_TIMEOUT_S)
+def serving(servicer: Servicer, port: int) -> Iterator[Servicer]:
+    """`servicer` as the ext_proc server on 127.0.0.1:port, in place of the gate."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     server.add_insecure_port(f"127.0.0.1:{port}")
@@ -213,6 +216,10 @@ def late_gate(port: int) -> Iterator[LateGate]:
         yield servicer
     finally:
         server.stop(grace=None)
+
+
+def late_gate(port: int) -> contextlib.AbstractContextManager[LateGate]:
+    return serving(LateGate(delay_s=3 * MESSAGE_TIMEOUT_S), port)
 
 
 @contextlib.contextmanager

@@ -7,15 +7,12 @@ it, each try through the gate again."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
-import grpc
 import openai
 import pytest
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
@@ -31,7 +28,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 )
 from google.protobuf import json_format
 from test_envoy_trust import bootstraps
-from test_failopen import envoy_without_gate, stack_ports
+from test_failopen import envoy_without_gate, serving, stack_ports
 
 from kvgate.envoyconfig.upstream_failure import upstream_unavailable
 from kvgate.harness.client import Reply, chat, post
@@ -99,19 +96,6 @@ class PinningGate(external_processor_pb2_grpc.ExternalProcessorServicer):  # typ
                 yield ProcessingResponse(request_body=BodyResponse(response=common))
 
 
-@contextlib.contextmanager
-def pinning_gate(port: int, endpoint: str) -> Iterator[PinningGate]:
-    servicer = PinningGate(endpoint)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    external_processor_pb2_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    server.start()
-    try:
-        yield servicer
-    finally:
-        server.stop(grace=None)
-
-
 def assert_upstream_unavailable(reply: Reply) -> None:
     assert reply.status == 503, reply.body
     assert reply.headers["content-type"] == "application/json"
@@ -127,7 +111,10 @@ def test_a_request_pinned_to_a_node_that_is_gone_gets_a_retryable_refusal(tmp_pa
     ports = stack_ports()
     gone = f"127.0.0.1:{free_port()}"  # a node that closed its listening socket (SIGTERM) or died
     config = render_envoy(ROOT / "envoy" / "envoy.yaml", tmp_path / "envoy.yaml", ports)
-    with pinning_gate(ports["gate"], gone) as gate, envoy_without_gate(config, tmp_path, ports) as upstreams:
+    with (
+        serving(PinningGate(gone), ports["gate"]) as gate,
+        envoy_without_gate(config, tmp_path, ports) as upstreams,
+    ):
         assert_upstream_unavailable(post(ports["listener"], CHAT, chat("Summarize the attached contract.")))
         base_url = f"http://127.0.0.1:{ports['listener']}/v1"
         client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=2)
