@@ -14,11 +14,9 @@ never reserves), so three limits bound all of them together (docs/operations.md,
 - **A cap on one lent request's uncached prompt** (`max_prompt_tokens`, 16k by default): the prefill
   of one long prompt is what a chat request that arrives behind it waits for.
 - **An in-flight prefill budget** (`prefill_budget_tokens`): the uncached prompt tokens of lent
-  requests not yet prefilled, drained as a fluid queue at the node's prefill rate
-  (`prefill_tokens_per_s`) from each grant on. It bounds the prefill work lent requests put ahead of
-  chat at any instant to budget / rate seconds, the way Dynamo's `active_prefill_tokens` and llm-d's
-  token-load scorer bound a worker's queued prefill (ai-dynamo/dynamo lib/llm/src/kv_router,
-  llm-d-inference-scheduler pkg/plugins/scorer).
+  requests not yet prefilled (the node's prefill backlog, kvgate.agent.prefill_backlog: every
+  reservation on an interactive node is lent). It bounds the prefill work lent requests put ahead of
+  chat at any instant to budget / rate seconds.
 
 Chat's use is kept as one maximum per second over the window (600 values for 10 minutes), so the
 quantile is taken once a second, over a few hundred numbers, and never per scrape.
@@ -78,8 +76,6 @@ class Lending:
         self.limits = limits
         self._seconds: deque[tuple[int, int]] = deque()  # (second, chat's peak use in it), oldest first
         self._reserve_quantile = 0  # p99 of the per-second peaks, as of the last second that closed
-        self._backlog = 0.0  # lent prompt tokens not yet prefilled, as of `_backlog_at`
-        self._backlog_at = -math.inf
 
     def observe_chat(self, now: float, chat_tokens: int) -> None:
         """One scrape: what chat holds on the node now (engine usage less reservations)."""
@@ -99,23 +95,18 @@ class Lending:
         floor = math.ceil(self.limits.min_share * capacity_tokens)
         return max(floor, math.ceil(self.limits.factor * self._reserve_quantile))
 
-    def prefill_backlog(self, now: float) -> float:
-        """Lent prompt tokens still to prefill, drained at the node's prefill rate since the last grant."""
-        drained = (now - self._backlog_at) * self.limits.prefill_tokens_per_s
-        return max(0.0, self._backlog - drained) if drained < math.inf else 0.0
-
     def offer(
-        self, now: float, admissible_tokens: int, capacity_tokens: int, reserved_tokens: int
+        self,
+        admissible_tokens: int,
+        capacity_tokens: int,
+        reserved_tokens: int,
+        prefill_backlog_tokens: float,
     ) -> LendOffer:
-        """What a long request may take now, beside the node's own headroom (which the ledger checks)."""
+        """What a long request may take now, beside the node's own headroom (which the ledger checks),
+        with `prefill_backlog_tokens` of lent prompts still to prefill."""
         reserve = self.chat_reserve(capacity_tokens)
         share = max(0, admissible_tokens - reserve - reserved_tokens)
-        prefill_room = math.floor(self.limits.prefill_budget_tokens - self.prefill_backlog(now))
+        prefill_room = math.floor(self.limits.prefill_budget_tokens - prefill_backlog_tokens)
         if prefill_room < 1:
             return LendOffer(0, self.limits.max_prompt_tokens, reserve)
         return LendOffer(share, min(self.limits.max_prompt_tokens, prefill_room), reserve)
-
-    def granted(self, now: float, uncached_prompt_tokens: int) -> None:
-        """A lent request was granted: its uncached prompt joins the prefill in flight."""
-        self._backlog = self.prefill_backlog(now) + uncached_prompt_tokens
-        self._backlog_at = now

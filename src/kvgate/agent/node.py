@@ -33,6 +33,7 @@ that found no room holds its slot, and whoever is behind it takes only what leav
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ from kvgate.agent.decode_rate import DecodeRate
 from kvgate.agent.kv_events import Batch
 from kvgate.agent.ledger import Budget, Cap, Reservation, ReservationLedger
 from kvgate.agent.lending import Lending, LendLimits, LendOffer
+from kvgate.agent.prefill_backlog import PrefillBacklog
 from kvgate.agent.prefix_audit import PrefixAudit
 from kvgate.agent.prefix_blocks import PrefixBlocks
 from kvgate.agent.prefix_events import PrefixEvents
@@ -193,6 +195,7 @@ class NodeState:
         self.decode_rate = DecodeRate()
         self.claims = WaitingClaims(clock)
         self.lending = Lending(settings.lending) if settings.role is NodeRole.INTERACTIVE else None
+        self.prefill = PrefillBacklog(settings.lending.prefill_tokens_per_s)
         self.class_usage = ClassUsage()
         self.ratio = SteeredRatio(settings.ratio(), clock())
         # The latest Reserve that waited or found no room: the engine is scraped every period for a
@@ -304,8 +307,7 @@ class NodeState:
             self._audit.expect(now, result.cached_tokens)
             uncached = max(0, tokens - output_tokens - result.cached_tokens)
             self.class_usage.granted(uncached)
-            if self.lending is not None:
-                self.lending.granted(now, uncached)
+            self.prefill.granted(now, uncached)
             if self.prefix_events is not None and chain is not None and chain.blocks:
                 self.prefix_events.granted(request_id, chain, now, tokens - output_tokens)
         return result
@@ -327,10 +329,10 @@ class NodeState:
     def _lend_offer(self, budget: Budget) -> LendOffer:
         assert self.lending is not None
         return self.lending.offer(
-            self._clock(),
             admissible(budget.capacity_tokens, budget.safety_ratio),
             budget.capacity_tokens,
             self.ledger.reserved_tokens,
+            self.prefill.tokens(self._clock()),
         )
 
     def release(
@@ -402,6 +404,8 @@ class NodeState:
             lend_max_prompt_tokens=offer.max_prompt_tokens if offer is not None else 0,
             heartbeat_ms=round(self.settings.heartbeat_s * 1000),
             head=self.claims.published(headroom, releases),
+            prefill_backlog_tokens=math.ceil(self.prefill.tokens(now)),
+            prefill_tokens_per_s=self.prefill.tokens_per_s,
             # A fact of the engine's start, not of one sample: the last one known holds.
             max_model_len=(last.max_model_len or 0) if last is not None else 0,
         )

@@ -42,6 +42,7 @@ def status_json(h: NodeHeadroom, agent: str, age_s: float) -> dict[str, Any]:
         "headroom_tokens": h.headroom_tokens,
         "max_model_len": h.max_model_len or None,
         "requests": {"running": h.running, "waiting": h.waiting, "preemptions_total": h.preemptions_total},
+        "prefill": {"backlog_tokens": h.prefill_backlog_tokens, "tokens_per_s": h.prefill_tokens_per_s},
         "prefix": {
             "source": h.prefix_source or None,
             "indexed_tokens": h.prefix.indexed_tokens,
@@ -92,6 +93,8 @@ def status_text(h: NodeHeadroom, agent: str, age_s: float) -> str:
         "(the engine's max_model_len, from its /v1/models)",
         f"requests  {_count(h.running)} running, {_count(h.waiting)} waiting, "
         f"{_count(h.preemptions_total)} preempted since start",
+        f"prefill   {h.prefill_backlog_tokens:,} granted prompt tokens still to prefill at "
+        f"{h.prefill_tokens_per_s:,.0f} tokens/s",
         f"age       {age_s:.3f} s since the agent's sample{scraped}",
     ]
     if h.prefix_source:

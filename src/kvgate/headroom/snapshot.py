@@ -167,6 +167,10 @@ class NodeHeadroom:
     head: HeadClaim | None = None  # the waiter the agent holds room for, if any
     # The longest request (prompt + output) the engine serves, from its /v1/models; 0: not known.
     max_model_len: int = 0
+    # Uncached prompt tokens of granted reservations the engine has yet to prefill, as of the sample,
+    # and the rate they drain at (kvgate.agent.prefill_backlog; 0: an agent that does not say).
+    prefill_backlog_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0
 
     @property
     def admissible_tokens(self) -> int:
@@ -207,6 +211,15 @@ class NodeView:
         """Whether the node's agent may be asked for a reservation: it has reported, its stream is up
         and it says it is healthy. Fresh or stale: what a stale one gets is the stale policy's call."""
         return self.headroom is not None and self.connected and self.healthy
+
+    @property
+    def prefill_backlog_tokens(self) -> float:
+        """The node's prefill backlog now: its latest message's, drained at its rate for the message's
+        age (kvgate.agent.prefill_backlog)."""
+        if self.headroom is None:
+            return 0.0
+        h = self.headroom
+        return max(0.0, h.prefill_backlog_tokens - self.age_s * h.prefill_tokens_per_s)
 
 
 class ReserveReason(StrEnum):

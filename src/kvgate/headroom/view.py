@@ -211,8 +211,10 @@ class HeadroomView:
             hold_slot=hold_slot,
         )
         self._merge(link, outcome.headroom_tokens, outcome.reserved_tokens, outcome.reservations)
-        if outcome.granted and prefix is not None:
-            self._merge_prefix(link, prefix)
+        if outcome.granted:
+            self._merge_prefill(link, max(0, tokens - output_tokens - outcome.cached_tokens))
+            if prefix is not None:
+                self._merge_prefix(link, prefix)
         return outcome
 
     async def release(self, node: str, request_id: str, *, unanswered: bool = False) -> ReleaseOutcome:
@@ -250,6 +252,19 @@ class HeadroomView:
                 reserved_tokens=reserved_tokens,
                 reservations=link.latest.reservations if reservations is None else reservations,
             )
+
+    def _merge_prefill(self, link: _Link, uncached_prompt_tokens: int) -> None:
+        """The grant's prompt joins the node's prefill backlog before the agent's next message says so.
+        The backlog is kept as of the message and drained by its age (NodeView.prefill_backlog_tokens),
+        so what is added now is added with what that age will drain of it."""
+        latest = link.latest
+        if latest is None:
+            return
+        age_s = self._clock() - link.received_at
+        drained = age_s * latest.prefill_tokens_per_s
+        left = max(0.0, latest.prefill_backlog_tokens - drained)
+        backlog = math.ceil(left + uncached_prompt_tokens + drained)
+        link.latest = dataclasses.replace(latest, prefill_backlog_tokens=backlog)
 
     @staticmethod
     def _merge_prefix(link: _Link, chain: PrefixChain) -> None:

@@ -86,6 +86,8 @@ def _scalars_to_proto(h: NodeHeadroom) -> pb.NodeHeadroom:
         lend_max_prompt_tokens=h.lend_max_prompt_tokens,
         head=_head_to_proto(h.head) if h.head is not None else None,
         max_model_len=h.max_model_len,
+        prefill_backlog_tokens=h.prefill_backlog_tokens,
+        prefill_tokens_per_s=h.prefill_tokens_per_s,
     )
 
 
@@ -237,6 +239,8 @@ def headroom_from_proto(m: pb.NodeHeadroom, previous: PrefixSummary = NO_PREFIXE
         lend_max_prompt_tokens=m.lend_max_prompt_tokens,
         head=_head_from_proto(m.head) if m.HasField("head") else None,
         max_model_len=m.max_model_len,
+        prefill_backlog_tokens=m.prefill_backlog_tokens,
+        prefill_tokens_per_s=m.prefill_tokens_per_s,
     )
 
 

@@ -1,0 +1,151 @@
+"""Placement by prefill backlog: a long request goes where the fewest granted prompt tokens wait for
+their prefill, by the agent's count, the gate's view of it between messages, and across replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+import pytest
+from test_prefix_placement import DOC, admit, asking, holding, placed_on
+from test_soft_pools import Clock, reading
+from test_water import node
+
+from kvgate._proto.headroom.v1 import headroom_pb2 as pb
+from kvgate.agent.lending import LendLimits
+from kvgate.agent.node import NodeSettings, NodeState
+from kvgate.agent.prefill_backlog import PrefillBacklog
+from kvgate.agent.server import Agent
+from kvgate.agent.sources.fake_engine import FakeEngineMetrics
+from kvgate.agent.sources.scrape import EngineScraper
+from kvgate.config import AdmissionConfig
+from kvgate.config.headroom import HeadroomSettings
+from kvgate.gate.admission import Admission
+from kvgate.headroom.snapshot import NodeView
+from kvgate.headroom.view import HeadroomView
+from kvgate.headroom.wire import HeadroomEncoder, headroom_from_proto
+from kvgate.policy.nodes import Placement, choose_nodes
+
+
+def test_the_backlog_drains_at_the_prefill_rate_and_a_grant_queues_behind_what_is_left() -> None:
+    backlog = PrefillBacklog(10_000)
+    assert backlog.tokens(5.0) == 0
+    backlog.granted(10.0, 8_000)
+    assert backlog.tokens(10.5) == 3_000
+    backlog.granted(10.5, 4_000)
+    assert backlog.tokens(10.5) == 7_000
+    assert backlog.tokens(11.3) == 0
+    with pytest.raises(ValueError, match="prefill rate"):
+        PrefillBacklog(0)
+
+
+def backlogged(view: NodeView, tokens: int, rate: float = 100_000.0, age_s: float = 0.0) -> NodeView:
+    assert view.headroom is not None
+    headroom = dataclasses.replace(view.headroom, prefill_backlog_tokens=tokens, prefill_tokens_per_s=rate)
+    return dataclasses.replace(view, headroom=headroom, age_s=age_s)
+
+
+def order(nodes: list[NodeView], tokens: int = 10_000) -> list[str]:
+    return [n.agent for n in choose_nodes(nodes, tokens, "probe").candidates]
+
+
+def test_the_node_with_least_prompt_to_prefill_goes_first_and_headroom_breaks_ties() -> None:
+    a, b, c = node("a", 30_000), node("b", 20_000), node("c", 25_000)
+    assert order([a, b, c]) == ["a:9100", "c:9100", "b:9100"], "at rest: most headroom first"
+    busy = [backlogged(a, 40_000), backlogged(b, 0), backlogged(c, 8_000)]
+    assert order(busy) == ["b:9100", "c:9100", "a:9100"]
+    # The view drains a message's backlog by its age: 40k at 100k/s is gone after 0.4 s.
+    aged = [backlogged(a, 40_000, age_s=0.5), backlogged(b, 0), backlogged(c, 8_000)]
+    assert aged[0].prefill_backlog_tokens == 0
+    assert order(aged) == ["a:9100", "b:9100", "c:9100"]
+    # Backlog never makes a node fit that does not.
+    assert order([backlogged(a, 50_000), backlogged(b, 0)], tokens=25_000) == ["a:9100"]
+
+
+def test_with_affinity_a_holder_goes_first_unless_more_prompt_waits_there_than_it_holds() -> None:
+    # b holds 25k of the 26k prompt (DOC); a and c hold nothing.
+    a, b, c = node("a", 30_000), holding(node("b", 30_000), DOC), node("c", 28_000)
+    choice = choose_nodes(
+        [backlogged(a, 0), backlogged(b, 20_000), backlogged(c, 0)], 26_000, "probe", asking(1)
+    )
+    assert choice.candidates[0].agent == "b:9100", "20k queued, 25k of it held: b still wins"
+    assert choice.placement is Placement.AFFINITY
+    busy = choose_nodes(
+        [backlogged(a, 0), backlogged(b, 30_000), backlogged(c, 4_000)], 26_000, "probe", asking(1)
+    )
+    assert [n.agent for n in busy.candidates] == ["a:9100", "c:9100", "b:9100"], "b: 30k queued - 25k held"
+    assert busy.placement is Placement.BOUNDED
+    assert busy.cached_tokens == (0, 0, 25_000)
+
+
+def test_the_agent_counts_the_uncached_prompt_of_each_grant_and_publishes_it() -> None:
+    clock = Clock()
+    settings = NodeSettings("n", "n.engine:8000", lending=LendLimits(prefill_tokens_per_s=20_000))
+    state = NodeState(settings, clock, uses_engine=True, uses_nvml=False)
+    state.observe_engine(reading(0))
+    assert state.reserve("a", 12_000, 300.0, "gate", output_tokens=2_000).granted
+    first = state.snapshot(0)
+    assert (first.prefill_backlog_tokens, first.prefill_tokens_per_s) == (10_000, 20_000)
+    clock.now += 0.25
+    assert state.reserve("b", 7_000, 300.0, "gate", output_tokens=1_000).granted
+    assert state.snapshot(0).prefill_backlog_tokens == 5_000 + 6_000
+    decoded = headroom_from_proto(pb.NodeHeadroom.FromString(HeadroomEncoder().encode(state.snapshot(0))))
+    assert (decoded.prefill_backlog_tokens, decoded.prefill_tokens_per_s) == (11_000, 20_000)
+
+
+def run(scenario: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(scenario(), 20))
+
+
+def test_a_gate_counts_its_own_grant_at_once_and_the_other_replica_from_the_stream() -> None:
+    async def scenario() -> None:
+        # Two vLLM engines of 100k and 90k tokens: at rest, the first has more headroom.
+        engines = [FakeEngineMetrics(num_gpu_blocks=6250), FakeEngineMetrics(num_gpu_blocks=5625)]
+        # A slow prefill rate (1k tokens a second) keeps what is granted queued for the whole test.
+        slow = LendLimits(prefill_tokens_per_s=1_000)
+        settings = [
+            NodeSettings(name, f"{name}.engine:8000", period_s=0.05, safety_ratio=1.0, lending=slow)
+            for name in "ab"
+        ]
+        agents = [
+            Agent(s, EngineScraper(await engine.start(), 0.025))
+            for s, engine in zip(settings, engines, strict=True)
+        ]
+        addresses = [f"127.0.0.1:{await agent.start('127.0.0.1:0')}" for agent in agents]
+        fast: dict[str, Any] = {"stale_after_s": 0.5, "reconnect_initial_s": 0.05, "reconnect_max_s": 0.2}
+        views = [
+            HeadroomView(
+                HeadroomSettings(agents=tuple(addresses), allowed_endpoints=("a.engine", "b.engine"), **fast),
+                subscriber=f"gate-{i}",
+            )
+            for i in range(2)
+        ]
+        gates = [Admission(AdmissionConfig(max_wait_s=0.5), view) for view in views]
+        for view in views:
+            await view.start()
+        try:
+            for view in views:
+                async with asyncio.timeout(3):
+                    while not all(n.fresh for n in view.snapshot()):
+                        await view.wait_update(0.05)
+            first = await admit(gates[0], "r1", None, tokens=9_000)
+            assert placed_on(first) == addresses[0], "cold and at rest: most headroom"
+            # a has 91k left and b 90k, but a still prefills r1, by this gate's own count.
+            second = await admit(gates[0], "r2", None, tokens=1_000)
+            assert placed_on(second) == addresses[1]
+            # The other replica learns both backlogs from the agents' streams.
+            async with asyncio.timeout(3):
+                while not all(n.prefill_backlog_tokens > 0 for n in views[1].snapshot()):
+                    await views[1].wait_update(0.05)
+            third = await admit(gates[1], "r3", None, tokens=1_000)
+            assert placed_on(third) == addresses[1]
+        finally:
+            for view in views:
+                await view.stop()
+            for agent in agents:
+                await agent.stop(grace_s=0)
+            for engine in engines:
+                await engine.stop()
+
+    run(scenario)
