@@ -10,6 +10,7 @@ Pure (no gRPC, no I/O):
     kv_events       vLLM's KV-event messages decoded, their sequence checked
     releases        when live reservations are expected to end
     decode_rate     the engine's per-request output rate
+    prefill_backlog the granted prompt tokens the engine has yet to prefill (placement ranks by it)
     capacity        KV bytes per token from a model's shape; static capacity over free GPU memory
     status          what an agent sees, as `kvgate status` prints it (text or JSON)
 Adapters:

@@ -274,8 +274,9 @@ def _register_roles(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=limits.prefill_tokens_per_s,
         metavar="R",
-        help=f"the engine's prefill rate: how fast the lent prefill drains, and what turns prefill tokens "
-        f"into the per-class prefill seconds (default {limits.prefill_tokens_per_s:g})",
+        help=f"the engine's prefill rate, any role: how fast granted prompts drain from the prefill backlog "
+        f"gates place long requests by (and the lent prefill budget), and what turns prefill tokens into "
+        f"the per-class prefill seconds (default {limits.prefill_tokens_per_s:g})",
     )
 
 

@@ -6,9 +6,10 @@ headroom first among equals. A long request's first token waits for the prompts 
 its node: engines prefill waiting prompts first come first served. Most headroom first, the order
 before this one, sent a request to the node with the fewest or shortest requests running, which on
 the Mooncake replay is often the one still prefilling the last big prompt; least backlog first took
-the replay's long TTFT p50 from 222 to 185 ms (round robin: 160 ms) at the same preemptions (0), chat
-p99 293 -> 248 ms (`kvgate demo --trace mooncake_conversation_first_half --speed 6 --only
-kvgate_prefix_off`, 2026-12-03). A pool at rest (no backlog anywhere) still spreads by headroom.
+the replay's long TTFT p50 from 222 to 183 ms (round robin: 160 ms) at the same preemptions (0), chat
+p99 293 -> 251 ms (`kvgate demo --trace mooncake_conversation_first_half --speed 6 --only
+kvgate_prefix_off`, 2026-12-03; with affinity, below, 267 -> 173 ms). A pool at rest (no backlog
+anywhere) still spreads by headroom.
 
 With prefix affinity (`placement.prefix_affinity`), a request whose prompt begins as one a node
 already holds (by that node's prefix summary) is placed by the prefill its first token waits for
