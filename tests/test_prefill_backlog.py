@@ -63,18 +63,20 @@ def test_the_node_with_least_prompt_to_prefill_goes_first_and_headroom_breaks_ti
     assert order([backlogged(a, 50_000), backlogged(b, 0)], tokens=25_000) == ["a:9100"]
 
 
-def test_with_affinity_a_holder_goes_first_unless_more_prompt_waits_there_than_it_holds() -> None:
+def test_with_affinity_a_holder_goes_first_unless_it_has_twice_as_much_prompt_queued_as_it_holds() -> None:
     # b holds 25k of the 26k prompt (DOC); a and c hold nothing.
     a, b, c = node("a", 30_000), holding(node("b", 30_000), DOC), node("c", 28_000)
     choice = choose_nodes(
-        [backlogged(a, 0), backlogged(b, 20_000), backlogged(c, 0)], 26_000, "probe", asking(1)
+        [backlogged(a, 0), backlogged(b, 40_000), backlogged(c, 0)], 26_000, "probe", asking(1)
     )
-    assert choice.candidates[0].agent == "b:9100", "20k queued, 25k of it held: b still wins"
+    assert choice.candidates[0].agent == "b:9100", "40k queued, 25k of it held (counted twice): b first"
     assert choice.placement is Placement.AFFINITY
     busy = choose_nodes(
-        [backlogged(a, 0), backlogged(b, 30_000), backlogged(c, 4_000)], 26_000, "probe", asking(1)
+        [backlogged(a, 0), backlogged(b, 60_000), backlogged(c, 4_000)], 26_000, "probe", asking(1)
     )
-    assert [n.agent for n in busy.candidates] == ["a:9100", "c:9100", "b:9100"], "b: 30k queued - 25k held"
+    assert [n.agent for n in busy.candidates] == ["a:9100", "c:9100", "b:9100"], (
+        "b: 60k queued - 2 x 25k held"
+    )
     assert busy.placement is Placement.BOUNDED
     assert busy.cached_tokens == (0, 0, 25_000)
 
