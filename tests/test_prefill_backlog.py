@@ -8,7 +8,7 @@ import dataclasses
 from typing import Any
 
 import pytest
-from test_prefix_placement import DOC, admit, asking, holding, placed_on
+from test_prefix_placement import DOC, admit, asking, holding, placed_on, two_replicas
 from test_soft_pools import Clock, reading
 from test_water import node
 
@@ -16,14 +16,7 @@ from kvgate._proto.headroom.v1 import headroom_pb2 as pb
 from kvgate.agent.lending import LendLimits
 from kvgate.agent.node import NodeSettings, NodeState
 from kvgate.agent.prefill_backlog import PrefillBacklog
-from kvgate.agent.server import Agent
-from kvgate.agent.sources.fake_engine import FakeEngineMetrics
-from kvgate.agent.sources.scrape import EngineScraper
-from kvgate.config import AdmissionConfig
-from kvgate.config.headroom import HeadroomSettings
-from kvgate.gate.admission import Admission
 from kvgate.headroom.snapshot import NodeView
-from kvgate.headroom.view import HeadroomView
 from kvgate.headroom.wire import HeadroomEncoder, headroom_from_proto
 from kvgate.policy.nodes import Placement, choose_nodes
 
@@ -102,35 +95,8 @@ def run(scenario: Any) -> Any:
 
 def test_a_gate_counts_its_own_grant_at_once_and_the_other_replica_from_the_stream() -> None:
     async def scenario() -> None:
-        # Two vLLM engines of 100k and 90k tokens: at rest, the first has more headroom.
-        engines = [FakeEngineMetrics(num_gpu_blocks=6250), FakeEngineMetrics(num_gpu_blocks=5625)]
         # A slow prefill rate (1k tokens a second) keeps what is granted queued for the whole test.
-        slow = LendLimits(prefill_tokens_per_s=1_000)
-        settings = [
-            NodeSettings(name, f"{name}.engine:8000", period_s=0.05, safety_ratio=1.0, lending=slow)
-            for name in "ab"
-        ]
-        agents = [
-            Agent(s, EngineScraper(await engine.start(), 0.025))
-            for s, engine in zip(settings, engines, strict=True)
-        ]
-        addresses = [f"127.0.0.1:{await agent.start('127.0.0.1:0')}" for agent in agents]
-        fast: dict[str, Any] = {"stale_after_s": 0.5, "reconnect_initial_s": 0.05, "reconnect_max_s": 0.2}
-        views = [
-            HeadroomView(
-                HeadroomSettings(agents=tuple(addresses), allowed_endpoints=("a.engine", "b.engine"), **fast),
-                subscriber=f"gate-{i}",
-            )
-            for i in range(2)
-        ]
-        gates = [Admission(AdmissionConfig(max_wait_s=0.5), view) for view in views]
-        for view in views:
-            await view.start()
-        try:
-            for view in views:
-                async with asyncio.timeout(3):
-                    while not all(n.fresh for n in view.snapshot()):
-                        await view.wait_update(0.05)
+        async with two_replicas(lending=LendLimits(prefill_tokens_per_s=1_000)) as (addresses, views, gates):
             first = await admit(gates[0], "r1", None, tokens=9_000)
             assert placed_on(first) == addresses[0], "cold and at rest: most headroom"
             # a has 91k left and b 90k, but a still prefills r1, by this gate's own count.
@@ -142,12 +108,5 @@ def test_a_gate_counts_its_own_grant_at_once_and_the_other_replica_from_the_stre
                     await views[1].wait_update(0.05)
             third = await admit(gates[1], "r3", None, tokens=1_000)
             assert placed_on(third) == addresses[1]
-        finally:
-            for view in views:
-                await view.stop()
-            for agent in agents:
-                await agent.stop(grace_s=0)
-            for engine in engines:
-                await engine.stop()
 
     run(scenario)

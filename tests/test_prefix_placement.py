@@ -4,8 +4,9 @@ by the pure rule and through admission, and two gate replicas agree through the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from test_water import node
@@ -155,37 +156,54 @@ def test_the_load_bound_holds_under_a_flood_of_one_document() -> None:
     run(scenario)
 
 
-def agent_settings(name: str) -> NodeSettings:
-    return NodeSettings(name, f"{name}.engine:8000", period_s=0.05, safety_ratio=1.0)
+def agent_settings(name: str, **settings: Any) -> NodeSettings:
+    return NodeSettings(name, f"{name}.engine:8000", period_s=0.05, safety_ratio=1.0, **settings)
+
+
+@contextlib.asynccontextmanager
+async def two_replicas(
+    **settings: Any,
+) -> AsyncIterator[tuple[list[str], list[HeadroomView], list[Admission]]]:
+    """Two vLLM engines (prefix caching on) of 100k and 90k tokens, each behind its agent (`settings`
+    for both), and two gate replicas following both: the agents' addresses, the views and admissions,
+    once every node is fresh in both views."""
+    engines = [FakeEngineMetrics(num_gpu_blocks=6250), FakeEngineMetrics(num_gpu_blocks=5625)]
+    agents = [
+        Agent(agent_settings(name, **settings), EngineScraper(await engine.start(), 0.025))
+        for name, engine in zip("ab", engines, strict=True)
+    ]
+    addresses = [f"127.0.0.1:{await agent.start('127.0.0.1:0')}" for agent in agents]
+    fast: dict[str, Any] = {"stale_after_s": 0.5, "reconnect_initial_s": 0.05, "reconnect_max_s": 0.2}
+    # The agents name their engines a.engine and b.engine: off their own host, so allowed by name.
+    allowed = ("a.engine", "b.engine")
+    views = [
+        HeadroomView(
+            HeadroomSettings(agents=tuple(addresses), allowed_endpoints=allowed, **fast),
+            subscriber=f"gate-{i}",
+        )
+        for i in range(2)
+    ]
+    gates = [Admission(AdmissionConfig(max_wait_s=0.5), view) for view in views]
+    for view in views:
+        await view.start()
+    try:
+        for view in views:
+            async with asyncio.timeout(3):
+                while not all(n.fresh for n in view.snapshot()):
+                    await view.wait_update(0.05)
+        yield addresses, views, gates
+    finally:
+        for view in views:
+            await view.stop()
+        for agent in agents:
+            await agent.stop(grace_s=0)
+        for engine in engines:
+            await engine.stop()
 
 
 def test_two_gate_replicas_place_repeats_on_the_same_node() -> None:
     async def scenario() -> None:
-        # Two vLLM engines (prefix caching on) of 100k and 90k tokens, each behind its agent.
-        engines = [FakeEngineMetrics(num_gpu_blocks=6250), FakeEngineMetrics(num_gpu_blocks=5625)]
-        agents = [
-            Agent(agent_settings(name), EngineScraper(await engine.start(), 0.025))
-            for name, engine in zip("ab", engines, strict=True)
-        ]
-        addresses = [f"127.0.0.1:{await agent.start('127.0.0.1:0')}" for agent in agents]
-        fast: dict[str, Any] = {"stale_after_s": 0.5, "reconnect_initial_s": 0.05, "reconnect_max_s": 0.2}
-        # The agents name their engines a.engine and b.engine: off their own host, so allowed by name.
-        allowed = ("a.engine", "b.engine")
-        views = [
-            HeadroomView(
-                HeadroomSettings(agents=tuple(addresses), allowed_endpoints=allowed, **fast),
-                subscriber=f"gate-{i}",
-            )
-            for i in range(2)
-        ]
-        gates = [Admission(AdmissionConfig(max_wait_s=0.5), view) for view in views]
-        for view in views:
-            await view.start()
-        try:
-            for view in views:
-                async with asyncio.timeout(3):
-                    while not all(n.fresh for n in view.snapshot()):
-                        await view.wait_update(0.05)
+        async with two_replicas() as (addresses, views, gates):
             first = await admit(gates[0], "q1", asking(1))
             home = placed_on(first)
             assert home == addresses[0], "cold: most headroom"
@@ -199,12 +217,5 @@ def test_two_gate_replicas_place_repeats_on_the_same_node() -> None:
             # A different document from the second replica goes by headroom, to the other node.
             other = await admit(gates[1], "d1", asking(1, tuple(range(500, 600))))
             assert placed_on(other) == addresses[1]
-        finally:
-            for view in views:
-                await view.stop()
-            for agent in agents:
-                await agent.stop(grace_s=0)
-            for engine in engines:
-                await engine.stop()
 
     run(scenario)

@@ -16,12 +16,11 @@ already holds (by that node's prefix summary) is placed by the node's prefill ba
 it holds of the prompt (`CACHED_WEIGHT`): the engine skips the prefill of what it holds, and the agent
 charges once what live requests there share, so the node holding most of the prompt goes first unless
 it has that much more prompt queued than another (then the request starts sooner elsewhere, and that
-node caches the prompt too). A node holding the prompt
-is favoured so only while its requests in flight stay within `load_bound` x the pool's mean + 1, the
-bound of consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam 2018; SGLang's
-cache-aware router and llm-d's scorers weigh prefix hits against load the same way). Past it, the
-node is tried after the others, so a flood of one document spreads, and the node it spills onto
-caches the document too.
+node caches the prompt too). A node holding the prompt is favoured so only while its requests in
+flight stay within `load_bound` x the pool's mean + 1, the bound of consistent hashing with bounded
+loads (Mirrokni, Thorup, Zadimoghaddam 2018; SGLang's cache-aware router and llm-d's scorers weigh
+prefix hits against load the same way). Past it, the node is tried after the others, so a flood of
+one document spreads, and the node it spills onto caches the document too.
 
 Soft pools (docs/operations.md, "Soft pools"): a node whose agent says it is interactive and lends
 (`NodeHeadroom.role`, `lend_tokens`) is placed like a long node, with what it lends
@@ -70,8 +69,8 @@ class Placement(StrEnum):
     OFF = "off"  # no affinity asked
     COLD = "cold"  # no node that fits holds any of the prefix
     AFFINITY = "affinity"  # the first node tried holds part of it
-    # Nodes that hold it are past the load bound, or have more prompt queued than they hold of this one:
-    # another goes first.
+    # Nodes that hold it are past the load bound, or have more prompt queued than twice what they hold
+    # of this one: another goes first.
     BOUNDED = "bounded"
 
 
@@ -95,9 +94,9 @@ def choose_nodes(
     output_tokens: int = 0,
 ) -> NodeChoice:
     """Fresh, healthy nodes with room for `tokens`, least prefill backlog first, then most room;
-    with `affinity`, least backlog less twice what each holds of the prompt's prefix, and the nodes holding it
-    past the load bound after the others. A node that lends (see the module doc) is one of them, with
-    what it lends as its room.
+    with `affinity`, least backlog less twice what each holds of the prompt's prefix, and the nodes
+    holding it past the load bound after the others. A node that lends (see the module doc) is one of
+    them, with what it lends as its room.
 
     A stale node is neither full nor empty: its agent still grants reservations atomically from its own
     latest sample, so with `stale: probe` it is asked after every fresh node; with `exclude` it is not
@@ -121,14 +120,14 @@ def choose_nodes(
         n.agent: _held(n, chain) if chain is not None else 0 for n in (*fresh, *stale_own, *stale_lenders)
     }
     fitting = [n for n in fresh if _fits(n, tokens, output_tokens, cached[n.agent])]
-    by_room = sorted(fitting, key=_least_backlog_then_most_room)
+    by_backlog = sorted(fitting, key=_least_backlog_then_most_room)
     stale_nodes = stale_own + stale_lenders
     if affinity is None:
-        ordered = tuple(by_room + stale_nodes)
+        ordered = tuple(by_backlog + stale_nodes)
         return NodeChoice(ordered, any_usable, (0,) * len(ordered))
     loads = [_load(n) for n in fresh]
     bound = affinity.load_bound * (sum(loads) / len(loads) if loads else 0.0) + 1
-    past_bound = [n for n in by_room if cached[n.agent] > 0 and _load(n) > bound]
+    past_bound = [n for n in by_backlog if cached[n.agent] > 0 and _load(n) > bound]
     skipped = {n.agent for n in past_bound}
     # The prompt is the same on every node: what differs is the prefill queued there and what of the
     # prompt the node holds.
