@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 
+from kvgate.headroom.snapshot import prefill_left
+
 
 class PrefillBacklog:
     def __init__(self, tokens_per_s: float) -> None:
@@ -31,7 +33,7 @@ class PrefillBacklog:
         """Granted prompt tokens still to prefill at `now`."""
         if self._at == -math.inf:
             return 0.0
-        return max(0.0, self._tokens - (now - self._at) * self.tokens_per_s)
+        return prefill_left(self._tokens, now - self._at, self.tokens_per_s)
 
     def granted(self, now: float, uncached_prompt_tokens: int) -> None:
         """A reservation was granted: its uncached prompt joins the queue behind what is left."""

@@ -219,7 +219,13 @@ class NodeView:
         if self.headroom is None:
             return 0.0
         h = self.headroom
-        return max(0.0, h.prefill_backlog_tokens - self.age_s * h.prefill_tokens_per_s)
+        return prefill_left(h.prefill_backlog_tokens, self.age_s, h.prefill_tokens_per_s)
+
+
+def prefill_left(tokens: float, elapsed_s: float, tokens_per_s: float) -> float:
+    """What a prefill backlog of `tokens` has left after `elapsed_s` at `tokens_per_s`: the one drain
+    rule the agent counts by and the gate ages its messages by."""
+    return max(0.0, tokens - elapsed_s * tokens_per_s)
 
 
 class ReserveReason(StrEnum):

@@ -48,6 +48,7 @@ from kvgate.headroom.snapshot import (
     PrefixSummary,
     ReleaseOutcome,
     ReserveOutcome,
+    prefill_left,
 )
 
 log = logging.getLogger(__name__)
@@ -261,9 +262,9 @@ class HeadroomView:
         if latest is None:
             return
         age_s = self._clock() - link.received_at
-        drained = age_s * latest.prefill_tokens_per_s
-        left = max(0.0, latest.prefill_backlog_tokens - drained)
-        backlog = math.ceil(left + uncached_prompt_tokens + drained)
+        rate = latest.prefill_tokens_per_s
+        left = prefill_left(latest.prefill_backlog_tokens, age_s, rate)
+        backlog = math.ceil(left + uncached_prompt_tokens + age_s * rate)
         link.latest = dataclasses.replace(latest, prefill_backlog_tokens=backlog)
 
     @staticmethod
