@@ -477,8 +477,11 @@ def test_a_burst_past_the_real_kv_capacity_preempts_nothing_behind_kvgate_and_do
     unguarded = burst(direct, direct, vllm_long)
     print(f"straight to the long vLLM: {unguarded.describe(usable)}")
     assert all(a.status == 200 for a in unguarded.answers)
-    assert unguarded.kv_peak >= 0.99, "the burst did not fill the long vLLM's KV pool"
+    # vLLM preempts only when it cannot allocate a block: its own counter says the pool was full. The
+    # 100 ms KV samples can miss that instant (one CI run's peak sample: 0.988 with a preemption), so
+    # they are held only to the bound kvgate kept above.
     assert unguarded.preemptions >= 1, "vLLM preempted nothing: the burst did not overrun it"
+    assert unguarded.kv_peak * usable > node.admissible_tokens, "the burst stayed within what kvgate admits"
     assert p99(unguarded.chats) > 2 * p99(calm)
     # Behind kvgate the chat never waits for the burst's prefill, only for CPU: on two cores shared
     # with the long vLLM's prefill (and whatever else CI runs) that is up to a few times calm, against
@@ -678,6 +681,9 @@ def test_a_document_asked_again_lands_where_the_engine_holds_it_and_hits_what_th
     # Second ask, the vLLM now the fuller node (10,000 tokens of headroom to the llama-server's 14,745):
     # by headroom alone it would go to the llama-server.
     with Blocker(gated.agent, free=10_000):
+        # The agent counts the blocker as a prompt to prefill (kvgate.agent.prefill_backlog): ask once
+        # it has drained, so that the vLLM's prefill backlog is no larger than the llama-server's.
+        until(lambda: headroom(gated.agent).prefill_backlog_tokens == 0, "the blocker's prefill drained")
         second = ask("Summarise its second half in one sentence.")
     hit = counter(vllm_long, "vllm:prefix_cache_hits_total") - hits
     expected = figure(metrics_of(gated.agent), "kvgate_agent_prefix_cached_total") - predicted
