@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 import yaml
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest
-from test_soft_pools import CAPACITY, headroom, node_agent, sim_node
+from test_soft_pools import CAPACITY, headroom, node_agent, page, sim_node
 from texts import text_with_tokens
 from waiting import until
 
+from kvgate.agent.sources.engines import promtext
 from kvgate.config import parse_config
 from kvgate.errors import ConfigError
 from kvgate.gate import responses
@@ -26,7 +27,7 @@ from kvgate.gate.picker import served_endpoint, subset_hint
 from kvgate.harness.client import Reply, chat, post
 from kvgate.harness.envoy import render_envoy
 from kvgate.harness.processes import Service, sim_command
-from kvgate.harness.stack import envoy_process, gate_process, started
+from kvgate.harness.stack import agent_process, envoy_process, gate_process, started
 from kvgate.headroom.snapshot import NodeRole, NodeView
 from kvgate.localports import free_port
 from kvgate.names import DESTINATION_HEADER, LB_NAMESPACE, SERVED_KEY, SUBSET_KEY, SUBSET_NAMESPACE
@@ -267,3 +268,121 @@ def test_the_budget_charged_without_max_tokens_follows_what_the_answers_produced
     charged = int(last.headers["x-kvgate-tokens"]) - int(last.headers["x-kvgate-prompt-tokens"])
     assert charged_first == 1024, "before any answer: the configured default"
     assert abs(charged - q99) <= 0.1 * q99, (charged, q99, produced[-5:])
+
+
+def counted(text: str, name: str, **labels: str) -> float:
+    """A counter's samples with these labels, summed."""
+    return sum(
+        s.value
+        for s in promtext.samples(text, name)
+        if all(promtext.label(s, key) == value for key, value in labels.items())
+    )
+
+
+@pytest.mark.slow
+def test_past_a_named_engine_that_is_down_envoy_goes_on_and_the_reservation_moves_to_the_engine_that_served(
+    tmp_path: Path, sp_model_path: Path
+) -> None:
+    """One engine of each role is named by an agent whose engine is not listening (its figures read
+    from a live one): a chat is named both interactive engines, the dead one first, and Envoy's
+    override_host balancer follows the list; a long request is named the dead long engine, where its
+    reservation is, and Envoy's retry lands on the live one (the named host used up, its fallback round
+    robin over the long cluster), where the reservation moves."""
+    with ExitStack() as stack:
+        long_node = sim_node(stack, tmp_path, "long", sp_model_path)
+        chat_node = sim_node(stack, tmp_path, "interactive", sp_model_path)
+        dead_long, dead_chat = free_port(), free_port()
+
+        def agent(name: str, endpoint_port: int, engine: Service, *flags: str) -> Service:
+            metrics = ("--engine-metrics", f"http://127.0.0.1:{engine.port}/metrics")
+            service = agent_process(
+                tmp_path, name, free_port(), f"127.0.0.1:{endpoint_port}", [*metrics, *flags]
+            )
+            stack.callback(service.stop)
+            return service
+
+        # The dead long engine's agent has more room than the live one's, so it is placed first.
+        down = agent("agent-long-down", dead_long, long_node)
+        up = agent("agent-long-up", long_node.port, long_node, "--safety-ratio", "0.5")
+        chat_down = agent("agent-chat-down", dead_chat, chat_node, "--role", "interactive")
+        chat_up = agent("agent-chat-up", chat_node.port, chat_node, "--role", "interactive")
+        ports: dict[str, Any] = {
+            "interactive": [dead_chat, chat_node.port],
+            "long": [dead_long, long_node.port],
+        }
+        ports |= {"listener": free_port(), "gate": free_port(), "admin": free_port()}
+        envoy_config = picker_envoy(tmp_path, ports, {})
+        _route_long_to_its_own_cluster(envoy_config, [dead_long, long_node.port])
+        envoy = envoy_process(envoy_config, tmp_path, ports["admin"], ports["listener"])
+        stack.callback(envoy.stop)
+        config = (
+            "server: {protocol: endpoint-picker}\n"
+            "default_model: {max_total_tokens: 16384, interactive_max_tokens: 1024, "
+            f"tokenizer: {sp_model_path}}}\n"
+            f"headroom: {{agents: ['127.0.0.1:{down.port}', '127.0.0.1:{up.port}']}}\n"
+            f"interactive_headroom: {{agents: ['127.0.0.1:{chat_down.port}', '127.0.0.1:{chat_up.port}']}}\n"
+            "soft_pools: {borrow: false}\n"
+        )
+        gate = stack.enter_context(gate_process(config, tmp_path, ports["gate"]))
+        listener = ports["listener"]
+        until(lambda: counted(page(gate.metrics_port), "kvgate_node_fresh") == 4, "the gate follows all four")
+
+        short = post(listener, CHAT, chat("what is the capital of France?", max_tokens=4))
+        long = post(
+            listener,
+            CHAT,
+            chat(text_with_tokens(sp_model_path, 6_000), max_tokens=20),
+            headers={"x-test-cluster": "long"},
+            timeout=60,
+        )
+        gate_metrics = page(gate.metrics_port)
+        granted_up = counted(page(up.metrics_port), "kvgate_agent_reservations_total", event="granted")
+        granted_down = counted(page(down.metrics_port), "kvgate_agent_reservations_total", event="granted")
+        for agent_of in (down, up):
+            until(
+                lambda port=agent_of.metrics_port: counted(page(port), "kvgate_agent_reservations_live") == 0,
+                f"{agent_of.name}'s reservation released",
+            )
+
+    assert (short.status, short.headers.get("x-kvgate-sim-node")) == (200, "interactive")
+    assert (long.status, long.headers.get("x-kvgate-sim-node")) == (200, "long"), long.body[:300]
+    assert long.headers.get("x-kvgate-reason") == "long"
+    assert (granted_down, granted_up) == (1, 1), (
+        "reserved on the named engine's agent, then on the serving one's"
+    )
+    moved = "kvgate_gate_picker_served_elsewhere_total"
+    assert (
+        counted(gate_metrics, moved, reservation="moved"),
+        counted(gate_metrics, moved, reservation="released"),
+    ) == (
+        1,
+        0,
+    )
+
+
+def _route_long_to_its_own_cluster(envoy_config: Path, ports: list[int]) -> None:
+    """A route for requests marked `x-test-cluster: long` to a copy of the pool's cluster holding only
+    the long engines, as a gateway routes to the pool an HTTPRoute names: Envoy's fallback, once the
+    named engine is used up, stays within it."""
+    shown = yaml.safe_load(envoy_config.read_text())
+    resources = shown["static_resources"]
+    pool = next(c for c in resources["clusters"] if c["name"] == "inference_pool")
+    long_only = copy.deepcopy(pool)
+    long_only["name"] = long_only["load_assignment"]["cluster_name"] = "long_only"
+    endpoint = long_only["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
+    long_only["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
+        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}
+        for port in ports
+    ]
+    assert endpoint["endpoint"]["address"]["socket_address"]["address"] == "127.0.0.1"
+    resources["clusters"].append(long_only)
+    manager = resources["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    routes = manager["route_config"]["virtual_hosts"][0]["routes"]
+    route = copy.deepcopy(routes[-1])
+    route["match"] = {
+        "prefix": "/",
+        "headers": [{"name": "x-test-cluster", "string_match": {"exact": "long"}}],
+    }
+    route["route"]["cluster"] = "long_only"
+    routes.insert(0, route)
+    envoy_config.write_text(yaml.safe_dump(shown, sort_keys=False))

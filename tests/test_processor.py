@@ -44,6 +44,11 @@ from kvgate.telemetry import DecisionSpans, GateMetrics
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 
 
+async def never_moved(_endpoint: str) -> Reserved | None:
+    """A reservation's move, where the test never serves the request elsewhere."""
+    raise AssertionError("not moved in this test")
+
+
 def headers(path: str = "/v1/chat/completions", *, end: bool = False, **extra: str) -> ProcessingRequest:
     values = {":method": "POST", ":path": path, "content-type": "application/json", **extra}
     header_map = HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()])
@@ -521,7 +526,7 @@ def test_a_reservation_held_when_the_gate_fails_is_released(monkeypatch: pytest.
         released.append("r-1")
 
     async def reserved(self: Pipeline, head: Any, data: bytes) -> Outcome:
-        granted = Reserved("r-1", 9000, 0, release)
+        granted = Reserved("r-1", 9000, 0, release, never_moved)
         return Outcome(Route("long", Reason.LONG, 9000, "node-a.engine:8000"), reserved=granted)
 
     monkeypatch.setattr(Pipeline, "on_body", reserved)
@@ -667,7 +672,8 @@ def test_a_stream_that_ends_while_held_stops_the_wait_and_releases_what_it_reser
         # A held request's reservation is released when its stream ends.
         async def reserves(self: Pipeline, head: Any, data: bytes) -> Outcome:
             await asyncio.sleep(0.15)
-            return Outcome(Route("long", Reason.LONG, 9000), reserved=Reserved("r-1", 9000, 0, release))
+            granted = Reserved("r-1", 9000, 0, release, never_moved)
+            return Outcome(Route("long", Reason.LONG, 9000), reserved=granted)
 
         monkeypatch.setattr(Pipeline, "on_body", reserves)
         answered = asyncio.Event()

@@ -296,8 +296,9 @@ class GateMetrics:
             SERVED_ELSEWHERE,
             "{request}",
             "Endpoint picker: reserved requests the gateway served on another engine than the one that "
-            "held the reservation (a fallback or a retry); the reservation was released",
-            (),
+            "held the reservation (a fallback or a retry), by whether the reservation moved to that "
+            "engine's agent or was only released (no agent follows it, or it had no room)",
+            ("reservation",),
         )
         self._lease_renewals = Tally(
             m,
@@ -399,8 +400,8 @@ class GateMetrics:
     def internal_error(self, message: str) -> None:
         self._internal_errors.add(message)
 
-    def served_elsewhere(self) -> None:
-        self._served_elsewhere.add()
+    def reservation_moved(self, moved: bool) -> None:
+        self._served_elsewhere.add("moved" if moved else "released")
 
     def renewed(self, result: str, reservations: int) -> None:
         self._lease_renewals.add(result, n=reservations)

@@ -99,6 +99,7 @@ class Ticket:
     request_id: str  # the gate's reservation id (kvgate.gate.reservation_ids), not the client's
     tokens: int
     outcome: ReserveOutcome
+    output_tokens: int = 0  # the request's output budget within `tokens` (0: unknown)
 
     @property
     def charged_tokens(self) -> int:
@@ -470,7 +471,41 @@ class Admission:
             return None
         if self.leases is not None:
             self.leases.hold(agent, request_id)
-        return Ticket(agent, request_id, ask.tokens, outcome)
+        return Ticket(agent, request_id, ask.tokens, outcome, ask.output_tokens)
+
+    async def move(self, ticket: Ticket, endpoint: str) -> Ticket | None:
+        """The gateway ran `ticket`'s request on `endpoint`, not on the engine whose agent reserved for
+        it (an endpoint picker's gateway fell back to another engine after the named one failed): the
+        KV is charged where the request runs, by a Reserve on the agent that follows `endpoint`, and
+        the first reservation is given back. None when no agent follows that engine or its agent has no
+        room: the request runs there unreserved, and only that engine's usage shows it to its agent."""
+        assert self._long is not None, "a reservation exists only where a long pool granted it"
+        node = next(
+            (n for n in self._long.snapshot() if n.headroom is not None and n.headroom.endpoint == endpoint),
+            None,
+        )
+        moved: Ticket | None = None
+        if node is not None and node.agent != ticket.agent:
+            try:
+                outcome = await self._long.reserve(
+                    node.agent, ticket.request_id, ticket.tokens, output_tokens=ticket.output_tokens
+                )
+            except asyncio.CancelledError:
+                self._release_later(node.agent, ticket.request_id, unanswered=True)
+                self._release_later(ticket.agent, ticket.request_id)
+                raise
+            except HeadroomError as error:
+                log.warning("moving reservation %s to %s failed: %s", ticket.request_id, node.agent, error)
+                if unanswered(error):
+                    self._release_later(node.agent, ticket.request_id, unanswered=True)
+            else:
+                if outcome.granted:
+                    if self.leases is not None:
+                        self.leases.hold(node.agent, ticket.request_id)
+                    moved = dataclasses.replace(ticket, agent=node.agent, outcome=outcome)
+        self._metrics.reservation_moved(moved is not None)
+        await self.release(ticket)
+        return moved
 
     def _release_later(self, agent: str, request_id: str, *, unanswered: bool = False) -> None:
         task = asyncio.create_task(self._release(agent, request_id, unanswered=unanswered))

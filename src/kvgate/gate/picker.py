@@ -17,8 +17,12 @@ and what the reference picker does with it (v1.5.0, pkg/epp/handlers/server.go a
   holds, any other the least busy interactive engines (kvgate.policy.endpoints), and refusals are the
   same API-shaped answers, 503 when the gateway's subset hint leaves no engine eligible.
 - On the response the gateway reports the engine that served (`envoy.lb` /
-  `x-gateway-destination-endpoint-served`). A reservation held on another engine is released there and
-  then: the request runs where the gate reserved nothing, and the reservation would only hold KV idle.
+  `x-gateway-destination-endpoint-served`). It differs from the one named when that engine failed and
+  Envoy's override_host balancer went on to the next host, or to its fallback policy once the named
+  ones were used up (envoy source/extensions/load_balancing_policies/override_host/load_balancer.cc
+  @043486c7, getEndpoint / chooseHostInternal). The reservation moves to the engine that serves:
+  reserved on its agent, given back where it was (kvgate.gate.admission.Admission.move); where no agent
+  follows that engine or it has no room, it is only given back, since it would hold KV idle.
 - The response body is handed back chunk by chunk as it comes.
 
 The error boundary is the dialect adapter's (kvgate.gate.processor): an exception becomes the
@@ -155,7 +159,7 @@ class EndpointPicker(ExternalProcessor):
                 return [_CONTINUE_REQUEST_TRAILERS]
             return await self._answer_request(stream, trailers=True)
         if kind == "response_headers":
-            self._check_served(message, stream)
+            await self._check_served(message, stream)
             self._read_answer_head(message, stream)
             return [_CONTINUE_RESPONSE_HEADERS]
         if kind == "response_body":
@@ -262,19 +266,23 @@ class EndpointPicker(ExternalProcessor):
         if learns is not None and tokens is not None:
             self._pipeline.observe_output(learns, tokens)
 
-    def _check_served(self, message: ProcessingRequest, stream: PickerStream) -> None:
-        """A reservation held on an engine that did not serve the request is released now."""
+    async def _check_served(self, message: ProcessingRequest, stream: PickerStream) -> None:
+        """A reservation held on an engine that did not serve the request moves to the one that did."""
         served = served_endpoint(message)
-        if served is None or stream.reserved is None or served == stream.endpoint:
+        reserved = stream.reserved
+        if served is None or reserved is None or served == stream.endpoint:
             return
+        # Taken off the stream while it moves: a stream that ends meanwhile releases nothing twice.
+        stream.reserved = None
+        stream.reserved = await reserved.move(served)
         log.info(
-            "request %s: served by %s, not %s where its reservation was: released",
+            "request %s: served by %s, not %s where its reservation was: %s",
             ascii(stream.head.request_id if stream.head is not None else "(unknown)"),
             served,
             stream.endpoint,
+            "moved there" if stream.reserved is not None else "released",
         )
-        self._metrics.served_elsewhere()
-        self._release(stream)
+        stream.endpoint = served
 
 
 class PickerModeError(Exception):

@@ -24,7 +24,7 @@ from typing import cast
 from kvgate.config import AdmissionConfig, Config, ModelConfig
 from kvgate.errors import RequestError
 from kvgate.estimate import Estimator, PromptCosts, TokenEstimate, Unavailable, build_estimator
-from kvgate.gate.admission import Admission
+from kvgate.gate.admission import Admission, Ticket
 from kvgate.gate.reservation_ids import ReservationIds
 from kvgate.names import ANONYMOUS_TENANT, PREFER_HEADER, TENANT_HEADER
 from kvgate.policy import Decision, Reason, Refusal, Route, decide, thresholds
@@ -150,12 +150,15 @@ Release = Callable[[], Awaitable[None]]
 @dataclass(frozen=True, slots=True)
 class Reserved:
     """What a node's agent reserved for an admitted request, and what ends it: `release`, made by the
-    admission, called once when the request ends (Envoy closes its stream)."""
+    admission, called once when the request ends (Envoy closes its stream). `move` hands it to the
+    engine the gateway really sent the request to (an endpoint picker's served endpoint): the
+    reservation that replaces it, or None when it was only given back."""
 
     session: str  # the gate's reservation id (kvgate.gate.reservation_ids), not the client's
     charged_tokens: int  # what the agent added to its reserved tokens (less with shared prefixes)
     cached_tokens: int  # prompt tokens the engine is expected to find in its prefix cache
     release: Release
+    move: Callable[[str], Awaitable[Reserved | None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -377,9 +380,18 @@ class Pipeline:
         ticket = admitted.ticket
         if ticket is None:
             return Outcome(admitted.decision, shape, estimate, learns=learns)
-        release = functools.partial(self._admission.release, ticket)
-        reserved = Reserved(ticket.request_id, ticket.charged_tokens, ticket.cached_tokens, release)
-        return Outcome(admitted.decision, shape, estimate, reserved, learns)
+        return Outcome(admitted.decision, shape, estimate, self._reserved(ticket), learns)
+
+    def _reserved(self, ticket: Ticket) -> Reserved:
+        admission = self._admission
+        assert admission is not None, "a ticket comes from the admission"
+
+        async def move(endpoint: str) -> Reserved | None:
+            moved = await admission.move(ticket, endpoint)
+            return None if moved is None else self._reserved(moved)
+
+        release = functools.partial(admission.release, ticket)
+        return Reserved(ticket.request_id, ticket.charged_tokens, ticket.cached_tokens, release, move)
 
     def observe_output(self, learns: Learns, completion_tokens: int) -> None:
         """The answer to a request that named no output budget reported `completion_tokens` (over its
