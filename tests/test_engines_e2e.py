@@ -705,3 +705,90 @@ def _placements(gate: Service, placement: str) -> float:
         for s in promtext.samples(metrics_of(gate), "kvgate_gate_placements_total")
         if promtext.label(s, "placement") == placement
     )
+
+
+# --- kvgate as the pool's endpoint picker -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Picking:
+    listener: int
+    gate: Service
+
+
+@pytest.fixture(scope="module")
+def picking(
+    tmp_path_factory: pytest.TempPathFactory,
+    gated: Gated,
+    vllm_interactive: RunningVllm,
+    vllm_long: RunningVllm,
+) -> Iterator[Picking]:
+    """A gate in picker mode (server.protocol: endpoint-picker) behind Envoy configured as an
+    InferencePool's gateway (envoy/envoy-inferencepool.yaml as shipped, on this run's ports), its pool
+    the two vLLMs: the long one through its agent, the interactive one through an agent of its own."""
+    tmp = tmp_path_factory.mktemp("engines-picker")
+    with ExitStack() as stack:
+        chat_agent = _engine_agent(stack, tmp, "agent-interactive", vllm_interactive, "--role", "interactive")
+        config = (
+            "server: {protocol: endpoint-picker}\n"
+            f"default_model: {{tokenizer: {TOKENIZER}}}\n"
+            f"headroom: {{agents: ['127.0.0.1:{gated.agent.port}'], {GATE_TIMING}}}\n"
+            f"interactive_headroom: {{agents: ['127.0.0.1:{chat_agent.port}'], {GATE_TIMING}}}\n"
+            "soft_pools: {borrow: false}\n"
+        )
+        ports = {"interactive": vllm_interactive.port, "long": vllm_long.port}
+        ports |= {"listener": free_port(), "gate": free_port(), "admin": free_port()}
+        rendered = render_envoy(ROOT / "envoy" / "envoy-inferencepool.yaml", tmp / "envoy.yaml", ports)
+        envoy = envoy_process(rendered, tmp, ports["admin"], ports["listener"])
+        stack.callback(envoy.stop)
+        gate = stack.enter_context(gate_process(config, tmp, ports["gate"]))
+        until(lambda: _fresh_nodes(gate) == 2, "the picker follows both agents", timeout_s=60)
+        yield Picking(ports["listener"], gate)
+
+
+def test_as_the_pool_s_endpoint_picker_kvgate_sends_each_request_to_the_vllm_it_named(
+    picking: Picking, vllm_interactive: RunningVllm, vllm_long: RunningVllm
+) -> None:
+    """Through the official SDK: a chat is served by the interactive vLLM, a long request by the long
+    one (which its reservation is on), streamed or not, and a request past the model's limit gets 413;
+    each engine's own prompt counter shows it took exactly what the picker sent it."""
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{picking.listener}/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=ENGINE_PATIENCE_S,
+    )
+    chat_before = counter(vllm_interactive, "vllm:prompt_tokens_total")
+    long_before = counter(vllm_long, "vllm:prompt_tokens_total")
+
+    short = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages("What is the capital of France?"), max_tokens=4
+    )
+    long = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages(unique_text(6000)), max_tokens=8
+    )
+    streamed = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages(unique_text(5000)),
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    pieces = [chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices]
+    streamed_usage = streamed[-1].usage
+    with pytest.raises(openai.APIStatusError) as too_long:
+        client.chat.completions.create(model=MODEL, messages=messages(unique_text(20_000)), max_tokens=8)
+
+    short_usage, long_usage = short.parse().usage, long.parse().usage
+    assert short_usage is not None and long_usage is not None and streamed_usage is not None
+    assert short.headers.get("x-kvgate-reason") != "long" and long.headers["x-kvgate-reason"] == "long"
+    assert "".join(pieces), "the streamed answer came back through the picker"
+    assert too_long.value.status_code == 413
+    long_prompts = long_usage.prompt_tokens + streamed_usage.prompt_tokens
+    until(
+        lambda: counter(vllm_long, "vllm:prompt_tokens_total") == long_before + long_prompts,
+        "the long vLLM counted both long prompts",
+    )
+    assert counter(vllm_interactive, "vllm:prompt_tokens_total") == chat_before + short_usage.prompt_tokens
