@@ -126,12 +126,13 @@ from kvgate.config import MiB
 from kvgate.envoyconfig.identity import (
     AUTHZ_CLUSTER,
     ExtAuthzAuth,
+    Identity,
     MtlsAuth,
     auth_filters,
     listener_tls,
     strip_client_headers,
 )
-from kvgate.envoyconfig.limits import bound_manager, gate_circuit_breakers, overload_manager
+from kvgate.envoyconfig.limits import Limits, bound_manager, gate_circuit_breakers, overload_manager
 from kvgate.envoyconfig.routepolicy import Metadata, PolicyPath
 from kvgate.envoyconfig.settings import EnvoySettings, GateTls, HostPort
 from kvgate.envoyconfig.unanswered import gate_unavailable
@@ -165,15 +166,15 @@ def pool_cluster(name: str) -> str:
     return f"pool_{name}"
 
 
-def _address(host: str, port: int) -> Address:
+def address(host: str, port: int) -> Address:
     return Address(socket_address=SocketAddress(address=host, port_value=port))
 
 
-def _router() -> HttpFilter:
+def router() -> HttpFilter:
     return HttpFilter(name="envoy.filters.http.router", typed_config=AnyMessage.pack(Router()))
 
 
-def _hcm_filter(manager: HttpConnectionManager) -> FilterChain:
+def hcm_filter(manager: HttpConnectionManager) -> FilterChain:
     return FilterChain(filters=[Filter(name=HCM_NAME, typed_config=AnyMessage.pack(manager))])
 
 
@@ -371,18 +372,18 @@ def _headers_from_metadata(settings: EnvoySettings) -> list[HeaderValueOption]:
     ]
 
 
-def _decision_for_the_client(settings: EnvoySettings) -> list[HeaderValueOption]:
-    """The gate's pool, tokens and reason echoed in the response from its metadata (no extra round
-    trip). A refusal the gate answers itself carries its own, which these never replace."""
+def decision_for_the_client(namespace: str, headers: Sequence[str]) -> list[HeaderValueOption]:
+    """The gate's `headers` (its pool, tokens, reason) echoed in the response from its metadata in
+    `namespace` (no extra round trip). A refusal the gate answers itself carries its own, which these
+    never replace."""
     return [
         HeaderValueOption(
             header=HeaderValue(
-                key=header,
-                value=f"%DYNAMIC_METADATA({settings.metadata_namespace}:{HEADER_FOR_METADATA[header]})%",
+                key=header, value=f"%DYNAMIC_METADATA({namespace}:{HEADER_FOR_METADATA[header]})%"
             ),
             append_action=HeaderValueOptionHeaderAppendAction.ADD_IF_ABSENT,
         )
-        for header in (POOL_HEADER, TOKENS_HEADER, REASON_HEADER)
+        for header in headers
     ]
 
 
@@ -480,7 +481,9 @@ def ingress_listener(settings: EnvoySettings) -> Listener:
             name="pools",
             virtual_hosts=virtual_hosts(settings),
             request_headers_to_add=_headers_from_metadata(settings) if one_trip else [],
-            response_headers_to_add=_decision_for_the_client(settings),
+            response_headers_to_add=decision_for_the_client(
+                settings.metadata_namespace, (POOL_HEADER, TOKENS_HEADER, REASON_HEADER)
+            ),
         ),
         local_reply_config=upstream_failure_replies(),
         http_filters=[
@@ -488,24 +491,45 @@ def ingress_listener(settings: EnvoySettings) -> Listener:
             decompressor_filter(),
             ext_proc_filter(settings),
             *([_buffer(settings)] if one_trip else []),
-            _router(),
+            router(),
         ],
     )
     # Policy hosts are named without a port or a trailing dot: the HCM strips both from Host.
-    bound_manager(manager, settings.limits)
-    chain = _hcm_filter(manager)
-    if isinstance(settings.identity, MtlsAuth):
-        chain.transport_socket = listener_tls(settings.identity)
+    # BUFFERED ext_proc holds the whole body in the listener's buffer; Envoy answers 413 itself past it.
+    return client_listener(
+        "ingress",
+        manager,
+        listen=settings.listen,
+        identity=settings.identity,
+        limits=settings.limits,
+        buffer_limit=settings.buffer_limit_bytes,
+    )
+
+
+def client_listener(
+    name: str,
+    manager: HttpConnectionManager,
+    *,
+    listen: HostPort,
+    identity: Identity | None,
+    limits: Limits,
+    buffer_limit: int,
+) -> Listener:
+    """The listener clients reach: Envoy's bounds on them, and TLS with client certificates under
+    --auth mtls."""
+    bound_manager(manager, limits)
+    chain = hcm_filter(manager)
+    if isinstance(identity, MtlsAuth):
+        chain.transport_socket = listener_tls(identity)
     return Listener(
-        name="ingress",
-        address=_address(settings.listen.host, settings.listen.port),
-        # BUFFERED ext_proc holds the whole body here; Envoy answers 413 itself past this size.
-        per_connection_buffer_limit_bytes=settings.buffer_limit_bytes,
+        name=name,
+        address=address(listen.host, listen.port),
+        per_connection_buffer_limit_bytes=buffer_limit,
         filter_chains=[chain],
     )
 
 
-def ready_listener(settings: EnvoySettings) -> Listener:
+def ready_listener(host: str, port: int) -> Listener:
     """GET /ready answers 200 until Envoy starts draining, for a readiness probe; admin stays local."""
     check = HealthCheck(
         pass_through_mode=False,
@@ -516,13 +540,13 @@ def ready_listener(settings: EnvoySettings) -> Listener:
         route_config=RouteConfiguration(name="ready"),
         http_filters=[
             HttpFilter(name="envoy.filters.http.health_check", typed_config=AnyMessage.pack(check)),
-            _router(),
+            router(),
         ],
     )
     return Listener(
         name="ready",
-        address=_address(settings.listen.host, settings.ready_port),
-        filter_chains=[_hcm_filter(manager)],
+        address=address(host, port),
+        filter_chains=[hcm_filter(manager)],
         # A flood of client connections at the overload manager's global limit must not fail the
         # probes too: a failed liveness probe restarts Envoy and drops every request in flight.
         ignore_global_conn_limit=True,
@@ -532,7 +556,7 @@ def ready_listener(settings: EnvoySettings) -> Listener:
 def _dns_cluster(
     name: str, target: HostPort, connect_timeout: datetime.timedelta, buffer_limit: int
 ) -> Cluster:
-    endpoint = LbEndpoint(endpoint=Endpoint(address=_address(target.host, target.port)))
+    endpoint = LbEndpoint(endpoint=Endpoint(address=address(target.host, target.port)))
     return Cluster(
         name=name,
         type=ClusterDiscoveryType.STRICT_DNS,
@@ -575,10 +599,10 @@ def _gate_tls_socket(tls: GateTls) -> TransportSocket:
     return TransportSocket(name="envoy.transport_sockets.tls", typed_config=AnyMessage.pack(context))
 
 
-def clusters(settings: EnvoySettings) -> list[Cluster]:
-    gate = _dns_cluster(
-        GATE_CLUSTER, settings.gate, datetime.timedelta(seconds=1), settings.buffer_limit_bytes
-    )
+def gate_cluster(target: HostPort, tls: GateTls | None, buffer_limit: int) -> Cluster:
+    """The gate's ext_proc cluster: HTTP/2, circuit breakers above what Envoy's heap holds, TLS when
+    asked."""
+    gate = _dns_cluster(GATE_CLUSTER, target, datetime.timedelta(seconds=1), buffer_limit)
     http2 = HttpProtocolOptions(
         explicit_http_config=HttpProtocolOptionsExplicitHttpConfig(
             http2_protocol_options=Http2ProtocolOptions()
@@ -590,8 +614,21 @@ def clusters(settings: EnvoySettings) -> list[Cluster]:
     # Every request in flight holds a stream to the gate: Envoy's default of 1,024 would let a client
     # that opens that many make Envoy skip the gate for everyone (kvgate.envoyconfig.limits).
     gate.circuit_breakers = gate_circuit_breakers()
-    if settings.gate_tls is not None:
-        gate.transport_socket = _gate_tls_socket(settings.gate_tls)
+    if tls is not None:
+        gate.transport_socket = _gate_tls_socket(tls)
+    return gate
+
+
+def auth_clusters(identity: Identity | None) -> list[Cluster]:
+    """The authorization service's cluster, with --auth ext-authz."""
+    if not isinstance(identity, ExtAuthzAuth):
+        return []
+    service = HostPort(identity.host, identity.port)
+    return [_dns_cluster(AUTHZ_CLUSTER, service, datetime.timedelta(seconds=1), MiB)]
+
+
+def clusters(settings: EnvoySettings) -> list[Cluster]:
+    gate = gate_cluster(settings.gate, settings.gate_tls, settings.buffer_limit_bytes)
     pinned = Cluster(
         name=PINNED_CLUSTER,
         type=ClusterDiscoveryType.ORIGINAL_DST,
@@ -606,20 +643,16 @@ def clusters(settings: EnvoySettings) -> list[Cluster]:
         _dns_cluster(pool_cluster(name), target, datetime.timedelta(seconds=2), settings.buffer_limit_bytes)
         for name, target in settings.pools
     ]
-    authz = []
-    if isinstance(settings.identity, ExtAuthzAuth):
-        service = HostPort(settings.identity.host, settings.identity.port)
-        authz.append(_dns_cluster(AUTHZ_CLUSTER, service, datetime.timedelta(seconds=1), MiB))
-    return [gate, pinned, *pools, *authz]
+    return [gate, pinned, *pools, *auth_clusters(settings.identity)]
 
 
 def render_bootstrap(settings: EnvoySettings) -> dict[str, Any]:
     """The bootstrap as a plain mapping in Envoy's own (snake_case proto JSON) form, ready for YAML."""
     bootstrap = Bootstrap(
-        admin=Admin(address=_address("127.0.0.1", settings.admin_port)),
+        admin=Admin(address=address("127.0.0.1", settings.admin_port)),
         overload_manager=overload_manager(settings.limits),
         static_resources=BootstrapStaticResources(
-            listeners=[ingress_listener(settings), ready_listener(settings)],
+            listeners=[ingress_listener(settings), ready_listener(settings.listen.host, settings.ready_port)],
             clusters=clusters(settings),
         ),
     )

@@ -1,4 +1,6 @@
-"""`kvgate envoy-config`: print the Envoy bootstrap for plain Envoy in front of the gate."""
+"""`kvgate envoy-config`: print the Envoy bootstrap for plain Envoy in front of the gate, in the gate's
+own dialect (kvgate.envoyconfig.bootstrap) or as an InferencePool's gateway
+(kvgate.envoyconfig.inference_pool)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from kvgate.config import Config, MiB, load_config
 from kvgate.envoyconfig.identity import ExtAuthzAuth, Identity, JwtAuth, MtlsAuth
 from kvgate.envoyconfig.limits import Limits
 from kvgate.envoyconfig.routepolicy import load_route_policies
-from kvgate.envoyconfig.settings import GateTls, HostPort, envoy_settings, parse_host_port
+from kvgate.envoyconfig.settings import FAILURE_MODES, GateTls, HostPort, envoy_settings, parse_host_port
 from kvgate.envoyconfig.unanswered import LONG_CHOICES
 from kvgate.errors import ConfigError
 
@@ -26,7 +28,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "sends each request's headers and buffered body to the gate over ext_proc, and routes on the "
             "gate's decision (--round-trips). Buffer limits, pool names, the priority header and the "
             "metadata namespace come from the gate's config; pool addresses from --pool. The Helm "
-            "chart's standalone mode renders the same bootstrap."
+            "chart's standalone mode renders the same bootstrap. With --inference-pool it renders Envoy as "
+            "an InferencePool's gateway instead, the gate as the pool's endpoint picker."
         ),
         epilog=(
             "example: kvgate envoy-config --config kvgate.yaml --pool interactive=10.0.0.5:8000 "
@@ -121,6 +124,31 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "reach the gate (they take the default pool), a buffer filter holds each request until "
             "the gate answers, and the upstream x-kvgate-* headers are copied from the gate's dynamic "
             "metadata"
+        ),
+    )
+    pool = parser.add_argument_group(
+        "an InferencePool's gateway (docs/picker.md)",
+        "--inference-pool renders Envoy as the gateway of an InferencePool whose endpoint picker is the gate "
+        "(kvgate.yaml: server.protocol: endpoint-picker), as envoy/envoy-inferencepool.yaml: ext_proc with "
+        "both bodies FULL_DUPLEX_STREAMED, one cluster over the pool's engines with Envoy's override_host "
+        "load balancer following the engine the picker names. The pool and queue flags above do not apply.",
+    )
+    pool.add_argument("--inference-pool", action="store_true", help="render the pool's gateway")
+    pool.add_argument(
+        "--endpoint",
+        action="append",
+        default=[],
+        metavar="IP:PORT",
+        help="an engine of the pool, as its agent names it (repeat for each)",
+    )
+    pool.add_argument(
+        "--failure-mode",
+        choices=FAILURE_MODES,
+        default="FailClose",
+        help=(
+            "the pool's endpointPickerRef.failureMode while the gate is unreachable (default FailClose: "
+            "500). FailOpen lets through only requests without a body: Envoy cannot take back a body it "
+            "streamed to the picker"
         ),
     )
     parser.add_argument("--output", type=Path, help="write here instead of standard output")
@@ -363,8 +391,27 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+# Flags of the dialect's bootstrap, each with its default: given with --inference-pool, they are refused
+# rather than ignored.
+_DIALECT_FLAGS: dict[str, object] = {
+    "pool": [],
+    "default_pool": None,
+    "queue": None,
+    "route_policies": None,
+    "message_timeout_ms": 5000,
+    "max_message_timeout_ms": None,
+    "fail_closed": False,
+    "fail_open_long": "refuse",
+    "round_trips": 2,
+}
+
+# And the pool gateway's own flags, refused without --inference-pool.
+_POOL_FLAGS: dict[str, object] = {"endpoint": [], "failure_mode": "FailClose"}
+
+
 def run(args: argparse.Namespace) -> int:
     from kvgate.envoyconfig.bootstrap import render_bootstrap
+    from kvgate.envoyconfig.inference_pool import pool_gateway_settings, render_pool_gateway
 
     gate_tls = gate_tls_from_args(args)
     identity = identity_from_args(args)
@@ -375,6 +422,27 @@ def run(args: argparse.Namespace) -> int:
         max_heap_bytes=args.max_heap_mib * MiB,
     )
     config = load_config(args.config) if args.config else Config()
+    if args.inference_pool:
+        for flag, default in _DIALECT_FLAGS.items():
+            if getattr(args, flag) != default:
+                raise ConfigError(f"--{flag.replace('_', '-')} does not apply to --inference-pool")
+        pool_settings = pool_gateway_settings(
+            config,
+            [parse_host_port(endpoint, "--endpoint") for endpoint in args.endpoint],
+            listen=parse_host_port(args.listen, "--listen"),
+            gate=parse_host_port(args.gate, "--gate") if args.gate else None,
+            failure_mode=args.failure_mode,
+            ready_port=args.ready_port,
+            admin_port=args.admin_port,
+            route_timeout_seconds=args.route_timeout_seconds,
+            gate_tls=gate_tls,
+            identity=identity,
+            limits=limits,
+        )
+        return _write(args.output, render_pool_gateway(pool_settings))
+    for pool_flag, unset in _POOL_FLAGS.items():
+        if getattr(args, pool_flag) != unset:
+            raise ConfigError(f"--{pool_flag.replace('_', '-')} is for --inference-pool")
     settings = envoy_settings(
         config,
         parse_pools(args.pool),
@@ -396,12 +464,16 @@ def run(args: argparse.Namespace) -> int:
         identity=identity,
         limits=limits,
     )
-    text = yaml.safe_dump(render_bootstrap(settings), sort_keys=False)
-    if args.output:
+    return _write(args.output, render_bootstrap(settings))
+
+
+def _write(output: Path | None, bootstrap: dict[str, object]) -> int:
+    text = yaml.safe_dump(bootstrap, sort_keys=False)
+    if output:
         try:
-            args.output.write_text(text, encoding="utf-8")
+            output.write_text(text, encoding="utf-8")
         except OSError as exc:
-            raise ConfigError(f"--output {args.output}: cannot write: {exc.strerror}") from None
+            raise ConfigError(f"--output {output}: cannot write: {exc.strerror}") from None
     else:
         sys.stdout.write(text)
     return 0

@@ -20,6 +20,9 @@ log = logging.getLogger(__name__)
 # Envoy buffers a little more than the gate accepts, so the gate, with its clear error body, is the
 # one that refuses an oversized request rather than Envoy's bare 413.
 BUFFER_MARGIN_BYTES = 1 * MiB
+# An InferencePool's endpointPickerRef.failureMode (kvgate.envoyconfig.inference_pool).
+FailureMode = Literal["FailClose", "FailOpen"]
+FAILURE_MODES: tuple[FailureMode, ...] = ("FailClose", "FailOpen")
 _ANY_HOST = ("", "0.0.0.0", "::", "[::]")
 # Two: ext_proc sees the headers, then the body, and routes follow the headers the gate sets. One: the
 # body alone, with the headers the gate reads as request attributes, and routes follow the gate's
@@ -162,14 +165,11 @@ def envoy_settings(
         )
     _check_gate_tls(config, gate_tls)
     max_message_timeout_ms = _max_message_timeout_ms(config, max_message_timeout_ms)
-    if gate is None:
-        listen_on = parse_host_port(config.server.listen, "server.listen")
-        gate = HostPort("127.0.0.1", listen_on.port) if listen_on.host in _ANY_HOST else listen_on
     return EnvoySettings(
         listen=listen,
         ready_port=ready_port,
         admin_port=admin_port,
-        gate=gate,
+        gate=gate or gate_address(config),
         pools=tuple(sorted(pools.items())),
         default_pool=default,
         long_pools=tuple(sorted(long)),
@@ -191,6 +191,13 @@ def envoy_settings(
         identity=identity,
         limits=limits or Limits(),
     )
+
+
+def gate_address(config: Config) -> HostPort:
+    """Where Envoy reaches the gate when not told: its server.listen, on this host when it listens on
+    every address."""
+    listen_on = parse_host_port(config.server.listen, "server.listen")
+    return HostPort("127.0.0.1", listen_on.port) if listen_on.host in _ANY_HOST else listen_on
 
 
 def _max_message_timeout_ms(config: Config, asked_ms: int | None) -> int:
