@@ -377,7 +377,9 @@ class SlowAgentView:
         self.reserving.set()
         await asyncio.sleep(3600)
 
-    async def release(self, node: str, request_id: str, *, unanswered: bool = False) -> ReleaseOutcome:
+    async def release(
+        self, node: str, request_id: str, *, unanswered: bool = False, generated_tokens: int = 0
+    ) -> ReleaseOutcome:
         assert unanswered, "the Reserve never answered: the agent may see the Release first"
         self.released.append(request_id)
         return ReleaseOutcome(released=False, headroom_tokens=30000, reserved_tokens=0)

@@ -284,3 +284,22 @@ def test_a_vllm_node_admits_on_the_peak_once_its_decode_rate_is_measured() -> No
         scrape(50 * t, 1, (2_000 + 50 * t) // 16)
     assert state.snapshot(1).decode_tokens_per_s == pytest.approx(50.0)
     assert state.reserve("fresh", 12_000, 0, output_tokens=10_000).granted
+
+
+def test_a_release_that_says_what_the_request_generated_is_learned_as_said_not_from_its_hold() -> None:
+    clock = ManualClock(0.0)
+    node = ledger(clock)
+    big = budget(None, 1_000_000)
+    for i in range(100):
+        assert node.reserve(f"r{i}", 9_000, 0, big, output_tokens=1_000).granted
+        clock.advance(30.0)  # held 30 s: at 50 tokens/s the hold says the whole 1,000 was written
+        node.release(f"r{i}", generated_tokens=120)
+    q99 = node.outputs.quantile(0.99)
+    assert q99 is not None and 120 <= q99 < 120 * 1.2
+    unsaid = ledger(clock)
+    for i in range(100):
+        assert unsaid.reserve(f"h{i}", 9_000, 0, big, output_tokens=1_000).granted
+        clock.advance(30.0)
+        unsaid.release(f"h{i}")  # nothing said: learned from the hold, at most the declared budget
+    held_q99 = unsaid.outputs.quantile(0.99)
+    assert held_q99 is not None and held_q99 >= 1_000

@@ -161,10 +161,10 @@ def picker_stack(
     model: str,
     subsets: dict[str, list[str]],
     *chat_flags: str,
-) -> tuple[int, Service]:
+) -> tuple[int, Service, Service]:
     """Agents for the (long, interactive) `nodes`, the gate in picker mode with `model` as its
     default_model's extra keys, and Envoy as the pool's gateway with the `subsets` routes; returns the
-    listener's port, once a chat is answered, and the gate. Answers also show the prompt tokens the
+    listener's port, once a chat is answered, the gate and the long node's agent. Answers also show the prompt tokens the
     gate estimated (x-kvgate-prompt-tokens)."""
     long_node, chat_node = nodes
     long_agent = node_agent(stack, tmp, long_node)
@@ -190,7 +190,7 @@ def picker_stack(
     gate = stack.enter_context(gate_process(config, tmp, ports["gate"]))
     listener = ports["listener"]
     until(lambda: post(listener, CHAT, chat("hello", max_tokens=4)).status == 200, "a chat answered")
-    return listener, gate
+    return listener, gate, long_agent
 
 
 @pytest.mark.slow
@@ -203,7 +203,7 @@ def test_through_envoy_as_an_inferencepool_gateway_requests_reach_the_engines_kv
         subsets = {"long": [f"127.0.0.1:{long_node.port}"], "none": []}
         model = f"tokenizer: {sp_model_path}, interactive_max_tokens: 1024"
         nodes = (long_node, chat_node)
-        listener, gate = picker_stack(stack, tmp_path, nodes, model, subsets, "--role", "interactive")
+        listener, gate, _ = picker_stack(stack, tmp_path, nodes, model, subsets, "--role", "interactive")
 
         short = post(listener, CHAT, chat("what is the capital of France?", max_tokens=4))
         long = post(listener, CHAT, chat(text_with_tokens(sp_model_path, 6_000), max_tokens=50), timeout=60)
@@ -248,7 +248,7 @@ def test_the_budget_charged_without_max_tokens_follows_what_the_answers_produced
         long_node = fast_sim(stack, tmp_path, "long", sp_model_path)
         chat_node = fast_sim(stack, tmp_path, "interactive", sp_model_path)
         model = f"tokenizer: {sp_model_path}, interactive_max_tokens: 4096, default_output_tokens: 1024"
-        listener, _ = picker_stack(stack, tmp_path, (long_node, chat_node), model, {})
+        listener, _, _ = picker_stack(stack, tmp_path, (long_node, chat_node), model, {})
 
         def unbounded(i: int) -> Reply:
             body = json.dumps(
@@ -417,3 +417,33 @@ def test_with_the_picker_down_the_gateway_does_what_the_pool_s_failure_mode_says
 
     assert asked.status == 500, asked.body[:300]
     assert listed.status == (200 if fail_open else 500), listed.body[:300]
+
+
+@pytest.mark.slow
+def test_a_reserved_request_s_release_tells_its_agent_what_the_answer_says_it_generated(
+    tmp_path: Path, sp_model_path: Path
+) -> None:
+    """The picker reads the usage of every answer to a reserved request, JSON or streamed, and its
+    Release carries the generated tokens to the agent, which learns its node's output lengths from
+    them (kvgate.agent.ledger); a stream without usage is released saying nothing."""
+    with ExitStack() as stack:
+        long_node = fast_sim(stack, tmp_path, "long", sp_model_path)
+        chat_node = fast_sim(stack, tmp_path, "interactive", sp_model_path)
+        model = f"tokenizer: {sp_model_path}, interactive_max_tokens: 1024"
+        listener, _, long_agent = picker_stack(stack, tmp_path, (long_node, chat_node), model, {})
+        prompt = text_with_tokens(sp_model_path, 3_000)
+        whole = post(listener, CHAT, chat(prompt, max_tokens=40), timeout=60)
+        usage = {"stream": True, "stream_options": {"include_usage": True}}
+        streamed = post(listener, CHAT, chat(prompt + " again", max_tokens=40, **usage), timeout=60)
+        bare = post(listener, CHAT, chat(prompt + " once more", max_tokens=40, stream=True), timeout=60)
+        metrics = long_agent.metrics_port
+        until(
+            lambda: counted(page(metrics), "kvgate_agent_reservations_total", event="released") == 3,
+            "the three reservations released",
+        )
+        told = counted(page(metrics), "kvgate_agent_reservations_total", event="released", reason="answer")
+
+    assert whole.status == streamed.status == bare.status == 200
+    assert whole.headers.get("x-kvgate-reason") == "long"
+    assert whole.json()["usage"]["completion_tokens"] == 40
+    assert told == 2, "the JSON answer and the stream with usage were told; the bare stream was not"

@@ -522,7 +522,7 @@ def test_a_request_error_raised_anywhere_is_the_clients_refusal_not_an_internal_
 def test_a_reservation_held_when_the_gate_fails_is_released(monkeypatch: pytest.MonkeyPatch) -> None:
     released: list[str] = []
 
-    async def release() -> None:
+    async def release(_generated_tokens: int) -> None:
         released.append("r-1")
 
     async def reserved(self: Pipeline, head: Any, data: bytes) -> Outcome:
@@ -645,7 +645,7 @@ def test_a_stream_that_ends_while_held_stops_the_wait_and_releases_what_it_reser
 ) -> None:
     released: list[str] = []
 
-    async def release() -> None:
+    async def release(_generated_tokens: int) -> None:
         released.append("r-1")
 
     async def run() -> None:

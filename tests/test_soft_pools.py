@@ -297,7 +297,9 @@ class InProcessAgents:
             request_id, tokens, 300.0, "gate", prefix=prefix, output_tokens=asked.get("output_tokens", 0)
         )
 
-    async def release(self, node: str, request_id: str, *, unanswered: bool = False) -> ReleaseOutcome:
+    async def release(
+        self, node: str, request_id: str, *, unanswered: bool = False, generated_tokens: int = 0
+    ) -> ReleaseOutcome:
         return self.states[node].release(request_id, "gate")
 
     async def wait_update(self, timeout_s: float) -> bool:

@@ -268,9 +268,13 @@ class FakeHeadroom:
         await asyncio.sleep(0)  # an answer arrives on a later turn of the loop, as over gRPC
         return outcome
 
-    async def release(self, node: str, request_id: str, *, unanswered: bool = False) -> ReleaseOutcome:
+    async def release(
+        self, node: str, request_id: str, *, unanswered: bool = False, generated_tokens: int = 0
+    ) -> ReleaseOutcome:
         state = self._answering(node)
-        released = state.ledger.release(request_id, unanswered_reserve=unanswered)
+        released = state.ledger.release(
+            request_id, unanswered_reserve=unanswered, generated_tokens=generated_tokens
+        )
         state.claims.drop(Waiter("", request_id))
         self.released.append((node, request_id))
         self._notify()

@@ -85,8 +85,10 @@ class AgentMetrics:
             m,
             AGENT_RESERVATIONS,
             "{reservation}",
-            "Reservation events: granted, refused (by reason), released, expired, renewed, lapsed (a "
-            "renewal of an id not held: its lease ended, or a Release overtook the renewal)",
+            "Reservation events: granted, refused (by reason), released (reason answer: the releaser "
+            "said what the request generated, and the node learnt its output length from that), expired, "
+            "renewed, lapsed (a renewal of an id not held: its lease ended, or a Release overtook the "
+            "renewal)",
             ("event", "reason"),
         )
         self._prefix = Tally(
@@ -219,8 +221,8 @@ class AgentMetrics:
     def scraped(self) -> None:
         self._scrapes.add()
 
-    def released(self) -> None:
-        self._reservations.add("released", "")
+    def released(self, *, told_generated: bool = False) -> None:
+        self._reservations.add("released", "answer" if told_generated else "")
 
     def expired(self) -> None:
         self._reservations.add("expired", "")

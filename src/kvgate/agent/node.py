@@ -336,9 +336,16 @@ class NodeState:
         )
 
     def release(
-        self, request_id: str, holder: str = "", *, unanswered_reserve: bool = False
+        self,
+        request_id: str,
+        holder: str = "",
+        *,
+        unanswered_reserve: bool = False,
+        generated_tokens: int = 0,
     ) -> ReleaseOutcome:
-        released = self.ledger.release(request_id, holder, unanswered_reserve=unanswered_reserve)
+        released = self.ledger.release(
+            request_id, holder, unanswered_reserve=unanswered_reserve, generated_tokens=generated_tokens
+        )
         # A waiter that went elsewhere or gave up says so with a Release: its claim goes with it.
         self.claims.drop(Waiter(holder, request_id))
         return self.ledger.release_answer(released, self.budget())

@@ -324,13 +324,16 @@ class _AgentServicer(pb_grpc.AgentServicer):
         holder = await self._holder(request.holder, context)
         try:
             outcome = self._agent.state.release(
-                request.request_id, holder, unanswered_reserve=request.unanswered_reserve
+                request.request_id,
+                holder,
+                unanswered_reserve=request.unanswered_reserve,
+                generated_tokens=request.generated_tokens,
             )
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise AssertionError("abort returns by raising") from exc
         if outcome.released:
-            self._agent.metrics.released()
+            self._agent.metrics.released(told_generated=request.generated_tokens > 0)
         self._agent.changed.set()
         return release_to_proto(outcome)
 

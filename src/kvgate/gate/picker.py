@@ -77,6 +77,7 @@ class PickerStream(RequestStream):
         "answer_streamed",
         "answered",
         "endpoint",
+        "reads_answer",
         "streams_request",
         "streams_response",
         "tail",
@@ -86,6 +87,8 @@ class PickerStream(RequestStream):
         super().__init__()
         self.answered = False  # the request headers and body have been answered
         self.endpoint: str | None = None  # the engine the reservation is held on, if any
+        # A 200 to a request that holds a reservation or named no output budget: its usage is read.
+        self.reads_answer = False
         self.streams_request = True
         self.streams_response = True
         # What is kept of the answer to read its usage from: all of a JSON answer, the last chunks of
@@ -164,8 +167,8 @@ class EndpointPicker(ExternalProcessor):
             return [_CONTINUE_RESPONSE_HEADERS]
         if kind == "response_body":
             chunk = message.response_body
-            if stream.learns is not None:
-                self._learn_from(chunk.body, chunk.end_of_stream, stream)
+            if stream.reads_answer:
+                self._read_answer(chunk.body, chunk.end_of_stream, stream)
             if not stream.streams_response:
                 return [_CONTINUE_RESPONSE_BODY]
             return [responses.streamed_response_body(chunk.body, end_of_stream=chunk.end_of_stream)]
@@ -237,33 +240,42 @@ class EndpointPicker(ExternalProcessor):
         return self._refuse(refusal, stream.head.api if stream.head is not None else None)
 
     def _read_answer_head(self, message: ProcessingRequest, stream: PickerStream) -> None:
-        """Only a 200's usage says what a request generated; a stream keeps its usage in its tail."""
+        """Only a 200's usage says what a request generated; a stream keeps its usage in its tail. It
+        is read for a request that named no output budget (the pipeline learns lengths from it) and
+        for one that holds a reservation (its Release tells the agent, which learns its node's)."""
         headers = {h.key: h for h in message.response_headers.headers.headers}
         status = headers.get(":status")
         if status is None or header_value(status) != "200":
             stream.learns = None
+            return
+        stream.reads_answer = stream.learns is not None or stream.reserved is not None
+        if not stream.reads_answer:
             return
         content_type = headers.get("content-type")
         stream.answer_streamed = content_type is not None and header_value(content_type).startswith(
             "text/event-stream"
         )
 
-    def _learn_from(self, chunk: bytes, end_of_stream: bool, stream: PickerStream) -> None:
-        """Keep what the usage is read from; at the answer's end, teach the pipeline its length."""
+    def _read_answer(self, chunk: bytes, end_of_stream: bool, stream: PickerStream) -> None:
+        """Keep what the usage is read from; at the answer's end, teach the pipeline its length and
+        keep it for the reservation's Release."""
         if stream.answer_streamed:
             stream.tail.append(chunk)  # a deque's append: this runs for every token's event
         else:
             stream.answer += chunk
             if len(stream.answer) > ANSWER_BYTES:
-                stream.learns, stream.answer = None, bytearray()
+                stream.reads_answer, stream.learns, stream.answer = False, None, bytearray()
                 return
         if not end_of_stream:
             return
-        learns, stream.learns = stream.learns, None
+        learns, stream.learns, stream.reads_answer = stream.learns, None, False
         answer = b"".join(stream.tail) if stream.answer_streamed else bytes(stream.answer)
         tokens = output_tokens(answer, streamed=stream.answer_streamed)
         stream.answer = bytearray()
-        if learns is not None and tokens is not None:
+        if tokens is None:
+            return
+        stream.generated = tokens
+        if learns is not None:
             self._pipeline.observe_output(learns, tokens)
 
     async def _check_served(self, message: ProcessingRequest, stream: PickerStream) -> None:

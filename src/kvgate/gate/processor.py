@@ -78,7 +78,7 @@ _PASS_THROUGH = {
 class RequestStream:
     """Per-request state between the headers and the body message."""
 
-    __slots__ = ("body", "buffered", "decided", "forged", "head", "learns", "reserved", "route")
+    __slots__ = ("body", "buffered", "decided", "forged", "generated", "head", "learns", "reserved", "route")
 
     def __init__(self) -> None:
         self.head: RequestHead | None = None
@@ -92,6 +92,9 @@ class RequestStream:
         # A request that named no output budget: its answer's usage teaches the pipeline (read by
         # the endpoint picker, which sees answers: kvgate.gate.picker).
         self.learns: Learns | None = None
+        # The output tokens its answer's usage says it generated, 0 until read (only the endpoint
+        # picker reads answers): its Release tells the agent.
+        self.generated = 0
 
 
 ATTRIBUTES_NAMESPACE = "envoy.filters.http.ext_proc"
@@ -242,7 +245,7 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
         stream is being cancelled."""
         reserved, stream.reserved = stream.reserved, None
         if reserved is not None:
-            task = asyncio.ensure_future(reserved.release())
+            task = asyncio.ensure_future(reserved.release(stream.generated))
             self._releases.add(task)
             task.add_done_callback(self._releases.discard)
 

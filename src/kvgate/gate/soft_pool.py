@@ -45,8 +45,12 @@ class SoftPool:
         """The Reserve as admission makes it (its keyword arguments passed on as they are)."""
         return await self._source(node).reserve(node, request_id, tokens, prefix, **asked)
 
-    async def release(self, node: str, request_id: str, *, unanswered: bool = False) -> ReleaseOutcome:
-        return await self._source(node).release(node, request_id, unanswered=unanswered)
+    async def release(
+        self, node: str, request_id: str, *, unanswered: bool = False, generated_tokens: int = 0
+    ) -> ReleaseOutcome:
+        return await self._source(node).release(
+            node, request_id, unanswered=unanswered, generated_tokens=generated_tokens
+        )
 
     async def renew(self, node: str, request_ids: Sequence[str]) -> frozenset[str]:
         return await self._source(node).renew(node, request_ids)

@@ -109,10 +109,21 @@ class AgentClient:
         return reserve_from_proto(response)
 
     async def release(
-        self, request_id: str, holder: str, timeout_s: float, *, unanswered: bool = False
+        self,
+        request_id: str,
+        holder: str,
+        timeout_s: float,
+        *,
+        unanswered: bool = False,
+        generated_tokens: int = 0,
     ) -> ReleaseOutcome:
         """End `holder`'s reservation `request_id`: the holder that reserved it, or it stays."""
-        request = pb.ReleaseRequest(request_id=request_id, holder=holder, unanswered_reserve=unanswered)
+        request = pb.ReleaseRequest(
+            request_id=request_id,
+            holder=holder,
+            unanswered_reserve=unanswered,
+            generated_tokens=generated_tokens,
+        )
         try:
             response: pb.ReleaseResponse = await self._stub.Release(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:

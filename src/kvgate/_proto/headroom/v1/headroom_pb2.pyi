@@ -192,14 +192,16 @@ class ReserveResponse(_message.Message):
     def __init__(self, granted: _Optional[bool] = ..., reason: _Optional[str] = ..., headroom_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., lease_s: _Optional[float] = ..., charged_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., reservations: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("request_id", "unanswered_reserve", "holder")
+    __slots__ = ("request_id", "unanswered_reserve", "holder", "generated_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     UNANSWERED_RESERVE_FIELD_NUMBER: _ClassVar[int]
     HOLDER_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     unanswered_reserve: bool
     holder: str
-    def __init__(self, request_id: _Optional[str] = ..., unanswered_reserve: _Optional[bool] = ..., holder: _Optional[str] = ...) -> None: ...
+    generated_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., unanswered_reserve: _Optional[bool] = ..., holder: _Optional[str] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released", "headroom_tokens", "reserved_tokens")
