@@ -164,8 +164,8 @@ def picker_stack(
 ) -> tuple[int, Service, Service]:
     """Agents for the (long, interactive) `nodes`, the gate in picker mode with `model` as its
     default_model's extra keys, and Envoy as the pool's gateway with the `subsets` routes; returns the
-    listener's port, once a chat is answered, the gate and the long node's agent. Answers also show the prompt tokens the
-    gate estimated (x-kvgate-prompt-tokens)."""
+    listener's port, once a chat is answered, the gate and the long node's agent. Answers also show
+    the prompt tokens the gate estimated (x-kvgate-prompt-tokens)."""
     long_node, chat_node = nodes
     long_agent = node_agent(stack, tmp, long_node)
     chat_agent = node_agent(stack, tmp, chat_node, *chat_flags)
