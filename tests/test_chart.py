@@ -394,6 +394,7 @@ def test_rendered_gate_config_loads_with_the_gates_own_parser(helm: Helm) -> Non
                 "request": {"max_body_bytes": 16 * 1024 * 1024, "unparsed": "reject"},
                 "default_model": {"interactive_max_tokens": 8192, "max_total_tokens": 32768},
                 "models": [{"match": "llama-*", "default_output_tokens": 512}],
+                "fairness": {"enabled": True, "tenants": {"acme": {"weight": 3}}},
             },
             "drainSeconds": 20,
         }
@@ -407,6 +408,7 @@ def test_rendered_gate_config_loads_with_the_gates_own_parser(helm: Helm) -> Non
     assert config.models[0].match == "llama-*"
     assert config.models[0].interactive_max_tokens == 8192
     assert config.models[0].default_output_tokens == 512
+    assert config.fairness.enabled and config.fairness.weight("acme") == 3.0
 
 
 def test_rendered_gate_config_names_the_agents_headless_service(helm: Helm) -> None:

@@ -231,6 +231,30 @@ class SoftPoolsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantConfig:
+    # The tenant's share of contended long-pool service against the others' weights.
+    weight: float = field(default=1.0, metadata={"min": 0.01})
+
+
+@dataclass(frozen=True, slots=True)
+class FairnessConfig:
+    """Token-weighted fair shares between tenants where long requests wait for KV
+    (kvgate.policy.fair_share): the gate's line of waiters is ordered, within a priority, by each
+    tenant's weighted attained service, not by arrival."""
+
+    enabled: bool = False
+    # A request's cost: prompt tokens + output_weight x output tokens (VTC's input + 2 x output).
+    output_weight: float = field(default=2.0, metadata=at_least(0))
+    # The weight of a tenant `tenants` does not name.
+    default_weight: float = field(default=1.0, metadata={"min": 0.01})
+    tenants: Mapping[str, TenantConfig] = field(default_factory=dict)
+
+    def weight(self, tenant: str) -> float:
+        known = self.tenants.get(tenant)
+        return known.weight if known is not None else self.default_weight
+
+
+@dataclass(frozen=True, slots=True)
 class RefusalsConfig:
     # 413 is the field report's answer to a request past max_total_tokens; 400 with the same
     # `context_length_exceeded` code is what OpenAI, vLLM and Anthropic answer, so the official SDKs
@@ -251,6 +275,7 @@ class Config:
     # for long requests.
     interactive_headroom: HeadroomSettings = field(default_factory=HeadroomSettings)
     soft_pools: SoftPoolsConfig = SoftPoolsConfig()
+    fairness: FairnessConfig = FairnessConfig()
     default_model: ModelConfig = ModelConfig()
     models: tuple[ModelConfig, ...] = ()
     # Named overrides for Envoy routes and virtual hosts (x-kvgate-model-policy: NAME).

@@ -26,16 +26,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvgate.config import AdmissionConfig, ModelConfig
+from kvgate.config import AdmissionConfig, FairnessConfig, ModelConfig
 from kvgate.config.headroom import DEFAULT_LEASE_S
 from kvgate.errors import HeadroomError
 from kvgate.gate.leases import LeaseKeeper
-from kvgate.gate.waitqueue import MONOTONIC, Clock, Place, WaitQueue
+from kvgate.gate.waitqueue import MONOTONIC, Clock, Place, WaitQueue, arrival
 from kvgate.headroom import giveback
 from kvgate.headroom.giveback import unanswered
 from kvgate.headroom.snapshot import HeadClaim, NodeView, PrefixChain, ReleaseOutcome, ReserveOutcome
+from kvgate.names import ANONYMOUS_TENANT
 from kvgate.policy import Decision, Reason, Refusal, Route
 from kvgate.policy.endpoints import Subset, least_busy, within
+from kvgate.policy.fair_share import FairShare
 from kvgate.policy.identity import Priorities
 from kvgate.policy.nodes import Affinity, NodeChoice, choose_nodes
 from kvgate.policy.overflow import interactive_saturated, no_healthy_node, overflow
@@ -102,6 +104,7 @@ class Ticket:
     tokens: int
     outcome: ReserveOutcome
     output_tokens: int = 0  # the request's output budget within `tokens` (0: unknown)
+    tenant: str = ANONYMOUS_TENANT
 
     @property
     def charged_tokens(self) -> int:
@@ -125,6 +128,7 @@ class _Ask:
     output_tokens: int
     tokens: int
     waiting_since_unix_ns: int  # the wall clock when it arrived: its place in the one waiting order
+    tenant: str = ANONYMOUS_TENANT
     # Agents whose Reserve went unanswered: their give-back is in flight, so this request does not
     # ask them again (the give-back could release the new grant).
     unanswered_by: set[str] = dataclasses.field(default_factory=set)
@@ -157,11 +161,14 @@ class Admission:
         wall_ns: Callable[[], int] = time.time_ns,
         lease_s: float = DEFAULT_LEASE_S,
         loop_lag: Callable[[], float] | None = None,
+        fairness: FairnessConfig | None = None,
     ) -> None:
         """`wall_ns`: the wall clock a request's place in the one waiting order is read from; the
         agents compare it with other gates' and the queue's, so it is the host's real time. `lease_s`:
         the lease the long pool's agents grant this gate, renewed every third of it (kvgate.gate.leases).
-        `loop_lag`: how far behind the gate's event loop runs, in seconds (kvgate.gate.loop_lag)."""
+        `loop_lag`: how far behind the gate's event loop runs, in seconds (kvgate.gate.loop_lag).
+        `fairness`, where enabled: waiters of a priority go by their tenant's weighted attained
+        service (kvgate.policy.fair_share), not by arrival."""
         self._loop_lag = loop_lag
         self._config = config
         self._wall_ns = wall_ns
@@ -171,7 +178,8 @@ class Admission:
         self._long = long
         self._interactive = interactive
         self._clock = clock
-        self._queue = WaitQueue(config.queue_size, clock)
+        self._fair = FairShare(fairness) if fairness is not None and fairness.enabled else None
+        self._queue = WaitQueue(config.queue_size, clock, self._fair_order if self._fair else arrival)
         self._long_pressure = PoolPressure(PoolKind.LONG, config)
         self._interactive_pressure = PoolPressure(PoolKind.INTERACTIVE, config)
         self._priorities = Priorities(config.priorities, config.default_priority)
@@ -234,6 +242,7 @@ class Admission:
         affinity: Affinity | None = None,
         output_tokens: int = 0,
         subset: Subset = None,
+        tenant: str = ANONYMOUS_TENANT,
     ) -> Admitted:
         """A long request reserves under `reservation_id`, which the gate made for it: an id a client
         chose could name another request's reservation (kvgate.gate.reservation_ids).
@@ -242,7 +251,8 @@ class Admission:
         wait, admission.longest_wait_s; None: admission.max_wait_s. With
         `affinity`, nodes that hold the prompt's prefix are tried first (kvgate.policy.nodes).
         `output_tokens` is the request's output budget within route.tokens (0 when unknown). `subset`:
-        an endpoint picker's gateway allows only these engines (kvgate.policy.endpoints)."""
+        an endpoint picker's gateway allows only these engines (kvgate.policy.endpoints). `tenant`:
+        whose share it is charged to, with fair shares (kvgate.policy.fair_share)."""
         rank = self.rank(priority)
         if route.reason is Reason.SHORT:
             return Admitted(self._admit_interactive(route, rank))
@@ -263,12 +273,19 @@ class Admission:
             late = overflow(route, model, Reason.OVERLOADED, why, self._config.async_fallback)
             return Admitted(self._come_back(late, source, output_tokens))
         max_wait_s = self._config.max_wait_s if wait_s is None else min(wait_s, self._config.longest_wait_s)
-        ask = _Ask(reservation_id, rank, max_wait_s, affinity, output_tokens, route.tokens, self._wall_ns())
+        ask = _Ask(
+            reservation_id, rank, max_wait_s, affinity, output_tokens, route.tokens, self._wall_ns(), tenant
+        )
         started = time.perf_counter()
         admitted = await self._place(source, route, model, ask, choice)
         result = "refused" if admitted.ticket is None else "waited" if ask.waited else "at_once"
         self._metrics.admitted(result, time.perf_counter() - started)
         return admitted
+
+    def _fair_order(self, place: Place) -> tuple[float, ...]:
+        """Rank first, then the tenant's weighted attained service, then arrival."""
+        assert self._fair is not None, "the fair order is the queue's only with fair shares"
+        return (place.rank, self._fair.counter(place.tenant), place.waiting_since_unix_ns, place.seq)
 
     def pick_unreserved(self, route: Route, subset: Subset) -> Decision:
         """An endpoint picker's engines for a request that reserves nothing (kvgate.policy.endpoints):
@@ -316,7 +333,7 @@ class Admission:
         if ask.max_wait_s <= 0:
             return self._no_room(source, route, model, ask)
         ask.waited = True
-        place = self._queue.join(ask.rank, ask.waiting_since_unix_ns, ask.tokens)
+        place = self._join_line(ask)
         if place is None:
             why = "the admission queue is full"
             full = overflow(route, model, Reason.QUEUE_FULL, why, self._config.async_fallback)
@@ -346,8 +363,22 @@ class Admission:
                         return admitted
                     just_tried = True
         finally:
-            self._queue.leave(place)
+            self._leave_line(place, ask)
             self._let_go(ask)
+
+    def _join_line(self, ask: _Ask) -> Place | None:
+        """A place in the line (None: it is full); with fair shares its tenant waits from now."""
+        if self._fair is not None:
+            self._fair.waits(ask.tenant)
+        place = self._queue.join(ask.rank, ask.waiting_since_unix_ns, ask.tokens, ask.tenant)
+        if place is None and self._fair is not None:
+            self._fair.done_waiting(ask.tenant)
+        return place
+
+    def _leave_line(self, place: Place, ask: _Ask) -> None:
+        self._queue.leave(place)
+        if self._fair is not None:
+            self._fair.done_waiting(ask.tenant)
 
     async def _attempt(
         self,
@@ -403,6 +434,11 @@ class Admission:
         if ask.holds_on == node.agent:
             ask.holds_on = None  # the agent ended its claim with the grant
         self._let_go(ask)
+        if self._fair is not None:
+            # Charged while still in the line: the line is sorted again before this request leaves
+            # it, so leaving wakes the new head, not the one that led before the charge.
+            self._fair.charge(ask.tenant, self._fair.cost(ask.tokens - ask.output_tokens, ask.output_tokens))
+            self._queue.reorder()
         pinned = Route(route.pool, Reason.LONG, route.tokens, node.headroom.endpoint)
         return Admitted(pinned, ticket)
 
@@ -473,7 +509,7 @@ class Admission:
             return None
         if self.leases is not None:
             self.leases.hold(agent, request_id)
-        return Ticket(agent, request_id, ask.tokens, outcome, ask.output_tokens)
+        return Ticket(agent, request_id, ask.tokens, outcome, ask.output_tokens, ask.tenant)
 
     async def move(self, ticket: Ticket, endpoint: str) -> Ticket | None:
         """The gateway ran `ticket`'s request on `endpoint`, not on the engine whose agent reserved for
@@ -516,7 +552,9 @@ class Admission:
 
     async def release(self, ticket: Ticket, generated_tokens: int = 0) -> None:
         """`generated_tokens`: what the request generated by its engine's answer (0: not read), for
-        the agent to learn its node's output lengths from."""
+        the agent to learn its node's output lengths from and its tenant's service to settle on."""
+        if self._fair is not None and generated_tokens > 0:
+            self._fair.settle(ticket.tenant, ticket.output_tokens, generated_tokens)
         await self._release(ticket.agent, ticket.request_id, generated_tokens=generated_tokens)
 
     async def _release(

@@ -377,6 +377,7 @@ class Pipeline:
             affinity=affinity,
             output_tokens=estimate.output_tokens,
             subset=head.subset,
+            tenant=head.tenant,
         )
         ticket = admitted.ticket
         if ticket is None:

@@ -97,6 +97,7 @@ async def serve(
             telemetry,
             lease_s=_lease_s(config),
             loop_lag=lag.current_s,
+            fairness=config.fairness,
         )
         if views
         else None

@@ -7,6 +7,10 @@ says fits now without touching the head's slot (EASY backfilling: kvgate.headroo
 sleep on. Waking every waiter on every change made each of them a task that read the view and
 found nothing, many times a second under load.
 
+With fair shares (kvgate.policy.fair_share) the line is ordered by `order`: rank first still, then the
+waiter's tenant's weighted attained service, then since when it waits. That changes as requests are
+admitted, so the caller `reorder`s the line after each, and a new head is woken.
+
 A wake is never lost: a waiter woken while it is busy trying finds its wake on its next wait.
 Waits end on the queue's injected clock: `MONOTONIC` in the gate, a test's manual clock in tests,
 which then drive time instead of sleeping.
@@ -52,12 +56,23 @@ class Place:
     waiting_since_unix_ns: int
     seq: int
     tokens: int = field(compare=False)
+    tenant: str = field(compare=False, default="")
+
+
+# A waiter's place in a fair line: any sortable key, least first.
+Order = Callable[[Place], tuple[float, ...]]
+
+
+def arrival(place: Place) -> tuple[float, ...]:
+    """The one waiting order without fair shares: rank, then since when it waits."""
+    return (place.rank, place.waiting_since_unix_ns, place.seq)
 
 
 class WaitQueue:
-    def __init__(self, size: int, clock: Clock = MONOTONIC) -> None:
+    def __init__(self, size: int, clock: Clock = MONOTONIC, order: Order = arrival) -> None:
         self._size = size
         self._clock = clock
+        self._order_of = order
         self._line: list[Place] = []  # in order: the head first
         self._woken: dict[Place, asyncio.Event] = {}
         self._order = itertools.count()
@@ -66,14 +81,23 @@ class WaitQueue:
     def __len__(self) -> int:
         return len(self._line)
 
-    def join(self, rank: int, waiting_since_unix_ns: int, tokens: int) -> Place | None:
+    def join(self, rank: int, waiting_since_unix_ns: int, tokens: int, tenant: str = "") -> Place | None:
         """A place in the line, or None when the line is full."""
         if len(self._line) >= self._size:
             return None
-        place = Place(rank, waiting_since_unix_ns, next(self._order), tokens)
-        bisect.insort(self._line, place)
+        place = Place(rank, waiting_since_unix_ns, next(self._order), tokens, tenant)
+        bisect.insort(self._line, place, key=self._order_of)
         self._woken[place] = asyncio.Event()
         return place
+
+    def reorder(self) -> None:
+        """The order's keys changed (a tenant was charged): sort the line again, waking a new head."""
+        if len(self._line) <= 1:
+            return
+        head = self._line[0]
+        self._line.sort(key=self._order_of)
+        if self._line[0] != head:
+            self._wake(self._line[0])
 
     def is_head(self, place: Place) -> bool:
         return bool(self._line) and self._line[0] == place

@@ -1,0 +1,149 @@
+"""Fair shares between tenants (kvgate.policy.fair_share): VTC's counters hold the service gap between
+backlogged tenants to its bound on generated sequences, idling banks no credit, weights divide the
+service, and the gate's line of waiters goes by them (kvgate.gate.admission)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from test_admission import MODEL, long_route, run, until
+
+from kvgate.agent.in_process import FakeHeadroom, ManualClock
+from kvgate.config import AdmissionConfig, FairnessConfig, TenantConfig, parse_config
+from kvgate.errors import ConfigError
+from kvgate.gate.admission import Admission, Admitted
+from kvgate.policy.fair_share import FairShare
+
+
+def serve(fair: FairShare, queues: dict[str, list[float]], steps: int) -> list[dict[str, float]]:
+    """Admit `steps` requests one at a time, each the head of the tenant with the least counter
+    (ties: the tenant named first); every tenant in `queues` stays backlogged. The weighted service
+    each has attained after every step."""
+    served = dict.fromkeys(queues, 0.0)
+    history = []
+    for tenant in queues:
+        fair.waits(tenant)
+    for _ in range(steps):
+        tenant = min(queues, key=fair.counter)
+        cost = queues[tenant].pop(0)
+        fair.charge(tenant, cost)
+        served[tenant] += cost / FAIR.weight(tenant)
+        history.append(dict(served))
+    return history
+
+
+FAIR = FairnessConfig(enabled=True, tenants={"heavy": TenantConfig(3.0)})
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_service_gap_between_backlogged_tenants_stays_within_twice_the_largest_cost(seed: int) -> None:
+    draw = random.Random(seed)
+    fair = FairShare(FAIR)
+    # Costs of prompt + 2 x output, from chat-sized to 30k-token prompts; weight 1 and 3 tenants.
+    queues = {
+        name: [fair.cost(draw.randint(500, 30_000), draw.randint(0, 2_000)) for _ in range(400)]
+        for name in ("a", "b", "heavy")
+    }
+    largest = max(cost / FAIR.weight(name) for name, costs in queues.items() for cost in costs)
+    for served in serve(fair, queues, 600):
+        assert max(served.values()) - min(served.values()) <= 2 * largest
+
+
+def test_a_tenant_back_from_idle_is_lifted_and_takes_no_burst_of_credit() -> None:
+    fair = FairShare(FAIR)
+    serve(fair, {"a": [1_000.0] * 100, "b": [1_000.0] * 100}, 100)  # a and b: 50,000 each
+    fair.done_waiting("a")
+    fair.done_waiting("b")
+    assert fair.counter("late") == 0.0
+    fair.waits("a")
+    fair.waits("late")  # never served: lifted to the least counter of those waiting
+    assert fair.counter("late") == fair.counter("a") == 50_000.0
+    fair.done_waiting("a")
+    fair.done_waiting("late")
+    fair.waits("idle")  # nobody waits: lifted to the last one served
+    assert fair.counter("idle") == 50_000.0
+
+
+def test_weights_divide_the_contended_service() -> None:
+    fair = FairShare(FAIR)
+    history = serve(fair, {"a": [3_000.0] * 400, "heavy": [3_000.0] * 400}, 400)
+    unweighted = {"a": history[-1]["a"], "heavy": history[-1]["heavy"] * 3.0}
+    share = unweighted["heavy"] / sum(unweighted.values())
+    assert 0.74 <= share <= 0.76, share
+
+
+def test_a_charge_is_settled_on_what_the_engine_generated() -> None:
+    fair = FairShare(FAIR)
+    fair.charge("a", fair.cost(10_000, 4_000))  # a 4,000-token budget, over-declared 4x
+    fair.settle("a", 4_000, 1_000)
+    assert fair.counter("a") == 10_000 + 2 * 1_000
+    fair.charge("heavy", fair.cost(3_000, 0))
+    fair.settle("heavy", 0, 300)  # weight 3: 600 / 3
+    assert fair.counter("heavy") == 1_000 + 200
+
+
+def test_memory_is_bounded_and_forgets_an_idle_tenant_first() -> None:
+    fair = FairShare(FAIR, max_tenants=3)
+    fair.waits("busy")
+    for name in ("x", "y", "z", "w"):
+        fair.charge(name, 10.0)
+    fair.charge("busy", 1.0)
+    assert fair.counter("busy") == 1.0, "a tenant that waits is never forgotten"
+    assert sum(fair.counter(t) > 0 for t in ("x", "y", "z", "w")) == 2
+
+
+def test_the_config_names_a_bad_weight() -> None:
+    with pytest.raises(ConfigError, match=r"fairness\.tenants\.acme\.weight: must be >= 0\.01"):
+        parse_config("fairness: {enabled: true, tenants: {acme: {weight: 0}}}")
+    with pytest.raises(ConfigError, match=r"fairness\.tenants\.acme\.share: unknown key"):
+        parse_config("fairness: {tenants: {acme: {share: 2}}}")
+    config = parse_config("fairness: {enabled: true, default_weight: 2, tenants: {acme: {weight: 5}}}")
+    assert (config.fairness.weight("acme"), config.fairness.weight("other")) == (5.0, 2.0)
+
+
+def admission_with(fairness: FairnessConfig) -> tuple[FakeHeadroom, ManualClock, Admission]:
+    clock = ManualClock()
+    source = FakeHeadroom(clock, stale_after_s=5.0)
+    source.add_node("a", 20_000)
+    settings = AdmissionConfig(max_wait_s=60.0)
+    return source, clock, Admission(settings, source, clock=clock, fairness=fairness)
+
+
+async def ask(admission: Admission, tenant: str, request_id: str) -> Admitted:
+    return await admission.admit(long_route(10_000), MODEL, None, request_id, tenant=tenant)
+
+
+@pytest.mark.parametrize(
+    ("enabled", "order"), [(True, ["a2", "b0", "a3", "b1"]), (False, ["a2", "a3", "b0", "b1"])]
+)
+def test_the_gates_line_goes_by_attained_service_with_fair_shares_and_by_arrival_without(
+    enabled: bool, order: list[str]
+) -> None:
+    """Room for two requests at a time. Tenant a takes both and queues two more; then b queues two.
+    With fair shares b starts waiting lifted to a's counter (idle time banks nothing), so a's earlier
+    arrival goes first, then b and a alternate as each is charged; without, a's arrivals all go first."""
+
+    async def scenario() -> list[str]:
+        _, _, admission = admission_with(FairnessConfig(enabled=enabled))
+        await admission.start()
+        running = [await ask(admission, "a", "a0"), await ask(admission, "a", "a1")]
+        waiting = {}
+        for tenant, rid in (("a", "a2"), ("a", "a3"), ("b", "b0"), ("b", "b1")):
+            waiting[rid] = asyncio.create_task(ask(admission, tenant, rid))
+            queued = len(waiting)
+            await until(lambda queued=queued: admission.gauges().waiting == queued)
+        admitted: list[str] = []
+        for _ in range(4):
+            ticket = running.pop(0).ticket
+            assert ticket is not None
+            await admission.release(ticket)
+            await until(lambda: any(t.done() and rid not in admitted for rid, t in waiting.items()))
+            (done,) = [rid for rid, t in waiting.items() if t.done() and rid not in admitted]
+            admitted.append(done)
+            running.append(waiting[done].result())
+        await admission.stop()
+        return admitted
+
+    assert run(scenario) == order
