@@ -194,6 +194,8 @@ def gate_metrics(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     # One agent stands for both pools' nodes, so long requests do not borrow (soft_pools).
     config = f"headroom: {agents}\ninteractive_headroom: {agents}\nplacement: {{prefix_affinity: true}}\n"
     config += "soft_pools: {borrow: false}\n"
+    # Fair shares on: the per-tenant gauges have samples once a long request was charged.
+    config += "fairness: {enabled: true}\n"
     # No waiting for room: the capacity refusal below answers at once, with its Retry-After.
     config += "admission: {max_wait_s: 0}\n"
     try:

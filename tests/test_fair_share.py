@@ -15,6 +15,7 @@ from kvgate.config import AdmissionConfig, FairnessConfig, TenantConfig, parse_c
 from kvgate.errors import ConfigError
 from kvgate.gate.admission import Admission, Admitted
 from kvgate.policy.fair_share import FairShare
+from kvgate.telemetry import GateMetrics, TenantLabels
 
 
 def serve(fair: FairShare, queues: dict[str, list[float]], steps: int) -> list[dict[str, float]]:
@@ -147,3 +148,34 @@ def test_the_gates_line_goes_by_attained_service_with_fair_shares_and_by_arrival
         return admitted
 
     assert run(scenario) == order
+
+
+def test_tenant_labels_are_bounded_and_keep_the_named_ones() -> None:
+    label = TenantLabels(named={"acme"}, limit=2)
+    assert [label(t) for t in ("a", "b", "c", "acme", "a", "d")] == ["a", "b", "other", "acme", "a", "other"]
+
+
+def test_each_tenants_long_requests_are_counted_by_outcome_and_service() -> None:
+    async def scenario() -> GateMetrics:
+        metrics = GateMetrics()
+        clock = ManualClock()
+        source = FakeHeadroom(clock, stale_after_s=5.0)
+        source.add_node("a", 20_000)
+        fairness = FairnessConfig(enabled=True, output_weight=2.0)
+        admission = Admission(
+            AdmissionConfig(max_wait_s=0.0), source, telemetry=metrics, clock=clock, fairness=fairness
+        )
+        await admission.start()
+        route = long_route(12_000)
+        first = await admission.admit(route, MODEL, None, "r1", output_tokens=2_000, tenant="acme")
+        refused = await admission.admit(route, MODEL, None, "r2", output_tokens=2_000, tenant="beta")
+        assert first.ticket is not None and refused.ticket is None
+        # beta was refused at once: it never waited nor was served, so it has no counter to show.
+        assert admission.gauges().tenants == (("acme", 10_000 + 2 * 2_000, 0),)
+        await admission.release(first.ticket, generated_tokens=500)
+        await admission.stop()
+        return metrics
+
+    metrics = run(scenario)
+    assert metrics._tenant_requests.counts == {("acme", "at_once"): 1, ("beta", "no_capacity"): 1}
+    assert metrics._tenant_service.counts == {("acme",): 10_000 + 2 * 500}

@@ -42,6 +42,12 @@ EXACT_COUNTS_PENDING = "kvgate.gate.exact_counts.pending"
 # What the fast estimate is multiplied by, learnt from exact counts on live traffic (per model match).
 ESTIMATE_CORRECTION = "kvgate.gate.estimate.correction"
 EVENT_LOOP_LAG = "kvgate.gate.event_loop.lag"
+# Per tenant (labels bounded: TenantLabels): long requests by outcome, the service they were given, and,
+# with fair shares, each tenant's weighted attained service and waiters (kvgate.policy.fair_share).
+TENANT_REQUESTS = "kvgate.gate.tenant.requests"
+TENANT_SERVICE = "kvgate.gate.tenant.service"
+TENANT_ATTAINED = "kvgate.gate.tenant.attained"
+TENANT_WAITING = "kvgate.gate.tenant.waiting"
 POOL_WATER_LEVEL = "kvgate.pool.water_level"
 POOL_BREAKER_OPEN = "kvgate.pool.breaker.state"
 NODE_HEADROOM = "kvgate.node.headroom"
@@ -244,11 +250,54 @@ def histogram(name: str, description: str, label: str, bounds: tuple[float, ...]
     return made
 
 
+# Tenants labelled by name besides those kvgate.yaml names (fairness.tenants); the rest are `other`.
+TENANTS_LABELLED = 20
+OTHER_TENANT = "other"
+
+
+class TenantLabels:
+    """A tenant's label: its name for the tenants kvgate.yaml names and the first `limit` others seen,
+    `other` for the rest, so a client population cannot grow the metrics without bound."""
+
+    def __init__(self, named: Iterable[str] = (), limit: int = TENANTS_LABELLED) -> None:
+        self._named = frozenset(named)
+        self._limit = limit
+        self._seen: set[str] = set()
+
+    def name(self, named: Iterable[str]) -> None:
+        self._named = frozenset(named)
+
+    def __call__(self, tenant: str) -> str:
+        if tenant in self._named or tenant in self._seen:
+            return tenant
+        if len(self._seen) < self._limit:
+            self._seen.add(tenant)
+            return tenant
+        return OTHER_TENANT
+
+
 class GateMetrics:
     """The gate's instruments. Construct once per process after `start_prometheus`."""
 
     def __init__(self) -> None:
         m = meter("kvgate.gate")
+        self.tenant_label = TenantLabels()
+        self._tenant_requests = Tally(
+            m,
+            TENANT_REQUESTS,
+            "{request}",
+            "Long requests by tenant and outcome: at_once or waited (admitted), or the refusal's reason",
+            ("tenant", "outcome"),
+        )
+        self._tenant_service = Tally(
+            m,
+            TENANT_SERVICE,
+            "{token}",
+            "Service given to each tenant's long requests, counted when each ended: prompt + "
+            "fairness.output_weight x output tokens (what the answer says it generated where the gate "
+            "read it, else the budget reserved)",
+            ("tenant",),
+        )
         self._decisions = Tally(
             m,
             DECISIONS,
@@ -368,6 +417,12 @@ class GateMetrics:
     def admitted(self, result: str, seconds: float) -> None:
         self._admission.record(seconds, result)
 
+    def tenant_outcome(self, tenant: str, outcome: str) -> None:
+        self._tenant_requests.add(self.tenant_label(tenant), outcome)
+
+    def tenant_served(self, tenant: str, cost: float) -> None:
+        self._tenant_service.add(self.tenant_label(tenant), n=round(cost))
+
     def admission_family(self) -> HistogramMetricFamily:
         """The admission-time histogram as the metrics endpoint renders it."""
         return self._admission.family()
@@ -438,6 +493,8 @@ class AdmissionGauges:
 
     waiting: int
     pools: tuple[PoolGauges, ...]
+    # With fair shares, per tenant: (tenant, weighted attained service, requests waiting).
+    tenants: tuple[tuple[str, float, int], ...] = ()
 
 
 _BREAKER_VALUES = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
@@ -467,6 +524,20 @@ def observe_admission(meter_: Meter, read: Callable[[], AdmissionGauges]) -> Non
         "{request}",
         "Long requests waiting for capacity",
         lambda: [(read().waiting, {})],
+    )
+    observe(
+        meter_,
+        TENANT_ATTAINED,
+        "{token}",
+        "Fair shares: each tenant's weighted attained service, the order of the gate's line (least first)",
+        lambda: [(attained, {"tenant": tenant}) for tenant, attained, _ in read().tenants],
+    )
+    observe(
+        meter_,
+        TENANT_WAITING,
+        "{request}",
+        "Fair shares: long requests waiting for capacity, by tenant",
+        lambda: [(float(waiting), {"tenant": tenant}) for tenant, _, waiting in read().tenants],
     )
     observe(meter_, POOL_WATER_LEVEL, "1", "0 green, 1 yellow, 2 red", pools(lambda p: float(p.water_level)))
     observe(

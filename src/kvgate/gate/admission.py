@@ -46,7 +46,7 @@ from kvgate.policy.retry_forecast import RetryPlanner, RetrySettings
 from kvgate.policy.shedding import PoolKind, Verdict
 from kvgate.policy.slot import fits_beside_heads, slot_node
 from kvgate.policy.water import pool_signals
-from kvgate.telemetry import AdmissionGauges, GateMetrics, NodeGauges, PoolGauges
+from kvgate.telemetry import OTHER_TENANT, AdmissionGauges, GateMetrics, NodeGauges, PoolGauges
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +179,7 @@ class Admission:
         self._interactive = interactive
         self._clock = clock
         self._fair = FairShare(fairness) if fairness is not None and fairness.enabled else None
+        self._output_weight = (fairness or FairnessConfig()).output_weight
         self._queue = WaitQueue(config.queue_size, clock, self._fair_order if self._fair else arrival)
         self._long_pressure = PoolPressure(PoolKind.LONG, config)
         self._interactive_pressure = PoolPressure(PoolKind.INTERACTIVE, config)
@@ -186,6 +187,7 @@ class Admission:
         self._pump: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._metrics = telemetry or GateMetrics()
+        self._metrics.tenant_label.name(fairness.tenants if fairness is not None else ())
         self.leases = LeaseKeeper(long, lease_s, self._metrics) if long is not None else None
         self._renewing: asyncio.Task[None] | None = None
         retry = RetrySettings(
@@ -208,7 +210,24 @@ class Admission:
             )
             if source is not None
         ]
-        return AdmissionGauges(len(self._queue), tuple(pools))
+        return AdmissionGauges(len(self._queue), tuple(pools), self._tenant_gauges())
+
+    def _tenant_gauges(self) -> tuple[tuple[str, float, int], ...]:
+        """With fair shares, each labelled tenant's attained service and waiters; the tenants past the
+        label bound as `other`: their waiters summed, the least of their counters (the next in line)."""
+        if self._fair is None:
+            return ()
+        labelled: list[tuple[str, float, int]] = []
+        others: list[tuple[float, int]] = []
+        for tenant, attained, waiting in self._fair.standing():
+            label = self._metrics.tenant_label(tenant)
+            if label == OTHER_TENANT:
+                others.append((attained, waiting))
+            else:
+                labelled.append((label, attained, waiting))
+        if others:
+            labelled.append((OTHER_TENANT, min(a for a, _ in others), sum(w for _, w in others)))
+        return tuple(labelled)
 
     async def start(self) -> None:
         """Wake the waiting requests whenever an agent of the long pool speaks."""
@@ -258,24 +277,35 @@ class Admission:
             return Admitted(self._admit_interactive(route, rank))
         if route.reason is not Reason.LONG or self._long is None:
             return Admitted(route)
-        source = self._long if subset is None else _Within(self._long, subset)
-        nodes = source.snapshot()
-        choice = choose_nodes(nodes, route.tokens, self._config.stale_nodes, affinity)
-        if not choice.any_usable:
-            return Admitted(no_healthy_node(route))
-        if self._long_pressure.judge(pool_signals(nodes), self._clock(), rank) is Verdict.SHED:
-            why = f"the long-context pool is {self._long_pressure.level.name.lower()}"
-            shed = overflow(route, model, Reason.SHED, why, self._config.async_fallback)
-            return Admitted(self._come_back(shed, source, output_tokens))
-        behind_s = self._loop_lag() if self._loop_lag is not None else 0.0
-        if behind_s > self._config.max_loop_lag_s:
-            why = f"the gateway runs {behind_s:.1f} s behind"
-            late = overflow(route, model, Reason.OVERLOADED, why, self._config.async_fallback)
-            return Admitted(self._come_back(late, source, output_tokens))
         max_wait_s = self._config.max_wait_s if wait_s is None else min(wait_s, self._config.longest_wait_s)
         ask = _Ask(
             reservation_id, rank, max_wait_s, affinity, output_tokens, route.tokens, self._wall_ns(), tenant
         )
+        source = self._long if subset is None else _Within(self._long, subset)
+        admitted = await self._admit_long(source, route, model, ask)
+        if admitted.ticket is not None:
+            outcome = "waited" if ask.waited else "at_once"
+        else:
+            outcome = admitted.decision.reason.value
+        self._metrics.tenant_outcome(tenant, outcome)
+        return admitted
+
+    async def _admit_long(
+        self, source: HeadroomSource, route: Route, model: ModelConfig, ask: _Ask
+    ) -> Admitted:
+        nodes = source.snapshot()
+        choice = choose_nodes(nodes, route.tokens, self._config.stale_nodes, ask.affinity)
+        if not choice.any_usable:
+            return Admitted(no_healthy_node(route))
+        if self._long_pressure.judge(pool_signals(nodes), self._clock(), ask.rank) is Verdict.SHED:
+            why = f"the long-context pool is {self._long_pressure.level.name.lower()}"
+            shed = overflow(route, model, Reason.SHED, why, self._config.async_fallback)
+            return Admitted(self._come_back(shed, source, ask.output_tokens))
+        behind_s = self._loop_lag() if self._loop_lag is not None else 0.0
+        if behind_s > self._config.max_loop_lag_s:
+            why = f"the gateway runs {behind_s:.1f} s behind"
+            late = overflow(route, model, Reason.OVERLOADED, why, self._config.async_fallback)
+            return Admitted(self._come_back(late, source, ask.output_tokens))
         started = time.perf_counter()
         admitted = await self._place(source, route, model, ask, choice)
         result = "refused" if admitted.ticket is None else "waited" if ask.waited else "at_once"
@@ -555,6 +585,9 @@ class Admission:
         the agent to learn its node's output lengths from and its tenant's service to settle on."""
         if self._fair is not None and generated_tokens > 0:
             self._fair.settle(ticket.tenant, ticket.output_tokens, generated_tokens)
+        output = generated_tokens if generated_tokens > 0 else ticket.output_tokens
+        prompt = ticket.tokens - ticket.output_tokens
+        self._metrics.tenant_served(ticket.tenant, prompt + self._output_weight * output)
         await self._release(ticket.agent, ticket.request_id, generated_tokens=generated_tokens)
 
     async def _release(

@@ -76,6 +76,10 @@ class FairShare:
         delta = self._config.output_weight * (generated_tokens - charged_output_tokens)
         self._counters[tenant] = max(0.0, self._counters[tenant] + delta / self._config.weight(tenant))
 
+    def standing(self) -> list[tuple[str, float, int]]:
+        """Every tenant remembered: its counter and its requests waiting."""
+        return [(tenant, counter, self._waiting[tenant]) for tenant, counter in self._counters.items()]
+
     def _forget_beyond_bound(self) -> None:
         while len(self._counters) > self._max_tenants:
             idle = [t for t in self._counters if self._waiting[t] == 0]
