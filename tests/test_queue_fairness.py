@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+from kvgate.config import parse_config
 from kvgate.queue.fairness import FairQueue
 from kvgate.queue.jobs import Waiting
 
@@ -50,6 +51,14 @@ def test_shares_are_by_tokens_not_by_count() -> None:
     assert order[:2] == ["a1", "b1"]
     assert order.index("a2") == 31
     assert sum(1 for name in order if name.startswith("b")) == 31
+
+
+def test_a_tenant_of_weight_three_gets_three_times_the_tokens_while_both_wait() -> None:
+    config = parse_config("fairness: {tenants: {heavy: {weight: 3}}}").fairness
+    fair = FairQueue(config.weight)
+    fair.load(jobs("a", 40) + jobs("heavy", 40), per_group=100)
+    order = dispatch(fair, 40)
+    assert sum(1 for name in order if name.startswith("heavy")) == 30
 
 
 def test_a_tenant_that_was_idle_does_not_cash_in_credit() -> None:

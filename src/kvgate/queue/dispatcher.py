@@ -110,9 +110,10 @@ class Dispatcher:
         on_dispatch: Callable[[Job], None] = lambda job: None,
         clock: Callable[[], float] = time.monotonic,
         demand: Callable[[bool], None] = lambda wanted: None,
+        weight: Callable[[str], float] = lambda tenant: 1.0,
     ) -> None:
         """`demand`: told after each round whether jobs wait, so a view that follows the agents only
-        while needed (HeadroomView's on_demand) does so."""
+        while needed (HeadroomView's on_demand) does so. `weight`: a tenant's fair-share weight."""
         self._store = store
         self._source = source
         self._launcher = launcher
@@ -123,7 +124,7 @@ class Dispatcher:
         self._on_dispatch = on_dispatch
         self._clock = clock
         self._demand = demand
-        self._fair = FairQueue()
+        self._fair = FairQueue(weight)
         self._wake = asyncio.Event()
         # The next job fits no node now: headroom updates are worth a round.
         self._blocked = False

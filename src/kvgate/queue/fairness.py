@@ -10,6 +10,10 @@ has a job running: it waits at most for one of their jobs to end. One tenant's t
 prompts then take turns with another's two 1k-token ones by tokens, not by count: the second
 tenant's jobs run before the first tenant's second prompt.
 
+A tenant's jobs are charged their tokens divided by its weight (`fairness.tenants.NAME.weight` of
+kvgate.yaml, `fairness.default_weight` for the rest: the gate's weights, kvgate.policy.fair_share), so a
+tenant of weight 3 gets three times the tokens of a tenant of weight 1 while both wait.
+
 Pure and in memory: the dispatcher feeds it the heads of each (priority, tenant) group read from the
 store and tells it what it dispatched. Each replica keeps its own tags; with several replicas the
 share is fair per replica, and close to fair overall.
@@ -18,7 +22,7 @@ share is fair per replica, and close to fair overall.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Container, Iterable
+from collections.abc import Callable, Container, Iterable
 
 from kvgate.queue.jobs import Waiting
 
@@ -26,7 +30,8 @@ _Group = tuple[int, str]
 
 
 class FairQueue:
-    def __init__(self) -> None:
+    def __init__(self, weight: Callable[[str], float] = lambda tenant: 1.0) -> None:
+        self._weight = weight
         self._groups: dict[_Group, deque[Waiting]] = {}
         # Groups the store may hold more of than it handed over: once one empties, read again.
         self._truncated: set[_Group] = set()
@@ -65,7 +70,7 @@ class FairQueue:
         """`job` was sent to a node: charge its tenant its tokens."""
         start = self._start(job.priority, job.tenant)
         self._virtual[job.priority] = start
-        self._finish[(job.priority, job.tenant)] = start + job.tokens
+        self._finish[(job.priority, job.tenant)] = start + job.tokens / self._weight(job.tenant)
         self._remove(job)
 
     def drop(self, job: Waiting) -> None:
