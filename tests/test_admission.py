@@ -18,7 +18,7 @@ from kvgate.agent.in_process import FakeHeadroom, ManualClock
 from kvgate.config import AdmissionConfig, ModelConfig
 from kvgate.gate.admission import Admission, Admitted
 from kvgate.gate.pipeline import wait_bound
-from kvgate.headroom.snapshot import NodeView, PrefixChain, ReleaseOutcome, ReserveReason
+from kvgate.headroom.snapshot import NodeView, PrefixChain, ReleaseOutcome, ReserveReason, TenantCharge
 from kvgate.policy import Reason, Refusal, Route
 from kvgate.policy.route import ClientHints
 from kvgate.policy.water import BreakerState, Level
@@ -373,6 +373,7 @@ class SlowAgentView:
         waiting_since_unix_ns: int = 0,
         rank: int = 0,
         hold_slot: bool = False,
+        charge: TenantCharge | None = None,
     ) -> None:
         self.reserving.set()
         await asyncio.sleep(3600)

@@ -5,15 +5,20 @@ service, and the gate's line of waiters goes by them (kvgate.gate.admission)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
 import pytest
 from test_admission import MODEL, long_route, run, until
 
+from kvgate._proto.headroom.v1 import headroom_pb2 as pb
 from kvgate.agent.in_process import FakeHeadroom, ManualClock
+from kvgate.agent.tenant_service import TenantService
 from kvgate.config import AdmissionConfig, FairnessConfig, TenantConfig, parse_config
 from kvgate.errors import ConfigError
 from kvgate.gate.admission import Admission, Admitted
+from kvgate.headroom.snapshot import TenantCharge
+from kvgate.headroom.wire import HeadroomEncoder, charge_from_proto, headroom_from_proto, reserve_request
 from kvgate.policy.fair_share import FairShare
 from kvgate.telemetry import GateMetrics, TenantLabels
 
@@ -179,3 +184,69 @@ def test_each_tenants_long_requests_are_counted_by_outcome_and_service() -> None
     metrics = run(scenario)
     assert metrics._tenant_requests.counts == {("acme", "at_once"): 1, ("beta", "no_capacity"): 1}
     assert metrics._tenant_service.counts == {("acme",): 10_000 + 2 * 500}
+
+
+def test_the_agent_keeps_each_tenants_service_and_settles_it_on_what_ran() -> None:
+    service = TenantService(max_tenants=2)
+    service.granted("r1", TenantCharge("a", 10_000 + 2 * 4_000, 2.0), 4_000)
+    service.granted("r2", TenantCharge("b", 3_000, 2.0), 0)
+    service.ended("r1", generated_tokens=1_000)  # 3,000 fewer output tokens than charged, at 2 each
+    service.ended("r2")  # nothing read: as charged
+    assert service.totals() == {"a": 12_000.0, "b": 3_000.0}
+    service.granted("r3", TenantCharge("c", 50_000, 2.0), 0)  # past 2 tenants: the least served goes
+    assert service.totals() == {"a": 12_000.0, "c": 50_000.0}
+
+
+def test_the_service_totals_travel_in_the_stream_and_a_reserve_carries_its_charge() -> None:
+    source = FakeHeadroom(ManualClock())
+    source.add_node("n", 1_000)
+    plain = source.snapshot()[0].headroom
+    assert plain is not None
+    headroom = dataclasses.replace(plain, tenant_service={"a": 1.5})
+    wired = headroom_from_proto(pb.NodeHeadroom.FromString(HeadroomEncoder().encode(headroom)))
+    assert wired.tenant_service == {"a": 1.5}
+    request = reserve_request("r", 100, 30.0, "gate", None, charge=TenantCharge("a", 180.0, 2.0))
+    wire = pb.ReserveRequest.FromString(request.SerializeToString())
+    assert charge_from_proto(wire) == TenantCharge("a", 180.0, 2.0)
+    assert charge_from_proto(reserve_request("r", 100, 30.0, "gate", None)) is None
+
+
+def counters(admission: Admission) -> dict[str, float]:
+    return {tenant: attained for tenant, attained, _ in admission.gauges().tenants}
+
+
+def test_a_replica_orders_its_line_by_the_service_the_agents_saw_from_every_replica() -> None:
+    """On this replica a, then b, wait for the room a blocker holds, level (b lifted to a's counter).
+    Another replica's grant to a reaches the agent, whose totals then show a ahead: b goes first
+    when the room frees. By this replica's own charges alone, a's arrival would."""
+
+    async def scenario() -> list[str]:
+        clock = ManualClock()
+        source = FakeHeadroom(clock, stale_after_s=5.0)
+        source.add_node("a", 20_000)
+        source.add_node("small", 100)  # too small for this replica's requests; the other's fits
+        admission = Admission(
+            AdmissionConfig(max_wait_s=60.0), source, clock=clock, fairness=FairnessConfig(enabled=True)
+        )
+        await admission.start()
+        blocker = await ask(admission, "c", "blocker")
+        blocker2 = await ask(admission, "c", "blocker2")
+        assert blocker.ticket is not None and blocker2.ticket is not None
+        waiting = {"a-here": asyncio.create_task(ask(admission, "a", "a-here"))}
+        await until(lambda: admission.gauges().waiting == 1)
+        waiting["b-here"] = asyncio.create_task(ask(admission, "b", "b-here"))
+        await until(lambda: admission.gauges().waiting == 2)
+        # Another replica's grant to tenant a, as its Reserve reaches the agent.
+        other = await source.reserve("small", "elsewhere", 1, charge=TenantCharge("a", 50_000.0, 2.0))
+        assert other.granted
+        await source.release("small", "elsewhere")
+        await until(lambda: counters(admission)["a"] > counters(admission)["b"])
+        await admission.release(blocker.ticket)
+        await until(lambda: any(t.done() for t in waiting.values()))
+        first = [rid for rid, t in waiting.items() if t.done()]
+        await admission.release(blocker2.ticket)
+        await until(lambda: all(t.done() for t in waiting.values()))
+        await admission.stop()
+        return first
+
+    assert run(scenario) == ["b-here"]

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvgate.agent.backfill import Waiter, WaitingClaims
 from kvgate.agent.ledger import Budget, ReservationLedger
 from kvgate.agent.releases import expected_releases
+from kvgate.agent.tenant_service import TenantService
 from kvgate.config.headroom import stale_after
 from kvgate.errors import AgentCallError, HeadroomError
 from kvgate.headroom.snapshot import (
@@ -35,6 +36,7 @@ from kvgate.headroom.snapshot import (
     PrefixChain,
     ReleaseOutcome,
     ReserveOutcome,
+    TenantCharge,
     admissible,
 )
 
@@ -95,6 +97,7 @@ class _Node:
     granting_unanswered: bool = False
     decode_tokens_per_s: float | None = None
     heartbeat_ms: int = 0  # 0: the agent sends every period; else on change and at least this often
+    tenant_service: TenantService = field(default_factory=TenantService)
 
     def budget(self) -> Budget:
         return Budget(self.capacity_tokens, self.safety_ratio, self.used_tokens, self.healthy, self.reason)
@@ -244,6 +247,7 @@ class FakeHeadroom:
         waiting_since_unix_ns: int = 0,
         rank: int = 0,
         hold_slot: bool = False,
+        charge: TenantCharge | None = None,
     ) -> ReserveOutcome:
         """As the agent's Reserve: its ledger, capped and claimed by the node's waiting order
         (kvgate.agent.backfill) as NodeState.reserve does."""
@@ -265,6 +269,8 @@ class FakeHeadroom:
             outcome, waiter, tokens, hold_slot=hold_slot, admissible_tokens=admissible_tokens
         )
         self.reserves.append((node, request_id, hold_slot))
+        if outcome.granted and charge is not None:
+            state.tenant_service.granted(request_id, charge, output_tokens)
         await asyncio.sleep(0)  # an answer arrives on a later turn of the loop, as over gRPC
         return outcome
 
@@ -275,6 +281,8 @@ class FakeHeadroom:
         released = state.ledger.release(
             request_id, unanswered_reserve=unanswered, generated_tokens=generated_tokens
         )
+        if released:
+            state.tenant_service.ended(request_id, generated_tokens)
         state.claims.drop(Waiter("", request_id))
         self.released.append((node, request_id))
         self._notify()
@@ -326,6 +334,7 @@ class FakeHeadroom:
             releases=releases,
             freed_tokens_total=node.ledger.freed_tokens,
             head=node.claims.published(headroom, releases),
+            tenant_service=node.tenant_service.totals(),
         )
 
     def _releases(self, node: _Node) -> tuple[ExpectedRelease, ...]:

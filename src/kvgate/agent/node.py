@@ -52,6 +52,7 @@ from kvgate.agent.prefix_events import PrefixEvents
 from kvgate.agent.ratio import FREEZE_S, RatioSettings, SteeredRatio
 from kvgate.agent.releases import expected_releases
 from kvgate.agent.sources.engines import EngineReading, PageState
+from kvgate.agent.tenant_service import TenantService
 from kvgate.headroom.snapshot import (
     CapacitySource,
     ExpectedRelease,
@@ -63,6 +64,7 @@ from kvgate.headroom.snapshot import (
     ReleaseOutcome,
     ReserveOutcome,
     ReserveReason,
+    TenantCharge,
     UsageSource,
     admissible,
 )
@@ -196,6 +198,7 @@ class NodeState:
         self.claims = WaitingClaims(clock)
         self.lending = Lending(settings.lending) if settings.role is NodeRole.INTERACTIVE else None
         self.prefill = PrefillBacklog(settings.lending.prefill_tokens_per_s)
+        self.tenant_service = TenantService()
         self.class_usage = ClassUsage()
         self.ratio = SteeredRatio(settings.ratio(), clock())
         # The latest Reserve that waited or found no room: the engine is scraped every period for a
@@ -277,10 +280,12 @@ class NodeState:
         waiting_since_unix_ns: int = 0,
         rank: int = 0,
         hold_slot: bool = False,
+        charge: TenantCharge | None = None,
     ) -> ReserveOutcome:
         """`waiting_since_unix_ns` and `rank`: the request's place in the one waiting order (0: a try
         that names none, behind every waiter); `hold_slot`: a waiter that finds no room here keeps its
-        claim on the node (kvgate.agent.backfill)."""
+        claim on the node (kvgate.agent.backfill); `charge`: its tenant's cost, for fair shares
+        (kvgate.agent.tenant_service)."""
         shares = self._engine.reading is not None and self._engine.reading.prefix_caching is True
         chain = prefix if shares else None
         budget = self.budget()
@@ -310,6 +315,8 @@ class NodeState:
             self.prefill.granted(now, uncached)
             if self.prefix_events is not None and chain is not None and chain.blocks:
                 self.prefix_events.granted(request_id, chain, now, tokens - output_tokens)
+            if charge is not None:
+                self.tenant_service.granted(request_id, charge, output_tokens)
         return result
 
     def _releases(self) -> tuple[ExpectedRelease, ...]:
@@ -346,6 +353,8 @@ class NodeState:
         released = self.ledger.release(
             request_id, holder, unanswered_reserve=unanswered_reserve, generated_tokens=generated_tokens
         )
+        if released:
+            self.tenant_service.ended(request_id, generated_tokens)
         # A waiter that went elsewhere or gave up says so with a Release: its claim goes with it.
         self.claims.drop(Waiter(holder, request_id))
         return self.ledger.release_answer(released, self.budget())
@@ -357,7 +366,10 @@ class NodeState:
     def expire(self) -> list[Reservation]:
         """End the reservations whose lease ran out; every one ended since the last call (a Reserve,
         Renew or Release may have ended some first)."""
-        return self.ledger.take_expired()
+        lapsed = self.ledger.take_expired()
+        for reservation in lapsed:
+            self.tenant_service.ended(reservation.request_id)
+        return lapsed
 
     def snapshot(self, sample_time_unix_ns: int) -> NodeHeadroom:
         """The next message of the stream (its seq is one more than the last one's)."""
@@ -413,6 +425,7 @@ class NodeState:
             head=self.claims.published(headroom, releases),
             prefill_backlog_tokens=math.ceil(self.prefill.tokens(now)),
             prefill_tokens_per_s=self.prefill.tokens_per_s,
+            tenant_service=self.tenant_service.totals(),
             # A fact of the engine's start, not of one sample: the last one known holds.
             max_model_len=(last.max_model_len or 0) if last is not None else 0,
         )

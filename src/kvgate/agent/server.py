@@ -43,7 +43,13 @@ from kvgate.agent.sources.engines import EngineReading
 from kvgate.errors import HeadroomError
 from kvgate.headroom.credentials import add_port
 from kvgate.headroom.snapshot import NodeHeadroom, NvmlReading, ReserveReason
-from kvgate.headroom.wire import HeadroomEncoder, chain_from_proto, release_to_proto, reserve_to_proto
+from kvgate.headroom.wire import (
+    HeadroomEncoder,
+    chain_from_proto,
+    charge_from_proto,
+    release_to_proto,
+    reserve_to_proto,
+)
 from kvgate.tls import ServerTls
 
 log = logging.getLogger(__name__)
@@ -298,6 +304,7 @@ class _AgentServicer(pb_grpc.AgentServicer):
                 waiting_since_unix_ns=request.waiting_since_unix_ns,
                 rank=request.rank,
                 hold_slot=request.hold_slot,
+                charge=charge_from_proto(request),
             )
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

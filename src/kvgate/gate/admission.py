@@ -33,7 +33,14 @@ from kvgate.gate.leases import LeaseKeeper
 from kvgate.gate.waitqueue import MONOTONIC, Clock, Place, WaitQueue, arrival
 from kvgate.headroom import giveback
 from kvgate.headroom.giveback import unanswered
-from kvgate.headroom.snapshot import HeadClaim, NodeView, PrefixChain, ReleaseOutcome, ReserveOutcome
+from kvgate.headroom.snapshot import (
+    HeadClaim,
+    NodeView,
+    PrefixChain,
+    ReleaseOutcome,
+    ReserveOutcome,
+    TenantCharge,
+)
 from kvgate.names import ANONYMOUS_TENANT
 from kvgate.policy import Decision, Reason, Refusal, Route
 from kvgate.policy.endpoints import Subset, least_busy, within
@@ -72,6 +79,7 @@ class HeadroomSource(Protocol):
         waiting_since_unix_ns: int = 0,
         rank: int = 0,
         hold_slot: bool = False,
+        charge: TenantCharge | None = None,
     ) -> ReserveOutcome:
         """The agent's answer, a refusal included; HeadroomError when it gives none. Blocks of `prefix`
         that live reservations on the node hold are not charged again; `output_tokens` (the request's
@@ -135,6 +143,7 @@ class _Ask:
     holds_on: str | None = None  # the agent it holds its place on (hold_slot), once it is the head
     waited: bool = False  # it found no room at once and joined the waiting order
     held_at: float = float("-inf")  # when it last told that agent so (admission's clock)
+    place: Place | None = None  # its place in this gate's line while it waits
 
     @property
     def claim(self) -> HeadClaim:
@@ -403,7 +412,17 @@ class Admission:
         place = self._queue.join(ask.rank, ask.waiting_since_unix_ns, ask.tokens, ask.tenant)
         if place is None and self._fair is not None:
             self._fair.done_waiting(ask.tenant)
+        ask.place = place
         return place
+
+    def _reorder(self) -> None:
+        """Fair shares moved a tenant: sort the line again. A head that is head no more stops holding
+        its place on its agent, which otherwise keeps the room for it (the agents order the heads they
+        hold room for by arrival) rather than for the new head."""
+        self._queue.reorder()
+        holding = self._holding
+        if holding is not None and holding.place is not None and not self._queue.is_head(holding.place):
+            self._let_go(holding)
 
     def _leave_line(self, place: Place, ask: _Ask) -> None:
         self._queue.leave(place)
@@ -468,7 +487,7 @@ class Admission:
             # Charged while still in the line: the line is sorted again before this request leaves
             # it, so leaving wakes the new head, not the one that led before the charge.
             self._fair.charge(ask.tenant, self._fair.cost(ask.tokens - ask.output_tokens, ask.output_tokens))
-            self._queue.reorder()
+            self._reorder()
         pinned = Route(route.pool, Reason.LONG, route.tokens, node.headroom.endpoint)
         return Admitted(pinned, ticket)
 
@@ -520,6 +539,7 @@ class Admission:
                 waiting_since_unix_ns=ask.waiting_since_unix_ns,
                 rank=ask.rank,
                 hold_slot=hold,
+                charge=self._charge_of(ask),
             )
         except asyncio.CancelledError:
             # The stream went away mid-Reserve (client abort, Envoy timeout): the agent may have granted
@@ -575,6 +595,12 @@ class Admission:
         await self.release(ticket)
         return moved
 
+    def _charge_of(self, ask: _Ask) -> TenantCharge | None:
+        """With fair shares, what the agent adds to the request's tenant's service when it grants."""
+        if self._fair is None:
+            return None
+        return self._fair.charge_of(ask.tenant, ask.tokens - ask.output_tokens, ask.output_tokens)
+
     def _release_later(self, agent: str, request_id: str, *, unanswered: bool = False) -> None:
         task = asyncio.create_task(self._release(agent, request_id, unanswered=unanswered))
         self._background.add(task)
@@ -604,9 +630,28 @@ class Admission:
     async def _pump_updates(self, source: HeadroomSource) -> None:
         while True:
             await source.wait_update(1.0)
+            nodes = source.snapshot()
+            if self._fair is not None:
+                self._observe_service(nodes)
             self._pulse()
-            for checked in self._retries.check(source.snapshot()):
+            for checked in self._retries.check(nodes):
                 self._metrics.retry_checked(checked.basis.value, checked.error_s)
+
+    def _observe_service(self, nodes: Sequence[NodeView]) -> None:
+        """Fair shares across replicas: each tenant's service summed over the agents that say it; the
+        line is sorted again, since another replica's grants may have moved a tenant."""
+        assert self._fair is not None
+        totals: dict[str, float] = {}
+        published = False
+        for node in nodes:
+            if node.headroom is None or not node.headroom.tenant_service:
+                continue
+            published = True
+            for tenant, service in node.headroom.tenant_service.items():
+                totals[tenant] = totals.get(tenant, 0.0) + service
+        if published:
+            self._fair.observe(totals)
+            self._reorder()
 
     def _pulse(self) -> None:
         """Room may have freed: wake the head of the line, and each waiter behind it that fits beside

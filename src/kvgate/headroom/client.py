@@ -15,7 +15,14 @@ from kvgate._proto.headroom.v1 import headroom_pb2 as pb
 from kvgate._proto.headroom.v1 import headroom_pb2_grpc as pb_grpc
 from kvgate.errors import AgentCallError
 from kvgate.headroom.credentials import ChannelSecurity, open_channel
-from kvgate.headroom.snapshot import NO_PREFIXES, NodeHeadroom, PrefixChain, ReleaseOutcome, ReserveOutcome
+from kvgate.headroom.snapshot import (
+    NO_PREFIXES,
+    NodeHeadroom,
+    PrefixChain,
+    ReleaseOutcome,
+    ReserveOutcome,
+    TenantCharge,
+)
 from kvgate.headroom.wire import headroom_from_proto, release_from_proto, reserve_from_proto, reserve_request
 
 # Ids per Renew call: 200 ids at the 256-byte limit of an id are about 52 KiB, inside the agent's 64 KiB
@@ -90,6 +97,7 @@ class AgentClient:
         waiting_since_unix_ns: int = 0,
         rank: int = 0,
         hold_slot: bool = False,
+        charge: TenantCharge | None = None,
     ) -> ReserveOutcome:
         request = reserve_request(
             request_id,
@@ -101,6 +109,7 @@ class AgentClient:
             waiting_since_unix_ns=waiting_since_unix_ns,
             rank=rank,
             hold_slot=hold_slot,
+            charge=charge,
         )
         try:
             response: pb.ReserveResponse = await self._stub.Reserve(request, timeout=timeout_s)

@@ -10,7 +10,8 @@ zero.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 
@@ -171,6 +172,9 @@ class NodeHeadroom:
     # and the rate they drain at (kvgate.agent.prefill_backlog; 0: an agent that does not say).
     prefill_backlog_tokens: int = 0
     prefill_tokens_per_s: float = 0.0
+    # Fair shares across replicas: each tenant's service attained on this node's grants since the agent
+    # started, in cost units (kvgate.agent.tenant_service).
+    tenant_service: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def admissible_tokens(self) -> int:
@@ -226,6 +230,16 @@ def prefill_left(tokens: float, elapsed_s: float, tokens_per_s: float) -> float:
     """What a prefill backlog of `tokens` has left after `elapsed_s` at `tokens_per_s`: the one drain
     rule the agent counts by and the gate ages its messages by."""
     return max(0.0, tokens - elapsed_s * tokens_per_s)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantCharge:
+    """Fair shares across replicas: the tenant a reservation is charged to, and its cost (prompt +
+    output_weight x output tokens), which the agent adds to the tenant's service."""
+
+    tenant: str
+    cost: float
+    output_weight: float = 0.0  # what an output token of `cost` counts: its settlement's rate
 
 
 class ReserveReason(StrEnum):

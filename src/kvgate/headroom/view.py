@@ -48,6 +48,7 @@ from kvgate.headroom.snapshot import (
     PrefixSummary,
     ReleaseOutcome,
     ReserveOutcome,
+    TenantCharge,
     prefill_left,
 )
 
@@ -193,6 +194,7 @@ class HeadroomView:
         waiting_since_unix_ns: int = 0,
         rank: int = 0,
         hold_slot: bool = False,
+        charge: TenantCharge | None = None,
     ) -> ReserveOutcome:
         """Ask the agent `node` (a NodeView.agent) to charge `tokens`, of which `output_tokens` are the
         request's output budget (0: unknown); `waiting_since_unix_ns`, `rank` and `hold_slot`: its place
@@ -210,8 +212,11 @@ class HeadroomView:
             waiting_since_unix_ns=waiting_since_unix_ns,
             rank=rank,
             hold_slot=hold_slot,
+            charge=charge,
         )
         self._merge(link, outcome.headroom_tokens, outcome.reserved_tokens, outcome.reservations)
+        if outcome.granted and charge is not None:
+            self._merge_service(link, charge)
         if outcome.granted:
             self._merge_prefill(link, max(0, tokens - output_tokens - outcome.cached_tokens))
             if prefix is not None:
@@ -247,6 +252,17 @@ class HeadroomView:
         if link is None:
             raise HeadroomError(f"no agent {node} in the headroom view (removed by DNS, or never configured)")
         return link
+
+    @staticmethod
+    def _merge_service(link: _Link, charge: TenantCharge) -> None:
+        """This view's own grant counts in its tenant's service at once, before the agent's next
+        message says so: the gate's line is ordered by it straight after the grant."""
+        latest = link.latest
+        if latest is None:
+            return
+        service = dict(latest.tenant_service)
+        service[charge.tenant] = service.get(charge.tenant, 0.0) + charge.cost
+        link.latest = dataclasses.replace(latest, tenant_service=service)
 
     @staticmethod
     def _merge(

@@ -20,6 +20,7 @@ from kvgate.headroom.snapshot import (
     PrefixSummary,
     ReleaseOutcome,
     ReserveOutcome,
+    TenantCharge,
     UsageSource,
 )
 
@@ -88,6 +89,7 @@ def _scalars_to_proto(h: NodeHeadroom) -> pb.NodeHeadroom:
         max_model_len=h.max_model_len,
         prefill_backlog_tokens=h.prefill_backlog_tokens,
         prefill_tokens_per_s=h.prefill_tokens_per_s,
+        tenant_service=h.tenant_service,
     )
 
 
@@ -130,6 +132,7 @@ def reserve_request(
     waiting_since_unix_ns: int = 0,
     rank: int = 0,
     hold_slot: bool = False,
+    charge: TenantCharge | None = None,
 ) -> pb.ReserveRequest:
     request = pb.ReserveRequest(
         request_id=request_id,
@@ -141,10 +144,16 @@ def reserve_request(
         rank=rank,
         hold_slot=hold_slot,
     )
+    if charge is not None:
+        request.tenant, request.cost, request.output_weight = charge.tenant, charge.cost, charge.output_weight
     if prefix is not None:
         request.prefix_blocks.extend(prefix.blocks)
         request.prefix_block_tokens = prefix.block_tokens
     return request
+
+
+def charge_from_proto(m: pb.ReserveRequest) -> TenantCharge | None:
+    return TenantCharge(m.tenant, m.cost, m.output_weight) if m.tenant else None
 
 
 def chain_from_proto(m: pb.ReserveRequest) -> PrefixChain | None:
@@ -241,6 +250,7 @@ def headroom_from_proto(m: pb.NodeHeadroom, previous: PrefixSummary = NO_PREFIXE
         max_model_len=m.max_model_len,
         prefill_backlog_tokens=m.prefill_backlog_tokens,
         prefill_tokens_per_s=m.prefill_tokens_per_s,
+        tenant_service=dict(m.tenant_service),
     )
 
 

@@ -14,15 +14,21 @@ A request is charged its estimate when admitted (the output budget it reserved) 
 its engine's answer says it generated, where the gate reads the answer (an endpoint picker,
 kvgate.gate.picker): the counter then holds what ran, not what was guessed.
 
-Counters live in one gate process: with several gate replicas, or workers (`server.workers`), each
-keeps its own, so the bound holds per process (docs/operations.md, "Fair shares").
+Across gate replicas (or workers, `server.workers`): every long request passes one agent's Reserve, and
+each Reserve carries its tenant and cost, so the agents keep each tenant's service and publish it in the
+stream (kvgate.agent.tenant_service). Once those totals arrive (`observe`), a gate's counters are their
+sum over the agents, the same in every replica; only the lifts stay each process's own. A gate restart
+loses nothing of anyone's share; an agent restart forgets what its node served (docs/operations.md,
+"Fair shares").
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 
 from kvgate.config import FairnessConfig
+from kvgate.headroom.snapshot import TenantCharge
 
 # Tenants remembered. Past this, the tenant with the least counter that waits for nothing is
 # forgotten: were it to come back, it is lifted to the others' least counter anyway.
@@ -33,7 +39,12 @@ class FairShare:
     def __init__(self, config: FairnessConfig, max_tenants: int = MAX_TENANTS) -> None:
         self._config = config
         self._max_tenants = max_tenants
-        self._counters: dict[str, float] = {}
+        # Each tenant's attained service: what this process charged (weighted), or, once the agents
+        # publish it, their summed totals (raw cost: weighted when read).
+        self._charged: dict[str, float] = {}
+        self._shared: dict[str, float] | None = None
+        # What lifts added to a tenant's counter when it started waiting (idle time banks nothing).
+        self._lift: dict[str, float] = {}
         self._waiting: Counter[str] = Counter()  # waiters per tenant: a tenant here is backlogged
         self._last_served = 0.0
 
@@ -41,16 +52,27 @@ class FairShare:
         """A request's cost in tokens, before its tenant's weight."""
         return prompt_tokens + self._config.output_weight * output_tokens
 
+    def charge_of(self, tenant: str, prompt_tokens: int, output_tokens: int) -> TenantCharge:
+        """What an agent adds to `tenant`'s service when it grants this request."""
+        return TenantCharge(tenant, self.cost(prompt_tokens, output_tokens), self._config.output_weight)
+
     def counter(self, tenant: str) -> float:
-        """The weighted service `tenant` attained: the fair order's key, least first."""
-        return self._counters.get(tenant, 0.0)
+        """The weighted service `tenant` attained, lifts included: the fair order's key, least first."""
+        return self._attained(tenant) + self._lift.get(tenant, 0.0)
+
+    def observe(self, totals: Mapping[str, float]) -> None:
+        """The service each tenant attained across every replica, summed over the agents' messages
+        (raw cost): from now on the counters follow it rather than this process's own charges."""
+        self._shared = dict(totals)
 
     def waits(self, tenant: str) -> None:
         """A request of `tenant` starts waiting; the first of them lifts the tenant's counter."""
         if self._waiting[tenant] == 0:
-            others = [self._counters.get(t, 0.0) for t, n in self._waiting.items() if n > 0]
+            others = [self.counter(t) for t, n in self._waiting.items() if n > 0]
             floor = min(others) if others else self._last_served
-            self._counters[tenant] = max(self._counters.get(tenant, 0.0), floor)
+            lift = floor - self._attained(tenant)
+            if lift > self._lift.get(tenant, 0.0):
+                self._lift[tenant] = lift
             self._forget_beyond_bound()
         self._waiting[tenant] += 1
 
@@ -64,25 +86,36 @@ class FairShare:
 
     def charge(self, tenant: str, cost: float) -> None:
         """A request of `tenant` was admitted at `cost` (its estimate)."""
-        counter = self._counters.get(tenant, 0.0) + cost / self._config.weight(tenant)
-        self._counters[tenant] = counter
-        self._last_served = counter
+        self._charged[tenant] = self._charged.get(tenant, 0.0) + cost / self._config.weight(tenant)
+        if self._shared is not None:
+            # Counted at once; the agents' next totals include it.
+            self._shared[tenant] = self._shared.get(tenant, 0.0) + cost
+        self._last_served = self.counter(tenant)
         self._forget_beyond_bound()
 
     def settle(self, tenant: str, charged_output_tokens: int, generated_tokens: int) -> None:
-        """A request charged `charged_output_tokens` of output generated `generated_tokens`."""
-        if tenant not in self._counters:
+        """A request charged `charged_output_tokens` of output generated `generated_tokens` (with
+        shared totals, its agent settles it from its Release)."""
+        if tenant not in self._charged:
             return
         delta = self._config.output_weight * (generated_tokens - charged_output_tokens)
-        self._counters[tenant] = max(0.0, self._counters[tenant] + delta / self._config.weight(tenant))
+        self._charged[tenant] = max(0.0, self._charged[tenant] + delta / self._config.weight(tenant))
 
     def standing(self) -> list[tuple[str, float, int]]:
-        """Every tenant remembered: its counter and its requests waiting."""
-        return [(tenant, counter, self._waiting[tenant]) for tenant, counter in self._counters.items()]
+        """Every tenant known: its counter and its requests waiting."""
+        known = {*self._charged, *self._lift, *(self._shared or ())}
+        return [(tenant, self.counter(tenant), self._waiting[tenant]) for tenant in known]
+
+    def _attained(self, tenant: str) -> float:
+        if self._shared is not None:
+            return self._shared.get(tenant, 0.0) / self._config.weight(tenant)
+        return self._charged.get(tenant, 0.0)
 
     def _forget_beyond_bound(self) -> None:
-        while len(self._counters) > self._max_tenants:
-            idle = [t for t in self._counters if self._waiting[t] == 0]
+        while len(self._charged) > self._max_tenants or len(self._lift) > self._max_tenants:
+            idle = [t for t in {*self._charged, *self._lift} if self._waiting[t] == 0]
             if not idle:
                 return
-            del self._counters[min(idle, key=self._counters.__getitem__)]
+            gone = min(idle, key=self.counter)
+            self._charged.pop(gone, None)
+            self._lift.pop(gone, None)

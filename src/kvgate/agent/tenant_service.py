@@ -1,0 +1,47 @@
+"""Fair shares across gate replicas: the service each tenant's reservations attained on this node.
+
+Pure. Every long request passes one agent's Reserve, so the agents see all the service every gate
+replica and `kvgate queue` hand out, where each replica alone sees its own. A grant that names its
+tenant and cost (prompt + output_weight x output tokens, the gate's VTC charge) adds the cost to the
+tenant's total; its Release settles the output part on what the request generated, where the gate
+read the answer. The totals go out in the
+stream (NodeHeadroom.tenant_service), and each gate adds them up over the agents
+(kvgate.policy.fair_share), so every replica orders its line by the same counters.
+
+Totals are kept for at most `max_tenants` tenants: past that the least served is forgotten (a tenant
+that comes back is lifted to the others' least counter by the gates anyway).
+"""
+
+from __future__ import annotations
+
+from kvgate.headroom.snapshot import TenantCharge
+
+MAX_TENANTS = 256
+
+
+class TenantService:
+    def __init__(self, max_tenants: int = MAX_TENANTS) -> None:
+        self._max_tenants = max_tenants
+        self._totals: dict[str, float] = {}
+        # By request id: what each live reservation was charged, and the output budget in it.
+        self._live: dict[str, tuple[TenantCharge, int]] = {}
+
+    def granted(self, request_id: str, charge: TenantCharge, output_tokens: int) -> None:
+        self._live[request_id] = (charge, output_tokens)
+        self._totals[charge.tenant] = self._totals.get(charge.tenant, 0.0) + charge.cost
+        if len(self._totals) > self._max_tenants:
+            del self._totals[min(self._totals, key=self._totals.__getitem__)]
+
+    def ended(self, request_id: str, generated_tokens: int = 0) -> None:
+        """The reservation ended (released, or its lease ran out); `generated_tokens`, where its
+        releaser read the answer, settles its output part (0: as charged)."""
+        live = self._live.pop(request_id, None)
+        if live is None or generated_tokens <= 0:
+            return
+        charge, output_tokens = live
+        if charge.tenant in self._totals:
+            delta = charge.output_weight * (generated_tokens - output_tokens)
+            self._totals[charge.tenant] = max(0.0, self._totals[charge.tenant] + delta)
+
+    def totals(self) -> dict[str, float]:
+        return dict(self._totals)
