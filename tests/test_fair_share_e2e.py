@@ -150,3 +150,89 @@ def test_a_tenant_queued_behind_anothers_flood_is_served_next_and_cannot_be_impe
     assert all(reply.status == 200 for reply in replies.values()), {k: r.status for k, r in replies.items()}
     assert served == order
     assert counted == {"a": 3, "b": 1}
+
+
+@pytest.mark.slow
+def test_two_gates_order_their_lines_by_the_service_their_shared_agents_saw(
+    tmp_path: Path, sp_model_path: Path, signer: Signer
+) -> None:
+    """Two gates, each behind its own Envoy, share the agents. On gate two, tenant a then tenant b
+    queue for a node a reservation of the test's own holds. Gate one serves a on a smaller node
+    (gate two's requests are too big for it). The agents' totals reach gate two, which then serves b
+    first; by its own charges alone a and b would be level and a's arrival would go first."""
+    tokens = {name: signer.token(ISSUER, aud=AUDIENCE, tenant=name) for name in ("a", "b")}
+    big, small = text_with_tokens(sp_model_path, 2_900), text_with_tokens(sp_model_path, 1_500)
+    with ExitStack() as stack:
+        ports = {name: free_port() for name in ("interactive", "long", "async")}
+        upstreams = Upstreams(ports)  # "long": the node both gates want; "async" stands for the small one
+        upstreams.start()
+        stack.callback(upstreams.stop)
+        agents = {}
+        for node, capacity in (("long", CAPACITY), ("async", 2_000)):
+            port = free_port()
+            agent = agent_process(
+                tmp_path,
+                f"agent-{node}",
+                port,
+                f"127.0.0.1:{ports[node]}",
+                ["--capacity-tokens", str(capacity)],
+            )
+            stack.callback(agent.stop)
+            agents[node] = f"127.0.0.1:{port}"
+        gates = []
+        for name, followed in (("one", [agents["async"]]), ("two", [agents["long"], agents["async"]])):
+            tmp = tmp_path / name
+            tmp.mkdir()
+            local = dict(ports, listener=free_port(), gate=free_port(), admin=free_port())
+            config_path = render_envoy(ENVOY / "envoy-jwt.yaml", tmp / "envoy.yaml", local)
+            config = yaml.safe_load(config_path.read_text())
+            with_jwks(signer.jwks())(config)
+            config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+            listed = ", ".join(f"'{agent}'" for agent in followed)
+            gate_config = (
+                f"default_model: {{tokenizer: {sp_model_path}, interactive_max_tokens: 1024}}\n"
+                f"headroom: {{agents: [{listed}], stale_after_s: 5}}\n"
+                "admission: {max_wait_s: 60}\nfairness: {enabled: true}\n"
+            )
+            gate = stack.enter_context(gate_process(gate_config, tmp, local["gate"]))
+            envoy = envoy_process(config_path, tmp, local["admin"], local["listener"])
+            stack.callback(envoy.stop)
+            following = len(followed)
+            until(
+                lambda g=gate, n=following: gate_figure(g, "kvgate_node_fresh") == n,
+                f"gate {name} follows its agents",
+            )
+            gates.append((local["listener"], gate))
+        (one_listener, _), (two_listener, two) = gates
+        asyncio.run(_blocker(agents["long"], int(CAPACITY * 0.9) - 500))
+        replies: dict[str, Reply] = {}
+
+        def send(listener: int, name: str, tenant: str, prompt: str) -> None:
+            headers = {"authorization": f"Bearer {tokens[tenant]}", "x-test-request": name}
+            body = chat(f"{name} {prompt}", max_tokens=50)
+            replies[name] = post(listener, CHAT, body, headers, timeout=90)
+
+        threads = []
+        for waiting, (name, tenant) in enumerate((("a-two", "a"), ("b-two", "b")), 1):
+            threads.append(threading.Thread(target=send, args=(two_listener, name, tenant, big)))
+            threads[-1].start()
+            until(
+                lambda n=waiting: gate_figure(two, "kvgate_gate_admission_waiting") == n,
+                f"{waiting} waiting on gate two",
+            )
+        send(one_listener, "a-one", "a", small)  # served at once, on the small node
+        until(
+            lambda: (
+                gate_figure(two, "kvgate_gate_tenant_attained", tenant="a")
+                > gate_figure(two, "kvgate_gate_tenant_attained", tenant="b")
+            ),
+            "gate two sees what gate one served a",
+        )
+        asyncio.run(_blocker(agents["long"], 0, release=True))
+        for thread in threads:
+            thread.join(timeout=120)
+        served = [r.headers.get("x-test-request") for r in upstreams.received if r.pool == "long"]
+
+    assert all(reply.status == 200 for reply in replies.values()), {k: r.status for k, r in replies.items()}
+    assert [r.headers.get("x-test-request") for r in upstreams.received if r.pool == "async"] == ["a-one"]
+    assert served == ["b-two", "a-two"]
