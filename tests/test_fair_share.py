@@ -19,6 +19,7 @@ from kvgate.errors import ConfigError
 from kvgate.gate.admission import Admission, Admitted
 from kvgate.headroom.snapshot import TenantCharge
 from kvgate.headroom.wire import HeadroomEncoder, charge_from_proto, headroom_from_proto, reserve_request
+from kvgate.names import OTHER_TENANTS
 from kvgate.policy.fair_share import FairShare
 from kvgate.telemetry import GateMetrics, TenantLabels
 
@@ -157,7 +158,14 @@ def test_the_gates_line_goes_by_attained_service_with_fair_shares_and_by_arrival
 
 def test_tenant_labels_are_bounded_and_keep_the_named_ones() -> None:
     label = TenantLabels(named={"acme"}, limit=2)
-    assert [label(t) for t in ("a", "b", "c", "acme", "a", "d")] == ["a", "b", "other", "acme", "a", "other"]
+    assert [label(t) for t in ("a", "b", "c", "acme", "a", "d")] == [
+        "a",
+        "b",
+        OTHER_TENANTS,
+        "acme",
+        "a",
+        OTHER_TENANTS,
+    ]
 
 
 def test_each_tenants_long_requests_are_counted_by_outcome_and_service() -> None:

@@ -37,6 +37,8 @@ JOB_ID_HEADER = "x-kvgate-job-id"
 # is ANONYMOUS_TENANT, charged like any other (kvgate.policy.identity, docs/operations.md).
 TENANT_HEADER = "x-kvgate-tenant"
 ANONYMOUS_TENANT = "anonymous"
+# The label of the tenants past a metric's label bound (the gate's and the queue's per-tenant series).
+OTHER_TENANTS = "_other"
 PRIORITY_HEADER = "x-kvgate-priority"
 # A client's own hints (read, never set, by the gate): RFC 7240 preferences.
 PREFER_HEADER = "prefer"

@@ -23,6 +23,7 @@ from opentelemetry.util.types import AttributeValue
 from prometheus_client.core import REGISTRY, HistogramMetricFamily, Metric
 
 from kvgate.addresses import split_host_port
+from kvgate.names import OTHER_TENANTS
 
 log = logging.getLogger(__name__)
 
@@ -250,14 +251,14 @@ def histogram(name: str, description: str, label: str, bounds: tuple[float, ...]
     return made
 
 
-# Tenants labelled by name besides those kvgate.yaml names (fairness.tenants); the rest are `other`.
+# Tenants labelled by name besides those kvgate.yaml names (fairness.tenants); the rest are
+# OTHER_TENANTS, as in the queue's per-tenant series.
 TENANTS_LABELLED = 20
-OTHER_TENANT = "other"
 
 
 class TenantLabels:
     """A tenant's label: its name for the tenants kvgate.yaml names and the first `limit` others seen,
-    `other` for the rest, so a client population cannot grow the metrics without bound."""
+    `_other` for the rest, so a client population cannot grow the metrics without bound."""
 
     def __init__(self, named: Iterable[str] = (), limit: int = TENANTS_LABELLED) -> None:
         self._named = frozenset(named)
@@ -273,7 +274,7 @@ class TenantLabels:
         if len(self._seen) < self._limit:
             self._seen.add(tenant)
             return tenant
-        return OTHER_TENANT
+        return OTHER_TENANTS
 
 
 class GateMetrics:

@@ -41,7 +41,7 @@ from kvgate.headroom.snapshot import (
     ReserveOutcome,
     TenantCharge,
 )
-from kvgate.names import ANONYMOUS_TENANT
+from kvgate.names import ANONYMOUS_TENANT, OTHER_TENANTS
 from kvgate.policy import Decision, Reason, Refusal, Route
 from kvgate.policy.endpoints import Subset, least_busy, within
 from kvgate.policy.fair_share import FairShare
@@ -53,7 +53,7 @@ from kvgate.policy.retry_forecast import RetryPlanner, RetrySettings
 from kvgate.policy.shedding import PoolKind, Verdict
 from kvgate.policy.slot import fits_beside_heads, slot_node
 from kvgate.policy.water import pool_signals
-from kvgate.telemetry import OTHER_TENANT, AdmissionGauges, GateMetrics, NodeGauges, PoolGauges
+from kvgate.telemetry import AdmissionGauges, GateMetrics, NodeGauges, PoolGauges
 
 log = logging.getLogger(__name__)
 
@@ -223,19 +223,19 @@ class Admission:
 
     def _tenant_gauges(self) -> tuple[tuple[str, float, int], ...]:
         """With fair shares, each labelled tenant's attained service and waiters; the tenants past the
-        label bound as `other`: their waiters summed, the least of their counters (the next in line)."""
+        label bound as `_other`: their waiters summed, the least of their counters (the next in line)."""
         if self._fair is None:
             return ()
         labelled: list[tuple[str, float, int]] = []
         others: list[tuple[float, int]] = []
         for tenant, attained, waiting in self._fair.standing():
             label = self._metrics.tenant_label(tenant)
-            if label == OTHER_TENANT:
+            if label == OTHER_TENANTS:
                 others.append((attained, waiting))
             else:
                 labelled.append((label, attained, waiting))
         if others:
-            labelled.append((OTHER_TENANT, min(a for a, _ in others), sum(w for _, w in others)))
+            labelled.append((OTHER_TENANTS, min(a for a, _ in others), sum(w for _, w in others)))
         return tuple(labelled)
 
     async def start(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvgate.names import OTHER_TENANTS
 from kvgate.queue.store import QueueStats
 from kvgate.telemetry import (
     QUEUE_ADMISSIONS,
@@ -96,5 +97,5 @@ def tenant_series(tokens: dict[str, int]) -> list[tuple[float, dict[str, str]]]:
     series = [(float(n), {"tenant": tenant}) for tenant, n in ranked[:TENANT_LABELS]]
     rest = sum(n for _, n in ranked[TENANT_LABELS:])
     if rest:
-        series.append((float(rest), {"tenant": "_other"}))
+        series.append((float(rest), {"tenant": OTHER_TENANTS}))
     return series
