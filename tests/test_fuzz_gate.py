@@ -189,7 +189,7 @@ async def _through_the_gate(
     try:
         context = StreamContext(request.metadata)
         answers = [a async for a in processor.Process(stream(messages(request)), context)]  # type: ignore[arg-type]
-        await processor.drain_releases()
+        await processor.drain_agent_calls()
     finally:
         pipeline.close()
     return answers, source, metrics

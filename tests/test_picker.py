@@ -420,17 +420,18 @@ def test_with_the_picker_down_the_gateway_does_what_the_pool_s_failure_mode_says
 
 
 @pytest.mark.slow
-def test_a_reserved_request_s_release_tells_its_agent_what_the_answer_says_it_generated(
+def test_a_reserved_request_s_first_token_and_release_tell_its_agent_when_it_started_and_what_it_generated(
     tmp_path: Path, sp_model_path: Path
 ) -> None:
-    """The picker reads the usage of every answer to a reserved request, JSON or streamed, and its
-    Release carries the generated tokens to the agent, which learns its node's output lengths from
-    them (kvgate.agent.ledger); a stream without usage is released saying nothing."""
+    """The picker reads every answer to a reserved request, JSON or streamed: its first bytes tell the
+    agent the request started decoding (FirstToken), which the agent projects its end from, and its
+    Release carries the generated tokens, which the agent learns its node's output lengths from
+    (kvgate.agent.ledger); a stream without usage is released saying nothing."""
     with ExitStack() as stack:
         long_node = fast_sim(stack, tmp_path, "long", sp_model_path)
         chat_node = fast_sim(stack, tmp_path, "interactive", sp_model_path)
         model = f"tokenizer: {sp_model_path}, interactive_max_tokens: 1024"
-        listener, _, long_agent = picker_stack(stack, tmp_path, (long_node, chat_node), model, {})
+        listener, gate, long_agent = picker_stack(stack, tmp_path, (long_node, chat_node), model, {})
         prompt = text_with_tokens(sp_model_path, 3_000)
         whole = post(listener, CHAT, chat(prompt, max_tokens=40), timeout=60)
         usage = {"stream": True, "stream_options": {"include_usage": True}}
@@ -442,8 +443,13 @@ def test_a_reserved_request_s_release_tells_its_agent_what_the_answer_says_it_ge
             "the three reservations released",
         )
         told = counted(page(metrics), "kvgate_agent_reservations_total", event="released", reason="answer")
+        started = counted(page(metrics), "kvgate_agent_reservations_total", event="first_token", reason="")
+        assert gate.metrics_port is not None
+        timed = counted(page(gate.metrics_port), "kvgate_gate_picker_first_token_seconds_count", pool="long")
 
     assert whole.status == streamed.status == bare.status == 200
+    assert started == 3, "each reserved answer's first bytes told its agent"
+    assert timed == 3, "and timed by the gate, in the long pool's series"
     assert whole.headers.get("x-kvgate-reason") == "long"
     assert whole.json()["usage"]["completion_tokens"] == 40
     assert told == 2, "the JSON answer and the stream with usage were told; the bare stream was not"

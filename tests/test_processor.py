@@ -49,6 +49,11 @@ async def never_moved(_endpoint: str) -> Reserved | None:
     raise AssertionError("not moved in this test")
 
 
+async def no_first_token() -> None:
+    """A reservation's first token, where the dialect's gate never reads the answer."""
+    raise AssertionError("the dialect's gate reads no answer")
+
+
 def headers(path: str = "/v1/chat/completions", *, end: bool = False, **extra: str) -> ProcessingRequest:
     values = {":method": "POST", ":path": path, "content-type": "application/json", **extra}
     header_map = HeaderMap(headers=[HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()])
@@ -526,7 +531,7 @@ def test_a_reservation_held_when_the_gate_fails_is_released(monkeypatch: pytest.
         released.append("r-1")
 
     async def reserved(self: Pipeline, head: Any, data: bytes) -> Outcome:
-        granted = Reserved("r-1", 9000, 0, release, never_moved)
+        granted = Reserved("r-1", 9000, 0, release, never_moved, no_first_token)
         return Outcome(Route("long", Reason.LONG, 9000, "node-a.engine:8000"), reserved=granted)
 
     monkeypatch.setattr(Pipeline, "on_body", reserved)
@@ -539,7 +544,7 @@ def test_a_reservation_held_when_the_gate_fails_is_released(monkeypatch: pytest.
                 yield message
 
         answers = [a async for a in processor.Process(requests(), StreamContext(()))]  # type: ignore[arg-type]
-        await processor.drain_releases()
+        await processor.drain_agent_calls()
         return answers
 
     _, answer = asyncio.run(asyncio.wait_for(run(), 10))
@@ -667,12 +672,12 @@ def test_a_stream_that_ends_while_held_stops_the_wait_and_releases_what_it_reser
         assert (await seen.get()).HasField("override_message_timeout")
         stream.cancel()  # Envoy (or the client) ends the stream while the request waits for room
         await stopped.wait()
-        await processor.drain_releases()
+        await processor.drain_agent_calls()
 
         # A held request's reservation is released when its stream ends.
         async def reserves(self: Pipeline, head: Any, data: bytes) -> Outcome:
             await asyncio.sleep(0.15)
-            granted = Reserved("r-1", 9000, 0, release, never_moved)
+            granted = Reserved("r-1", 9000, 0, release, never_moved, no_first_token)
             return Outcome(Route("long", Reason.LONG, 9000), reserved=granted)
 
         monkeypatch.setattr(Pipeline, "on_body", reserves)
@@ -683,7 +688,7 @@ def test_a_stream_that_ends_while_held_stops_the_wait_and_releases_what_it_reser
         await seen.get()  # routed
         stream.cancel()
         await asyncio.gather(stream, return_exceptions=True)
-        await processor.drain_releases()
+        await processor.drain_agent_calls()
 
     asyncio.run(asyncio.wait_for(run(), 10))
     assert released == ["r-1"]

@@ -37,6 +37,7 @@ ROUTE_POLICY_IGNORED = "kvgate.gate.route_policy.ignored"
 # Streams the gate answered with the refusal table's internal_error row (an exception it did not expect).
 INTERNAL_ERRORS = "kvgate.gate.internal_errors"
 SERVED_ELSEWHERE = "kvgate.gate.picker_served_elsewhere"
+FIRST_TOKEN = "kvgate_gate_picker_first_token_seconds"
 LEASE_RENEWALS = "kvgate.gate.lease_renewals"
 ADMISSION_WAITING = "kvgate.gate.admission.waiting"
 EXACT_COUNTS_PENDING = "kvgate.gate.exact_counts.pending"
@@ -108,6 +109,8 @@ _RETRY_BUCKETS = (0.5, 1, 2, 3, 5, 10, 20, 30, 60, 120)
 # Signed: positive when the capacity freed after the client was due back (it came too early).
 _RETRY_ERROR_BUCKETS = (-30, -10, -5, -2, -1, -0.5, -0.25, 0, 0.25, 0.5, 1, 2, 5, 10, 30)
 _SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1, 2.5, 5)
+# From a chat's tens of milliseconds to a 128k-token prefill queued behind others.
+_FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 def start_prometheus(listen: str | None) -> None:
@@ -218,6 +221,10 @@ class Histogram:
         series[bisect_left(self._bounds, value)] += 1
         series[-1] += value
 
+    @property
+    def recorded(self) -> bool:
+        return bool(self._series)
+
     def family(self) -> HistogramMetricFamily:
         # Runs on the scrape thread while the event loop records: list reads are atomic under the
         # GIL, so at worst a bucket and the sum are one request apart.
@@ -238,8 +245,11 @@ class _Histograms:
         self.by_name: dict[str, Histogram] = {}
 
     def collect(self) -> Iterator[Metric]:
+        # One with nothing recorded yet is left out, as the SDK leaves out a counter never added to:
+        # an endpoint picker's series do not show on a gate that is none.
         for histogram in list(self.by_name.values()):
-            yield histogram.family()
+            if histogram.recorded:
+                yield histogram.family()
 
 
 _HISTOGRAMS = _Histograms()
@@ -317,6 +327,13 @@ class GateMetrics:
             "Estimated total tokens (prompt + output budget)",
             "method",
             _TOKEN_BUCKETS,
+        )
+        self._first_token = histogram(
+            FIRST_TOKEN,
+            "Endpoint picker: time from the gate's answer to the engine's first response body bytes "
+            "(its first token, for a stream), by the pool of the engine picked; answers with status 200",
+            "pool",
+            _FIRST_TOKEN_BUCKETS,
         )
         self._messages = Tally(m, ENVOY_MESSAGES, "{message}", "ext_proc messages by kind", ("kind",))
         self._reservations = Tally(
@@ -455,6 +472,9 @@ class GateMetrics:
 
     def internal_error(self, message: str) -> None:
         self._internal_errors.add(message)
+
+    def first_token(self, seconds: float, pool: str) -> None:
+        self._first_token.record(seconds, pool)
 
     def reservation_moved(self, moved: bool) -> None:
         self._served_elsewhere.add("moved" if moved else "released")

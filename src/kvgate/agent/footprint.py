@@ -39,6 +39,14 @@ PREFILL_TOKENS_PER_S = 10_000.0
 
 
 @dataclass(frozen=True, slots=True)
+class FirstToken:
+    """For a reservation whose holder reads the engine's answer (an endpoint picker): how long ago the
+    engine sent its first token, None while it has not."""
+
+    age_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
 class Footprint:
     """One reservation's projection, in tokens and decode steps from now."""
 
@@ -69,16 +77,24 @@ def project(
     projected: Callable[[int], int] | None = None,
     *,
     prefill_tokens_per_s: float = PREFILL_TOKENS_PER_S,
+    first_token: FirstToken | None = None,
 ) -> Footprint:
     """A reservation granted `age_s` ago: `prompt` uncached tokens and a `declared` output budget.
 
-    It prefills for prompt / prefill rate seconds, then generates at the decode rate. `projected`
-    turns what it has generated into the output it is projected at in all (kvgate.agent.output_budget;
-    the declared budget when None). One already past its projection is projected as ending now, at
-    its full size."""
+    It prefills for prompt / prefill rate seconds, then generates at the decode rate; where its
+    holder reports the first token (`first_token`), the prefill ends when the engine says so instead.
+    `projected` turns what it has generated into the output it is projected at in all
+    (kvgate.agent.output_budget; the declared budget when None). One already past its projection is
+    projected as ending now, at its full size."""
     if decode_tokens_per_s <= 0 or prefill_tokens_per_s <= 0:
         raise ValueError("rates must be > 0")
     prefill_left_s = prompt / prefill_tokens_per_s - age_s
+    if first_token is not None:
+        # Not yet told: still queued or prefilling, however long that was estimated to take. A busy
+        # engine's prefill outlasts the nominal rate, and a request projected as decoding early is
+        # projected to end early.
+        told = first_token.age_s
+        prefill_left_s = -told if told is not None else max(0.0, prefill_left_s)
     decoded = min(declared, math.floor(max(0.0, -prefill_left_s) * decode_tokens_per_s))
     budget = declared if projected is None else projected(decoded)
     generated = min(budget, decoded)

@@ -116,6 +116,7 @@ class FakeHeadroom:
         self._nodes: dict[str, _Node] = {}
         self._update = asyncio.Event()
         self.released: list[tuple[str, str]] = []
+        self.first_tokens: list[tuple[str, str]] = []  # (node, request id) of each FirstToken
         self.renewals: list[tuple[str, tuple[str, ...]]] = []  # (node, ids) of each Renew
         # Every Reserve answered, in order: (node, request id, whether it holds its slot there).
         self.reserves: list[tuple[str, str, bool]] = []
@@ -248,6 +249,7 @@ class FakeHeadroom:
         rank: int = 0,
         hold_slot: bool = False,
         charge: TenantCharge | None = None,
+        reports_first_token: bool = False,
     ) -> ReserveOutcome:
         """As the agent's Reserve: its ledger, capped and claimed by the node's waiting order
         (kvgate.agent.backfill) as NodeState.reserve does."""
@@ -262,7 +264,14 @@ class FakeHeadroom:
         waiter = Waiter("", request_id, rank, waiting_since_unix_ns)
         caps = state.claims.caps(waiter, state.ledger.headroom(budget), lambda: self._releases(state))
         outcome = state.ledger.reserve(
-            request_id, tokens, self._lease_s, budget, prefix=prefix, output_tokens=output_tokens, caps=caps
+            request_id,
+            tokens,
+            self._lease_s,
+            budget,
+            prefix=prefix,
+            output_tokens=output_tokens,
+            caps=caps,
+            reports_first_token=reports_first_token,
         )
         admissible_tokens = admissible(budget.capacity_tokens, budget.safety_ratio)
         state.claims.answered(
@@ -273,6 +282,13 @@ class FakeHeadroom:
             state.tenant_service.granted(request_id, charge, output_tokens)
         await asyncio.sleep(0)  # an answer arrives on a later turn of the loop, as over gRPC
         return outcome
+
+    async def first_token(self, node: str, request_id: str) -> bool:
+        state = self._answering(node)
+        known = state.ledger.first_token(request_id)
+        self.first_tokens.append((node, request_id))
+        self._notify()
+        return known
 
     async def release(
         self, node: str, request_id: str, *, unanswered: bool = False, generated_tokens: int = 0

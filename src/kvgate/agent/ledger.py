@@ -40,7 +40,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from kvgate.agent.footprint import Footprint, held_now, peak, project
+from kvgate.agent.footprint import FirstToken, Footprint, held_now, peak, project
 from kvgate.agent.output_budget import OutputHistory
 from kvgate.agent.prefix_blocks import PrefixBlocks
 from kvgate.headroom.snapshot import (
@@ -72,6 +72,10 @@ class Reservation:
     granted_at: float = 0.0  # by the ledger's clock; a renewal keeps it
     output_tokens: int = 0  # of `tokens`, the request's output budget; 0 when unknown
     charged: int = 0  # what its grant added to the reserved tokens: counted against its holder's cap
+    # Its holder says when the engine sends its first token (FirstToken); when that came, by the
+    # ledger's clock (None: not yet, or never told).
+    reports_first_token: bool = False
+    first_token_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,7 +224,14 @@ class ReservationLedger:
         now = self._clock()
         levels = self.outputs.levels()
         footprints = [
-            self._project(r.own_tokens, r.output_tokens, now - r.granted_at, rate, levels)
+            self._project(
+                r.own_tokens,
+                r.output_tokens,
+                now - r.granted_at,
+                rate,
+                levels,
+                first_token=_first_token(r, now),
+            )
             for r in self._live.values()
         ]
         prefix = self._reserved - self._own  # held prefix blocks: counted until the end, conservatively
@@ -236,13 +247,27 @@ class ReservationLedger:
         return Commitment(top + drift, top, drift, True)
 
     def _project(
-        self, own: int, output: int, age_s: float, rate: float, levels: tuple[int, ...]
+        self,
+        own: int,
+        output: int,
+        age_s: float,
+        rate: float,
+        levels: tuple[int, ...],
+        *,
+        first_token: FirstToken | None = None,
     ) -> Footprint:
         declared = min(output, own)  # a prefix chain may cover what the caller said was output
         prompt = own - declared
         if declared == 0:
             return Footprint(prompt, 0, 0, math.inf)  # no output budget: no expected end
-        return project(prompt, declared, age_s, rate, lambda g: self.outputs.projected(declared, g, levels))
+        return project(
+            prompt,
+            declared,
+            age_s,
+            rate,
+            lambda g: self.outputs.projected(declared, g, levels),
+            first_token=first_token,
+        )
 
     def largest_holders(self, limit: int) -> list[tuple[str, int]]:
         """The `limit` holders charged the most by their live reservations, largest first. Read by the
@@ -266,13 +291,15 @@ class ReservationLedger:
         prefix: PrefixChain | None = None,
         output_tokens: int = 0,
         caps: tuple[Cap, ...] = (),
+        reports_first_token: bool = False,
     ) -> ReserveOutcome:
         """Charge `tokens` to `holder` if they fit in the headroom, its holder cap and every one of
         `caps`, else refuse. `lease_s`
         <= 0 takes the default. A repeat by the same holder renews the lease and charges nothing more.
 
         With a `prefix` chain, the chain's blocks that live reservations hold are not charged again.
-        `output_tokens`, the request's output budget within `tokens`, says when it is expected to end.
+        `output_tokens`, the request's output budget within `tokens`, says when it is expected to end;
+        `reports_first_token`: the holder will say when it starts decoding (first_token).
         """
         check_ids(request_id, holder)
         if tokens <= 0:
@@ -318,7 +345,18 @@ class ReservationLedger:
         now = self._clock()
         charged = own + held
         self._hold(
-            Reservation(request_id, tokens, now + lease, holder, blocks, own, now, output_tokens, charged)
+            Reservation(
+                request_id,
+                tokens,
+                now + lease,
+                holder,
+                blocks,
+                own,
+                now,
+                output_tokens,
+                charged,
+                reports_first_token,
+            )
         )
         self._reserved += charged
         self._own += own
@@ -348,6 +386,18 @@ class ReservationLedger:
                 self._hold(dataclasses.replace(existing, expires_at=until))
         return lapsed, lease
 
+    def first_token(self, request_id: str, holder: str = "") -> bool:
+        """The engine sent `holder`'s request its first token: from now its output grows. False when
+        no live reservation of that holder's awaited it (unknown, another's, or told already)."""
+        check_ids(request_id, holder)
+        existing = self._live.get(request_id)
+        if existing is None or existing.holder != holder or existing.first_token_at is not None:
+            return False
+        self._live[request_id] = dataclasses.replace(
+            existing, reports_first_token=True, first_token_at=self._clock()
+        )
+        return True
+
     def release(
         self,
         request_id: str,
@@ -375,8 +425,9 @@ class ReservationLedger:
 
     def _learn(self, ended: Reservation, generated_tokens: int) -> None:
         """Learn what a released reservation generated: what its releaser read in the engine's answer,
-        else its hold x the decode rate, within its budget. The hold counts its prefill and its trip to
-        the engine too, so the output learned from it errs high. An expired one is not learned: its
+        else its hold (from its first token, where told) x the decode rate, within its budget. A hold
+        from the grant counts its prefill and its trip to the engine too, so the output learned from it
+        errs high. An expired one is not learned: its
         request may have ended long before."""
         if generated_tokens > 0:
             self.outputs.learn(generated_tokens)
@@ -385,7 +436,8 @@ class ReservationLedger:
         declared = min(ended.output_tokens, ended.own_tokens)
         if rate is None or rate <= 0 or declared == 0:
             return
-        held = max(0.0, self._clock() - ended.granted_at)
+        decoding_since = ended.first_token_at if ended.first_token_at is not None else ended.granted_at
+        held = max(0.0, self._clock() - decoding_since)
         self.outputs.learn(min(declared, math.floor(held * rate)))
 
     def release_answer(self, released: bool, budget: Budget) -> ReleaseOutcome:
@@ -468,3 +520,10 @@ def check_ids(request_id: str, holder: str) -> None:
         # Characters first: a str of a few MiB is not encoded to learn that it is too long.
         if len(value) > MAX_ID_BYTES or len(value.encode("utf-8", "surrogatepass")) > MAX_ID_BYTES:
             raise ValueError(f"{name} is longer than {MAX_ID_BYTES} bytes")
+
+
+def _first_token(reservation: Reservation, now: float) -> FirstToken | None:
+    if not reservation.reports_first_token:
+        return None
+    at = reservation.first_token_at
+    return FirstToken(None if at is None else now - at)

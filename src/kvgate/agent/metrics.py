@@ -88,7 +88,8 @@ class AgentMetrics:
             "Reservation events: granted, refused (by reason), released (reason answer: the releaser "
             "said what the request generated, and the node learnt its output length from that), expired, "
             "renewed, lapsed (a renewal of an id not held: its lease ended, or a Release overtook the "
-            "renewal)",
+            "renewal), first_token (its holder said the engine started answering it; reason unknown: no "
+            "live reservation of that holder's awaited it)",
             ("event", "reason"),
         )
         self._prefix = Tally(
@@ -223,6 +224,9 @@ class AgentMetrics:
 
     def released(self, *, told_generated: bool = False) -> None:
         self._reservations.add("released", "answer" if told_generated else "")
+
+    def first_token(self, known: bool) -> None:
+        self._reservations.add("first_token", "" if known else "unknown")
 
     def expired(self) -> None:
         self._reservations.add("expired", "")

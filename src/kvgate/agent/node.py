@@ -281,11 +281,13 @@ class NodeState:
         rank: int = 0,
         hold_slot: bool = False,
         charge: TenantCharge | None = None,
+        reports_first_token: bool = False,
     ) -> ReserveOutcome:
         """`waiting_since_unix_ns` and `rank`: the request's place in the one waiting order (0: a try
         that names none, behind every waiter); `hold_slot`: a waiter that finds no room here keeps its
         claim on the node (kvgate.agent.backfill); `charge`: its tenant's cost, for fair shares
-        (kvgate.agent.tenant_service)."""
+        (kvgate.agent.tenant_service); `reports_first_token`: its holder will say when the engine
+        starts answering it (first_token)."""
         shares = self._engine.reading is not None and self._engine.reading.prefix_caching is True
         chain = prefix if shares else None
         budget = self.budget()
@@ -300,6 +302,7 @@ class NodeState:
             prefix=chain,
             output_tokens=output_tokens,
             caps=self._lend_caps(budget, tokens - output_tokens, chain) + head_cap,
+            reports_first_token=reports_first_token,
         )
         admissible_tokens = admissible(budget.capacity_tokens, budget.safety_ratio)
         self.claims.answered(result, waiter, tokens, hold_slot=hold_slot, admissible_tokens=admissible_tokens)
@@ -341,6 +344,10 @@ class NodeState:
             self.ledger.reserved_tokens,
             self.prefill.tokens(self._clock()),
         )
+
+    def first_token(self, request_id: str, holder: str = "") -> bool:
+        """The engine sent the request its first token (kvgate.agent.ledger.ReservationLedger.first_token)."""
+        return self.ledger.first_token(request_id, holder)
 
     def release(
         self,

@@ -2,9 +2,11 @@
 refused client can be told when to come back (kvgate.policy.retry_forecast).
 
 Pure. A reservation that carries its request's output budget ends about `output_tokens / rate` after
-it was granted, at the engine's measured per-request decode rate (kvgate.agent.decode_rate), and
-never after its lease. Prefill is not counted apart: the rate is measured over prefill and decode
-alike. A reservation past its expected end is expected now (0 s). One without an output budget has no
+it started decoding, at the engine's measured per-request decode rate (kvgate.agent.decode_rate), and
+never after its lease. It starts decoding at its grant, or, where its holder reports the first token
+(an endpoint picker reads the engine's answer), at that first token, and not before it is told so.
+Prefill is not counted apart from the grant: the rate is measured over prefill and decode alike. A
+reservation past its expected end is expected now (0 s). One without an output budget has no
 expected end and is left out: it frees capacity the forecast did not count on, never the other way.
 """
 
@@ -34,7 +36,7 @@ def expected_releases(
         return ()
     rate = decode_tokens_per_s
     ends = sorted(
-        (max(0.0, min(r.granted_at + r.output_tokens / rate, r.expires_at) - now), r.own_tokens)
+        (max(0.0, min(_decoding_from(r, now) + r.output_tokens / rate, r.expires_at) - now), r.own_tokens)
         for r in reservations
         if r.output_tokens > 0
     )
@@ -42,3 +44,9 @@ def expected_releases(
         folded = sum(tokens for _, tokens in ends[limit - 1 :])
         ends = [*ends[: limit - 1], (ends[-1][0], folded)]
     return tuple(ExpectedRelease(after_s, tokens) for after_s, tokens in ends)
+
+
+def _decoding_from(reservation: Reservation, now: float) -> float:
+    if reservation.first_token_at is not None:
+        return reservation.first_token_at
+    return now if reservation.reports_first_token else reservation.granted_at

@@ -305,6 +305,7 @@ class _AgentServicer(pb_grpc.AgentServicer):
                 rank=request.rank,
                 hold_slot=request.hold_slot,
                 charge=charge_from_proto(request),
+                reports_first_token=request.reports_first_token,
             )
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -343,6 +344,20 @@ class _AgentServicer(pb_grpc.AgentServicer):
             self._agent.metrics.released(told_generated=request.generated_tokens > 0)
         self._agent.changed.set()
         return release_to_proto(outcome)
+
+    async def FirstToken(
+        self, request: pb.FirstTokenRequest, context: grpc.aio.ServicerContext
+    ) -> pb.FirstTokenResponse:
+        holder = await self._holder(request.holder, context)
+        try:
+            known = self._agent.state.first_token(request.request_id, holder)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise AssertionError("abort returns by raising") from exc
+        self._agent.metrics.first_token(known)
+        if known:
+            self._agent.changed.set()
+        return pb.FirstTokenResponse(known=known)
 
     async def Renew(self, request: pb.RenewRequest, context: grpc.aio.ServicerContext) -> pb.RenewResponse:
         holder = await self._holder(request.holder, context)
@@ -399,6 +414,11 @@ def _add_agent_service(servicer: _AgentServicer, server: grpc.aio.Server) -> Non
             servicer.Release,
             request_deserializer=pb.ReleaseRequest.FromString,
             response_serializer=pb.ReleaseResponse.SerializeToString,
+        ),
+        "FirstToken": grpc.unary_unary_rpc_method_handler(
+            servicer.FirstToken,
+            request_deserializer=pb.FirstTokenRequest.FromString,
+            response_serializer=pb.FirstTokenResponse.SerializeToString,
         ),
         "Renew": grpc.unary_unary_rpc_method_handler(
             servicer.Renew,

@@ -80,12 +80,19 @@ class HeadroomSource(Protocol):
         rank: int = 0,
         hold_slot: bool = False,
         charge: TenantCharge | None = None,
+        reports_first_token: bool = False,
     ) -> ReserveOutcome:
         """The agent's answer, a refusal included; HeadroomError when it gives none. Blocks of `prefix`
         that live reservations on the node hold are not charged again; `output_tokens` (the request's
         output budget, 0 when unknown) tells the agent when the reservation is expected to end;
         `waiting_since_unix_ns`, `rank` and `hold_slot` are the request's place in the one waiting
-        order and whether it holds its place there (kvgate.agent.backfill)."""
+        order and whether it holds its place there (kvgate.agent.backfill); `reports_first_token`:
+        this source will call first_token when the engine starts answering."""
+        ...
+
+    async def first_token(self, node: str, request_id: str) -> bool:
+        """The engine started answering the request this source reserved `request_id` for: whether a
+        live reservation took it. HeadroomError when the agent gives no answer."""
         ...
 
     async def release(
@@ -171,14 +178,18 @@ class Admission:
         lease_s: float = DEFAULT_LEASE_S,
         loop_lag: Callable[[], float] | None = None,
         fairness: FairnessConfig | None = None,
+        reports_first_token: bool = False,
     ) -> None:
         """`wall_ns`: the wall clock a request's place in the one waiting order is read from; the
         agents compare it with other gates' and the queue's, so it is the host's real time. `lease_s`:
         the lease the long pool's agents grant this gate, renewed every third of it (kvgate.gate.leases).
         `loop_lag`: how far behind the gate's event loop runs, in seconds (kvgate.gate.loop_lag).
         `fairness`, where enabled: waiters of a priority go by their tenant's weighted attained
-        service (kvgate.policy.fair_share), not by arrival."""
+        service (kvgate.policy.fair_share), not by arrival. `reports_first_token`: this gate reads the
+        engines' answers (an endpoint picker) and tells the agents when each reserved request starts
+        decoding (first_token), which they project its end from."""
         self._loop_lag = loop_lag
+        self._reports_first_token = reports_first_token
         self._config = config
         self._wall_ns = wall_ns
         # The head of this gate's line while it holds its place on an agent: behind it, this gate asks
@@ -540,6 +551,7 @@ class Admission:
                 rank=ask.rank,
                 hold_slot=hold,
                 charge=self._charge_of(ask),
+                reports_first_token=self._reports_first_token,
             )
         except asyncio.CancelledError:
             # The stream went away mid-Reserve (client abort, Envoy timeout): the agent may have granted
@@ -576,7 +588,11 @@ class Admission:
         if node is not None and node.agent != ticket.agent:
             try:
                 outcome = await self._long.reserve(
-                    node.agent, ticket.request_id, ticket.tokens, output_tokens=ticket.output_tokens
+                    node.agent,
+                    ticket.request_id,
+                    ticket.tokens,
+                    output_tokens=ticket.output_tokens,
+                    reports_first_token=self._reports_first_token,
                 )
             except asyncio.CancelledError:
                 self._release_later(node.agent, ticket.request_id, unanswered=True)
@@ -594,6 +610,15 @@ class Admission:
         self._metrics.reservation_moved(moved is not None)
         await self.release(ticket)
         return moved
+
+    async def first_token(self, ticket: Ticket) -> None:
+        """The engine sent `ticket`'s request its first token: its agent projects its end from now. An
+        agent that gives no answer keeps projecting it as prefilling, which errs on the safe side."""
+        assert self._long is not None, "a reservation exists only where a long pool granted it"
+        try:
+            await self._long.first_token(ticket.agent, ticket.request_id)
+        except HeadroomError as error:
+            log.info("first token of %s not told to %s: %s", ticket.request_id, ticket.agent, error)
 
     def _charge_of(self, ask: _Ask) -> TenantCharge | None:
         """With fair shares, what the agent adds to the request's tenant's service when it grants."""
@@ -700,6 +725,9 @@ class _Within:
         return await self._source.release(
             node, request_id, unanswered=unanswered, generated_tokens=generated_tokens
         )
+
+    async def first_token(self, node: str, request_id: str) -> bool:
+        return await self._source.first_token(node, request_id)
 
     async def renew(self, node: str, request_ids: Sequence[str]) -> frozenset[str]:
         return await self._source.renew(node, request_ids)

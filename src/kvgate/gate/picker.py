@@ -23,7 +23,10 @@ and what the reference picker does with it (v1.5.0, pkg/epp/handlers/server.go a
   @043486c7, getEndpoint / chooseHostInternal). The reservation moves to the engine that serves:
   reserved on its agent, given back where it was (kvgate.gate.admission.Admission.move); where no agent
   follows that engine or it has no room, it is only given back, since it would hold KV idle.
-- The response body is handed back chunk by chunk as it comes.
+- The response body is handed back chunk by chunk as it comes. Its first bytes are the engine's first
+  token (a stream's first event; a whole answer otherwise): the time since the gate's answer is
+  recorded per pool, and the agent holding the request's reservation is told (FirstToken), which
+  projects the reservation's end from then instead of from an estimated prefill (kvgate.agent.footprint).
 
 The error boundary is the dialect adapter's (kvgate.gate.processor): an exception becomes the
 refusal table's answer, never a request let through unpicked.
@@ -31,8 +34,10 @@ refusal table's answer, never a request let through unpicked.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
+import time
 from collections import deque
 
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
@@ -76,8 +81,11 @@ class PickerStream(RequestStream):
         "answer",
         "answer_streamed",
         "answered",
+        "awaits_first_token",
         "endpoint",
+        "pool",
         "reads_answer",
+        "routed_at",
         "streams_request",
         "streams_response",
         "tail",
@@ -87,6 +95,9 @@ class PickerStream(RequestStream):
         super().__init__()
         self.answered = False  # the request headers and body have been answered
         self.endpoint: str | None = None  # the engine the reservation is held on, if any
+        self.pool = ""  # the pool of the engine picked
+        self.routed_at = 0.0  # when the gate answered with an engine (monotonic)
+        self.awaits_first_token = False  # a 200 whose first body bytes have not come yet
         # A 200 to a request that holds a reservation or named no output budget: its usage is read.
         self.reads_answer = False
         self.streams_request = True
@@ -167,6 +178,8 @@ class EndpointPicker(ExternalProcessor):
             return [_CONTINUE_RESPONSE_HEADERS]
         if kind == "response_body":
             chunk = message.response_body
+            if stream.awaits_first_token and chunk.body:
+                self._first_token(stream)
             if stream.reads_answer:
                 self._read_answer(chunk.body, chunk.end_of_stream, stream)
             if not stream.streams_response:
@@ -219,8 +232,10 @@ class EndpointPicker(ExternalProcessor):
         extra: dict[str, str | float],
         session: str | None,
     ) -> ProcessingResponse:
-        if isinstance(stream, PickerStream) and stream.reserved is not None:
-            stream.endpoint = route.endpoint
+        if isinstance(stream, PickerStream):
+            stream.pool, stream.routed_at = route.pool, time.monotonic()
+            if stream.reserved is not None:
+                stream.endpoint = route.endpoint
         return responses.picked(
             route,
             stream.forged,
@@ -248,6 +263,7 @@ class EndpointPicker(ExternalProcessor):
         if status is None or header_value(status) != "200":
             stream.learns = None
             return
+        stream.awaits_first_token = stream.routed_at > 0
         stream.reads_answer = stream.learns is not None or stream.reserved is not None
         if not stream.reads_answer:
             return
@@ -277,6 +293,23 @@ class EndpointPicker(ExternalProcessor):
         stream.generated = tokens
         if learns is not None:
             self._pipeline.observe_output(learns, tokens)
+
+    def _first_token(self, stream: PickerStream) -> None:
+        stream.awaits_first_token = False
+        self._metrics.first_token(time.monotonic() - stream.routed_at, stream.pool)
+        reserved = stream.reserved
+        if reserved is None:
+            return
+        telling = asyncio.ensure_future(reserved.first_token())
+        self._call_agent(telling)
+
+        async def release_once_told(generated_tokens: int) -> None:
+            # A short answer ends while its FirstToken is in flight: released after it, the agent
+            # does not take a first token for a reservation it has already ended.
+            await asyncio.wait([telling])
+            await reserved.release(generated_tokens)
+
+        stream.reserved = dataclasses.replace(reserved, release=release_once_told)
 
     async def _check_served(self, message: ProcessingRequest, stream: PickerStream) -> None:
         """A reservation held on an engine that did not serve the request moves to the one that did."""

@@ -153,13 +153,15 @@ class Reserved:
     """What a node's agent reserved for an admitted request, and what ends it: `release`, made by the
     admission, called once when the request ends (Envoy closes its stream). `move` hands it to the
     engine the gateway really sent the request to (an endpoint picker's served endpoint): the
-    reservation that replaces it, or None when it was only given back."""
+    reservation that replaces it, or None when it was only given back. `first_token` tells its agent
+    the engine started answering (an endpoint picker sees the answer)."""
 
     session: str  # the gate's reservation id (kvgate.gate.reservation_ids), not the client's
     charged_tokens: int  # what the agent added to its reserved tokens (less with shared prefixes)
     cached_tokens: int  # prompt tokens the engine is expected to find in its prefix cache
     release: Release
     move: Callable[[str], Awaitable[Reserved | None]]
+    first_token: Callable[[], Awaitable[None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -393,7 +395,10 @@ class Pipeline:
             return None if moved is None else self._reserved(moved)
 
         release = functools.partial(admission.release, ticket)
-        return Reserved(ticket.request_id, ticket.charged_tokens, ticket.cached_tokens, release, move)
+        first_token = functools.partial(admission.first_token, ticket)
+        return Reserved(
+            ticket.request_id, ticket.charged_tokens, ticket.cached_tokens, release, move, first_token
+        )
 
     def observe_output(self, learns: Learns, completion_tokens: int) -> None:
         """The answer to a request that named no output budget reported `completion_tokens` (over its

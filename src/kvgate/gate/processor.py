@@ -29,7 +29,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 import grpc
 from envoy.config.core.v3.base_pb2 import HeaderValue
@@ -181,7 +181,9 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
         # deployment's settings.
         self._refusals = Refusals(config.refusals.too_long_status, config.admission.retry_after_s)
         self._holding = holding(config.admission)
-        self._releases: set[asyncio.Future[None]] = set()
+        # Calls to the agents made for streams, still in flight: releases, an endpoint picker's first
+        # tokens. A stopping gate waits for them (drain_agent_calls).
+        self._agent_calls: set[asyncio.Future[None]] = set()
 
     async def Process(
         self, requests: AsyncIterator[ProcessingRequest], context: grpc.aio.ServicerContext
@@ -245,9 +247,12 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
         stream is being cancelled."""
         reserved, stream.reserved = stream.reserved, None
         if reserved is not None:
-            task = asyncio.ensure_future(reserved.release(stream.generated))
-            self._releases.add(task)
-            task.add_done_callback(self._releases.discard)
+            self._call_agent(reserved.release(stream.generated))
+
+    def _call_agent(self, call: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(call)
+        self._agent_calls.add(task)
+        task.add_done_callback(self._agent_calls.discard)
 
     def _abandon(self, answering: asyncio.Future[ProcessingResponse | None], stream: RequestStream) -> None:
         """The stream went away while its body's answer was still being made: stop making it (the
@@ -286,10 +291,10 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
         self._metrics.internal_error(kind or "none")
         return self._refuse(INTERNAL_ERROR, api)
 
-    async def drain_releases(self) -> None:
-        """Wait for releases still in flight, so a stopping gate gives back what it reserved."""
-        if self._releases:
-            await asyncio.gather(*self._releases, return_exceptions=True)
+    async def drain_agent_calls(self) -> None:
+        """Wait for calls to the agents still in flight, so a stopping gate gives back what it reserved."""
+        if self._agent_calls:
+            await asyncio.gather(*self._agent_calls, return_exceptions=True)
 
     def _on_headers(self, message: HttpHeaders, stream: RequestStream) -> ProcessingResponse:
         stream.head = head = read_head(message, stream, self._priority_header, stream.route)

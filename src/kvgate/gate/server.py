@@ -98,6 +98,7 @@ async def serve(
             lease_s=_lease_s(config),
             loop_lag=lag.current_s,
             fairness=config.fairness,
+            reports_first_token=config.server.protocol == "endpoint-picker",
         )
         if views
         else None
@@ -139,7 +140,7 @@ async def serve(
     log.info("draining for up to %.0f s", config.server.drain_seconds)
     await health.enter_graceful_shutdown()
     await server.stop(grace=config.server.drain_seconds)
-    await processor.drain_releases()
+    await processor.drain_agent_calls()
     if admission is not None:
         await admission.stop()
     for view in views:

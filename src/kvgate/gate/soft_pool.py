@@ -3,9 +3,9 @@ pool's agents that lend (docs/operations.md, "Soft pools").
 
 One `HeadroomSource` over two views: its snapshot is every long-pool node followed by the interactive
 nodes whose agent says it lends (role interactive, `lend_tokens` set), so `choose_nodes` tries them
-after the long nodes and within what they lend; a Reserve, Release or Renew goes to the view that follows
-that agent; an update from either view wakes admission. The interactive view still serves the
-interactive pool's water level as before. Pinning needs nothing more: the gate pins an admitted long
+after the long nodes and within what they lend; a Reserve, FirstToken, Release or Renew goes to the view
+that follows that agent; an update from either view wakes admission. The interactive view still serves
+the interactive pool's water level as before. Pinning needs nothing more: the gate pins an admitted long
 request to the endpoint its node's agent reports (vetted by that view's headroom.allowed_endpoints),
 and Envoy's long_pinned cluster routes to the address in x-kvgate-endpoint whatever node it is.
 """
@@ -51,6 +51,9 @@ class SoftPool:
         return await self._source(node).release(
             node, request_id, unanswered=unanswered, generated_tokens=generated_tokens
         )
+
+    async def first_token(self, node: str, request_id: str) -> bool:
+        return await self._source(node).first_token(node, request_id)
 
     async def renew(self, node: str, request_ids: Sequence[str]) -> frozenset[str]:
         return await self._source(node).renew(node, request_ids)

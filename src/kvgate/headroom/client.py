@@ -1,4 +1,4 @@
-"""The gate's gRPC adapter to one agent: a Subscribe stream, Reserve, Release and Renew.
+"""The gate's gRPC adapter to one agent: a Subscribe stream, Reserve, FirstToken, Release and Renew.
 
 gRPC failures become HeadroomError here; nothing above this module sees grpc's exceptions.
 The channel's own reconnect backoff is kept short so that the view's jittered backoff, not
@@ -98,6 +98,7 @@ class AgentClient:
         rank: int = 0,
         hold_slot: bool = False,
         charge: TenantCharge | None = None,
+        reports_first_token: bool = False,
     ) -> ReserveOutcome:
         request = reserve_request(
             request_id,
@@ -110,12 +111,23 @@ class AgentClient:
             rank=rank,
             hold_slot=hold_slot,
             charge=charge,
+            reports_first_token=reports_first_token,
         )
         try:
             response: pb.ReserveResponse = await self._stub.Reserve(request, timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise _error(self.address, "Reserve", exc) from exc
         return reserve_from_proto(response)
+
+    async def first_token(self, request_id: str, holder: str, timeout_s: float) -> bool:
+        """Tell the agent the engine started answering `holder`'s request `request_id`: whether a
+        reservation of that holder's took it."""
+        request = pb.FirstTokenRequest(request_id=request_id, holder=holder)
+        try:
+            response: pb.FirstTokenResponse = await self._stub.FirstToken(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise _error(self.address, "FirstToken", exc) from exc
+        return response.known
 
     async def release(
         self,

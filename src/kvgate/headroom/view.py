@@ -195,6 +195,7 @@ class HeadroomView:
         rank: int = 0,
         hold_slot: bool = False,
         charge: TenantCharge | None = None,
+        reports_first_token: bool = False,
     ) -> ReserveOutcome:
         """Ask the agent `node` (a NodeView.agent) to charge `tokens`, of which `output_tokens` are the
         request's output budget (0: unknown); `waiting_since_unix_ns`, `rank` and `hold_slot`: its place
@@ -213,6 +214,7 @@ class HeadroomView:
             rank=rank,
             hold_slot=hold_slot,
             charge=charge,
+            reports_first_token=reports_first_token,
         )
         self._merge(link, outcome.headroom_tokens, outcome.reserved_tokens, outcome.reservations)
         if outcome.granted and charge is not None:
@@ -222,6 +224,11 @@ class HeadroomView:
             if prefix is not None:
                 self._merge_prefix(link, prefix)
         return outcome
+
+    async def first_token(self, node: str, request_id: str) -> bool:
+        """The engine started answering `request_id` (a reservation made with reports_first_token)."""
+        link = self._link(node)
+        return await link.client.first_token(request_id, self._holder, self.settings.reserve_timeout_s)
 
     async def release(
         self, node: str, request_id: str, *, unanswered: bool = False, generated_tokens: int = 0

@@ -133,6 +133,7 @@ def reserve_request(
     rank: int = 0,
     hold_slot: bool = False,
     charge: TenantCharge | None = None,
+    reports_first_token: bool = False,
 ) -> pb.ReserveRequest:
     request = pb.ReserveRequest(
         request_id=request_id,
@@ -143,6 +144,7 @@ def reserve_request(
         waiting_since_unix_ns=waiting_since_unix_ns,
         rank=rank,
         hold_slot=hold_slot,
+        reports_first_token=reports_first_token,
     )
     if charge is not None:
         request.tenant, request.cost, request.output_weight = charge.tenant, charge.cost, charge.output_weight

@@ -157,7 +157,7 @@ class PrefixSummary(_message.Message):
     def __init__(self, blocks: _Optional[_Iterable[int]] = ..., indexed_tokens: _Optional[int] = ..., saved_tokens: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "tokens", "lease_s", "holder", "prefix_blocks", "prefix_block_tokens", "output_tokens", "waiting_since_unix_ns", "rank", "hold_slot", "tenant", "cost", "output_weight")
+    __slots__ = ("request_id", "tokens", "lease_s", "holder", "prefix_blocks", "prefix_block_tokens", "output_tokens", "waiting_since_unix_ns", "rank", "hold_slot", "tenant", "cost", "output_weight", "reports_first_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,7 @@ class ReserveRequest(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     COST_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tokens: int
     lease_s: float
@@ -184,7 +185,8 @@ class ReserveRequest(_message.Message):
     tenant: str
     cost: float
     output_weight: float
-    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[int] = ..., lease_s: _Optional[float] = ..., holder: _Optional[str] = ..., prefix_blocks: _Optional[_Iterable[int]] = ..., prefix_block_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., waiting_since_unix_ns: _Optional[int] = ..., rank: _Optional[int] = ..., hold_slot: _Optional[bool] = ..., tenant: _Optional[str] = ..., cost: _Optional[float] = ..., output_weight: _Optional[float] = ...) -> None: ...
+    reports_first_token: bool
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[int] = ..., lease_s: _Optional[float] = ..., holder: _Optional[str] = ..., prefix_blocks: _Optional[_Iterable[int]] = ..., prefix_block_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., waiting_since_unix_ns: _Optional[int] = ..., rank: _Optional[int] = ..., hold_slot: _Optional[bool] = ..., tenant: _Optional[str] = ..., cost: _Optional[float] = ..., output_weight: _Optional[float] = ..., reports_first_token: _Optional[bool] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("granted", "reason", "headroom_tokens", "reserved_tokens", "lease_s", "charged_tokens", "cached_tokens", "reservations")
@@ -205,6 +207,20 @@ class ReserveResponse(_message.Message):
     cached_tokens: int
     reservations: int
     def __init__(self, granted: _Optional[bool] = ..., reason: _Optional[str] = ..., headroom_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., lease_s: _Optional[float] = ..., charged_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., reservations: _Optional[int] = ...) -> None: ...
+
+class FirstTokenRequest(_message.Message):
+    __slots__ = ("request_id", "holder")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    holder: str
+    def __init__(self, request_id: _Optional[str] = ..., holder: _Optional[str] = ...) -> None: ...
+
+class FirstTokenResponse(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id", "unanswered_reserve", "holder", "generated_tokens")

@@ -55,6 +55,11 @@ class AgentStub:
                 request_serializer=kvgate_dot_headroom_dot_v1_dot_headroom__pb2.RenewRequest.SerializeToString,
                 response_deserializer=kvgate_dot_headroom_dot_v1_dot_headroom__pb2.RenewResponse.FromString,
                 _registered_method=True)
+        self.FirstToken = channel.unary_unary(
+                '/kvgate.headroom.v1.Agent/FirstToken',
+                request_serializer=kvgate_dot_headroom_dot_v1_dot_headroom__pb2.FirstTokenRequest.SerializeToString,
+                response_deserializer=kvgate_dot_headroom_dot_v1_dot_headroom__pb2.FirstTokenResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServicer:
@@ -93,6 +98,15 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FirstToken(self, request, context):
+        """The request's engine sent its first token: its prompt is prefilled and it decodes from now. Sent by
+        a holder that reads the engine's answers (an endpoint picker) for the reservations it made with
+        reports_first_token; unknown ids are not an error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -115,6 +129,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.Renew,
                     request_deserializer=kvgate_dot_headroom_dot_v1_dot_headroom__pb2.RenewRequest.FromString,
                     response_serializer=kvgate_dot_headroom_dot_v1_dot_headroom__pb2.RenewResponse.SerializeToString,
+            ),
+            'FirstToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.FirstToken,
+                    request_deserializer=kvgate_dot_headroom_dot_v1_dot_headroom__pb2.FirstTokenRequest.FromString,
+                    response_serializer=kvgate_dot_headroom_dot_v1_dot_headroom__pb2.FirstTokenResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +244,33 @@ class Agent:
             '/kvgate.headroom.v1.Agent/Renew',
             kvgate_dot_headroom_dot_v1_dot_headroom__pb2.RenewRequest.SerializeToString,
             kvgate_dot_headroom_dot_v1_dot_headroom__pb2.RenewResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FirstToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvgate.headroom.v1.Agent/FirstToken',
+            kvgate_dot_headroom_dot_v1_dot_headroom__pb2.FirstTokenRequest.SerializeToString,
+            kvgate_dot_headroom_dot_v1_dot_headroom__pb2.FirstTokenResponse.FromString,
             options,
             channel_credentials,
             insecure,
