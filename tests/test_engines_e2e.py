@@ -33,6 +33,8 @@ import openai
 import pytest
 from engines_fixtures import RunningLlama, RunningVllm
 from openai.types.chat import ChatCompletionMessageParam
+from test_picker import picker_envoy
+from test_picker_conformance import REQUEST_HEADER, check_following, gateway_log, with_access_log
 from waiting import until
 
 from kvgate.agent.sources.engines import promtext
@@ -714,6 +716,7 @@ def _placements(gate: Service, placement: str) -> float:
 class Picking:
     listener: int
     gate: Service
+    log: Path  # Envoy's access log (test_picker_conformance.ACCESS_LOG_FORMAT)
 
 
 @pytest.fixture(scope="module")
@@ -736,14 +739,68 @@ def picking(
             f"interactive_headroom: {{agents: ['127.0.0.1:{chat_agent.port}'], {GATE_TIMING}}}\n"
             "soft_pools: {borrow: false}\n"
         )
-        ports = {"interactive": vllm_interactive.port, "long": vllm_long.port}
+        ports: dict[str, Any] = {"interactive": vllm_interactive.port, "long": vllm_long.port}
         ports |= {"listener": free_port(), "gate": free_port(), "admin": free_port()}
-        rendered = render_envoy(ROOT / "envoy" / "envoy-inferencepool.yaml", tmp / "envoy.yaml", ports)
+        # The shipped file, plus the routes that hand the conformance tests' requests a subset hint.
+        rendered = picker_envoy(tmp, ports, _conformance_subsets(vllm_interactive, vllm_long))
+        log = tmp / "access.log"
+        with_access_log(rendered, log)
         envoy = envoy_process(rendered, tmp, ports["admin"], ports["listener"])
         stack.callback(envoy.stop)
         gate = stack.enter_context(gate_process(config, tmp, ports["gate"]))
         until(lambda: _fresh_nodes(gate) == 2, "the picker follows both agents", timeout_s=60)
-        yield Picking(ports["listener"], gate)
+        yield Picking(ports["listener"], gate, log)
+
+
+def _conformance_subsets(interactive: RunningVllm, long: RunningVllm) -> dict[str, list[str]]:
+    engines = [f"127.0.0.1:{interactive.port}", f"127.0.0.1:{long.port}"]
+    return {"only-interactive": engines[:1], "only-long": engines[1:], "both": engines}
+
+
+def test_gie_conformance_on_the_real_vllm_engines(
+    picking: Picking, vllm_interactive: RunningVllm, vllm_long: RunningVllm
+) -> None:
+    """GatewayFollowingEPPRouting and GatewayDestinationEndpointServed (tests/test_picker_conformance.py)
+    on the real engines: for each allowed set, 10 chats 5 at a time, each answered 200 by an engine of
+    the set, the one kvgate named first, which Envoy reports as served."""
+    engines = {"interactive": f"127.0.0.1:{vllm_interactive.port}", "long": f"127.0.0.1:{vllm_long.port}"}
+    asked: dict[str, tuple[set[str], Reply]] = {}
+
+    def ask(subset: str, n: int) -> None:
+        request = f"{subset}-{n}"
+        headers = {"x-test-subset": subset, REQUEST_HEADER: request}
+        body = {
+            "model": MODEL,
+            "messages": messages(f"Write as if you were a critic: city {n}"),
+            "max_tokens": 4,
+        }
+        reply = post(
+            picking.listener,
+            "/v1/chat/completions",
+            json.dumps(body).encode(),
+            headers=headers,
+            timeout=ENGINE_PATIENCE_S,
+        )
+        allowed = set(_conformance_subsets(vllm_interactive, vllm_long)[subset])
+        asked[request] = (allowed, reply)
+
+    with ThreadPoolExecutor(5) as workers:
+        list(
+            workers.map(
+                lambda job: ask(*job),
+                [(s, n) for s in ("only-interactive", "only-long", "both") for n in range(10)],
+            )
+        )
+    until(lambda: asked.keys() <= gateway_log(picking.log).keys(), "every request in Envoy's access log")
+    served = gateway_log(picking.log)
+
+    for request, (allowed, reply) in asked.items():
+        assert reply.status == 200, reply.body[:300]
+        check_following(served[request], allowed)
+    assert {served[r].upstream for r in asked if r.startswith("only-long")} == {engines["long"]}
+    assert {served[r].upstream for r in asked if r.startswith("both")} == {engines["interactive"]}, (
+        "chats go to the interactive engine where the set allows one"
+    )
 
 
 def test_as_the_pool_s_endpoint_picker_kvgate_sends_each_request_to_the_vllm_it_named(

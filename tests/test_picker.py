@@ -389,37 +389,6 @@ def _route_long_to_its_own_cluster(envoy_config: Path, ports: list[int]) -> None
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fail_open", [False, True])
-def test_with_the_picker_down_the_gateway_does_what_the_pool_s_failure_mode_says(
-    tmp_path: Path, sp_model_path: Path, fail_open: bool
-) -> None:
-    """The InferencePool's endpointPickerRef.failureMode is the ext_proc filter's failure_mode_allow
-    (GIE conformance: the picker unavailable). FailClose, the API's default and the shipped file's,
-    answers 500 while the picker is unreachable. FailOpen sends on only what carries no body: once a
-    FULL_DUPLEX_STREAMED body was handed to the picker Envoy cannot take it back, and fails closed
-    whatever the setting (envoy source/extensions/filters/http/ext_proc/ext_proc.cc @v1.40.0,
-    Filter::failureModeAllow). Every inference request has a body: FailOpen changes nothing for them."""
-    with ExitStack() as stack:
-        chat_node = sim_node(stack, tmp_path, "interactive", sp_model_path)
-        ports: dict[str, Any] = {"interactive": chat_node.port, "long": chat_node.port}
-        ports |= {"listener": free_port(), "gate": free_port(), "admin": free_port()}  # no gate listens
-        envoy_config = picker_envoy(tmp_path, ports, {})
-        shown = yaml.safe_load(envoy_config.read_text())
-        manager = shown["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-        ext_proc = next(f for f in manager["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
-        assert ext_proc["typed_config"]["failure_mode_allow"] is False, "the shipped file fails closed"
-        ext_proc["typed_config"]["failure_mode_allow"] = fail_open
-        envoy_config.write_text(yaml.safe_dump(shown, sort_keys=False))
-        envoy = envoy_process(envoy_config, tmp_path, ports["admin"], ports["listener"])
-        stack.callback(envoy.stop)
-        asked = post(ports["listener"], CHAT, chat("hello", max_tokens=4))
-        listed = post(ports["listener"], "/v1/models", None)  # a GET
-
-    assert asked.status == 500, asked.body[:300]
-    assert listed.status == (200 if fail_open else 500), listed.body[:300]
-
-
-@pytest.mark.slow
 def test_a_reserved_request_s_first_token_and_release_tell_its_agent_when_it_started_and_what_it_generated(
     tmp_path: Path, sp_model_path: Path
 ) -> None:
