@@ -374,6 +374,7 @@ class SlowAgentView:
         rank: int = 0,
         hold_slot: bool = False,
         charge: TenantCharge | None = None,
+        reports_first_token: bool = False,
     ) -> None:
         self.reserving.set()
         await asyncio.sleep(3600)

@@ -59,6 +59,7 @@ def test_the_pool_names_the_gate_as_its_picker_and_the_route_sends_everything_to
     assert route["spec"]["parentRefs"][0]["name"] == "inference-gateway"
     config = parse_config(gate_config_text(docs))
     assert config.server.protocol == "endpoint-picker", "the gate speaks the Endpoint Picker Protocol"
+    assert config.server.picker_endpoints == 3, "a fallback list for an Envoy-based gateway"
     assert not any(doc["kind"] in ("EnvoyFilter", "EnvoyExtensionPolicy") for doc in docs), "no mesh of ours"
 
 
@@ -96,6 +97,7 @@ def test_the_schema_check_is_real(helm: Helm, spec_change: Any, why: str) -> Non
         ({"agent__pools": {"interactive": {"enabled": False}}}, "both agent.pools"),
         ({"inferencePool__failureMode": "Sometimes"}, "failureMode"),
         ({"inferencePool__targetPorts": []}, "targetPorts"),
+        ({"inferencePool__pickerEndpoints": 0}, "pickerEndpoints"),
     ],
 )
 def test_values_that_cannot_work_fail_naming_the_value(
@@ -103,6 +105,11 @@ def test_values_that_cannot_work_fail_naming_the_value(
 ) -> None:
     with pytest.raises(HelmFailed, match=message):
         helm.render(values(**changes))
+
+
+def test_one_endpoint_a_request_for_a_gateway_that_takes_one(helm: Helm) -> None:
+    docs = helm.render(values(inferencePool__pickerEndpoints=1))
+    assert parse_config(gate_config_text(docs)).server.picker_endpoints == 1
 
 
 def test_without_the_pool_nothing_of_it_renders(helm: Helm) -> None:

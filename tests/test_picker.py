@@ -19,10 +19,12 @@ from test_soft_pools import CAPACITY, headroom, node_agent, page, sim_node
 from texts import text_with_tokens
 from waiting import until
 
+from kvgate.agent.in_process import FakeHeadroom, ManualClock
 from kvgate.agent.sources.engines import promtext
 from kvgate.config import parse_config
 from kvgate.errors import ConfigError
 from kvgate.gate import responses
+from kvgate.gate.admission import Admission
 from kvgate.gate.picker import served_endpoint, subset_hint
 from kvgate.harness.client import Reply, chat, post
 from kvgate.harness.envoy import render_envoy
@@ -78,6 +80,24 @@ def test_unreserved_requests_go_to_the_least_busy_engines_within_the_hint() -> N
     assert least_busy(nodes, frozenset({endpoints["d"]})) == (), "a stale node is no pick"
     assert least_busy(nodes, frozenset()) == ()
     assert [n.agent for n in within(nodes, frozenset({endpoints["b"]}))] == ["b"]
+
+
+@pytest.mark.parametrize(("count", "named"), [(3, 3), (1, 1)])
+def test_server_picker_endpoints_bounds_the_engines_named_for_a_request_that_reserves_nothing(
+    count: int, named: int
+) -> None:
+    """1 for a gateway that takes one endpoint (agentgateway reads one `ip:port`; a list is an error)."""
+    clock = ManualClock()
+    interactive = FakeHeadroom(clock, stale_after_s=5.0)
+    for name in ("a", "b", "c", "d"):
+        interactive.add_node(name, 10_000)
+    config = parse_config(f"server: {{picker_endpoints: {count}}}")
+    admission = Admission(
+        config.admission, None, interactive, clock=clock, picker_endpoints=config.server.picker_endpoints
+    )
+    picked = admission.pick_unreserved(Route("interactive", Reason.SHORT, 100), None)
+    assert isinstance(picked, Route) and picked.endpoint is not None
+    assert len(picked.endpoint.split(",")) == named
 
 
 def test_the_picked_answer_names_the_engine_in_the_header_and_envoy_lb_alike() -> None:

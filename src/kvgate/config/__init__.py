@@ -50,6 +50,10 @@ class ServerConfig:
     # Extension's Endpoint Picker Protocol: an InferencePool's gateway asks it for the endpoint of
     # every request (kvgate.gate.picker, envoy/envoy-inferencepool.yaml).
     protocol: Literal["kvgate", "endpoint-picker"] = "kvgate"
+    # As an endpoint picker, the most engines named for a request that reserves nothing: the pick, then
+    # fallbacks an Envoy-based gateway tries in order. 1 for a gateway that takes one endpoint only
+    # (agentgateway: a list is an error there, crates/agentgateway/src/http/ext_proc.rs @75b4e6ce).
+    picker_endpoints: int = field(default=3, metadata={"min": 1, "max": 16})
 
     def __post_init__(self) -> None:
         # No port 0: the gate is found where its config says, by Envoy and by its own workers.
@@ -231,9 +235,30 @@ class SoftPoolsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenQuotaConfig:
+    """A tenant's long requests may take `tokens` (prompt + output) per `window_s`: a token bucket that
+    holds `tokens` and refills them over the window (kvgate.policy.tenant_limits)."""
+
+    tokens: int = 0
+    window_s: float = field(default=60.0, metadata={"min": 1})
+
+    def contradiction(self) -> str | None:
+        return (
+            "a quota needs tokens: the prompt + output tokens allowed per window, >= 1"
+            if self.tokens < 1
+            else None
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class TenantConfig:
     # The tenant's share of contended long-pool service against the others' weights.
     weight: float = field(default=1.0, metadata={"min": 0.01})
+    # The most of the long pool's admissible KV this tenant's reservations may hold while another
+    # tenant's long requests wait; None: fairness.default_max_kv_share.
+    max_kv_share: float | None = field(default=None, metadata={"min": 0.01, "max": 1.0})
+    # None: fairness.default_quota.
+    quota: TokenQuotaConfig | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,11 +272,34 @@ class FairnessConfig:
     output_weight: float = field(default=2.0, metadata=at_least(0))
     # The weight of a tenant `tenants` does not name.
     default_weight: float = field(default=1.0, metadata={"min": 0.01})
+    # The caps of a tenant that names none (None: no cap). They apply whether or not `enabled` orders
+    # the line.
+    default_max_kv_share: float | None = field(default=None, metadata={"min": 0.01, "max": 1.0})
+    default_quota: TokenQuotaConfig | None = None
     tenants: Mapping[str, TenantConfig] = field(default_factory=dict)
 
     def weight(self, tenant: str) -> float:
         known = self.tenants.get(tenant)
         return known.weight if known is not None else self.default_weight
+
+    def max_kv_share(self, tenant: str) -> float | None:
+        known = self.tenants.get(tenant)
+        own = known.max_kv_share if known is not None else None
+        return own if own is not None else self.default_max_kv_share
+
+    def quota(self, tenant: str) -> TokenQuotaConfig | None:
+        known = self.tenants.get(tenant)
+        own = known.quota if known is not None else None
+        return own if own is not None else self.default_quota
+
+    @property
+    def limits_tenants(self) -> bool:
+        """Whether any tenant has a cap: a quota or a most share of KV."""
+        return (
+            self.default_max_kv_share is not None
+            or self.default_quota is not None
+            or any(t.max_kv_share is not None or t.quota is not None for t in self.tenants.values())
+        )
 
 
 @dataclass(frozen=True, slots=True)

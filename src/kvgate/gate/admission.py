@@ -20,11 +20,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from kvgate.config import AdmissionConfig, FairnessConfig, ModelConfig
 from kvgate.config.headroom import DEFAULT_LEASE_S
@@ -43,7 +44,7 @@ from kvgate.headroom.snapshot import (
 )
 from kvgate.names import ANONYMOUS_TENANT, OTHER_TENANTS
 from kvgate.policy import Decision, Reason, Refusal, Route
-from kvgate.policy.endpoints import Subset, least_busy, within
+from kvgate.policy.endpoints import UNRESERVED_ENDPOINTS, Subset, least_busy, within
 from kvgate.policy.fair_share import FairShare
 from kvgate.policy.identity import Priorities
 from kvgate.policy.nodes import Affinity, NodeChoice, choose_nodes
@@ -52,6 +53,7 @@ from kvgate.policy.pressure import PoolPressure
 from kvgate.policy.retry_forecast import RetryPlanner, RetrySettings
 from kvgate.policy.shedding import PoolKind, Verdict
 from kvgate.policy.slot import fits_beside_heads, slot_node
+from kvgate.policy.tenant_limits import TenantLimits
 from kvgate.policy.water import pool_signals
 from kvgate.telemetry import AdmissionGauges, GateMetrics, NodeGauges, PoolGauges
 
@@ -179,6 +181,7 @@ class Admission:
         loop_lag: Callable[[], float] | None = None,
         fairness: FairnessConfig | None = None,
         reports_first_token: bool = False,
+        picker_endpoints: int = UNRESERVED_ENDPOINTS,
     ) -> None:
         """`wall_ns`: the wall clock a request's place in the one waiting order is read from; the
         agents compare it with other gates' and the queue's, so it is the host's real time. `lease_s`:
@@ -190,6 +193,7 @@ class Admission:
         decoding (first_token), which they project its end from."""
         self._loop_lag = loop_lag
         self._reports_first_token = reports_first_token
+        self._picker_endpoints = picker_endpoints
         self._config = config
         self._wall_ns = wall_ns
         # The head of this gate's line while it holds its place on an agent: behind it, this gate asks
@@ -199,6 +203,7 @@ class Admission:
         self._interactive = interactive
         self._clock = clock
         self._fair = FairShare(fairness) if fairness is not None and fairness.enabled else None
+        self._limits = TenantLimits(fairness) if fairness is not None and fairness.limits_tenants else None
         self._output_weight = (fairness or FairnessConfig()).output_weight
         self._queue = WaitQueue(config.queue_size, clock, self._fair_order if self._fair else arrival)
         self._long_pressure = PoolPressure(PoolKind.LONG, config)
@@ -302,7 +307,13 @@ class Admission:
             reservation_id, rank, max_wait_s, affinity, output_tokens, route.tokens, self._wall_ns(), tenant
         )
         source = self._long if subset is None else _Within(self._long, subset)
-        admitted = await self._admit_long(source, route, model, ask)
+        capped = self._over_limits(source, route, ask) if self._limits is not None else None
+        if capped is not None:
+            admitted = Admitted(capped)
+        else:
+            admitted = await self._admit_long(source, route, model, ask)
+            if self._limits is not None:
+                self._count_limits(admitted, ask)
         if admitted.ticket is not None:
             outcome = "waited" if ask.waited else "at_once"
         else:
@@ -332,6 +343,43 @@ class Admission:
         self._metrics.admitted(result, time.perf_counter() - started)
         return admitted
 
+    def _over_limits(self, source: HeadroomSource, route: Route, ask: _Ask) -> Refusal | None:
+        """The tenant's own caps (kvgate.policy.tenant_limits): its share of KV while another tenant
+        waits, then its quota, which the request takes from here on (given back if not admitted)."""
+        limits = self._limits
+        assert limits is not None
+        nodes = source.snapshot()
+        admissible_tokens = sum(n.headroom.admissible_tokens for n in nodes if n.headroom is not None)
+        others_wait = self._queue.waits_other_than(ask.tenant)
+        share = limits.share_passed(ask.tenant, route.tokens, admissible_tokens, others_wait)
+        if share is not None:
+            refused = Refusal(
+                Reason.TENANT_SHARE,
+                f"Tenant {ask.tenant!r} holds its most share of the long-context pool ({share:.0%}) while "
+                "others wait. Retry later.",
+                route.tokens,
+            )
+            return cast(Refusal, self._come_back(refused, source, ask.output_tokens))
+        retry_after_s = limits.take_quota(ask.tenant, route.tokens, self._clock())
+        if retry_after_s is None:
+            return None
+        return Refusal(
+            Reason.TENANT_QUOTA,
+            f"Tenant {ask.tenant!r} has used its token quota for now. "
+            f"Retry after {math.ceil(retry_after_s)} s.",
+            route.tokens,
+            retry_after_s,
+        )
+
+    def _count_limits(self, admitted: Admitted, ask: _Ask) -> None:
+        """An admitted request holds its tokens against its tenant's share; one that was not gives
+        back the quota it took."""
+        assert self._limits is not None
+        if admitted.ticket is not None:
+            self._limits.hold(ask.tenant, admitted.ticket.tokens)
+        else:
+            self._limits.give_back(ask.tenant, ask.tokens, self._clock())
+
     def _fair_order(self, place: Place) -> tuple[float, ...]:
         """Rank first, then the tenant's weighted attained service, then arrival."""
         assert self._fair is not None, "the fair order is the queue's only with fair shares"
@@ -342,9 +390,9 @@ class Admission:
         the route with the least busy interactive engines the hint allows, else the least busy long
         ones it allows, or a 503 when it allows none."""
         interactive = self._interactive.snapshot() if self._interactive is not None else ()
-        endpoints = least_busy(interactive, subset)
+        endpoints = least_busy(interactive, subset, self._picker_endpoints)
         if not endpoints and self._long is not None:
-            endpoints = least_busy(self._long.snapshot(), subset)
+            endpoints = least_busy(self._long.snapshot(), subset, self._picker_endpoints)
         if not endpoints:
             return no_healthy_node(route)
         return dataclasses.replace(route, endpoint=",".join(endpoints))
@@ -607,6 +655,8 @@ class Admission:
                     if self.leases is not None:
                         self.leases.hold(node.agent, ticket.request_id)
                     moved = dataclasses.replace(ticket, agent=node.agent, outcome=outcome)
+                    if self._limits is not None:
+                        self._limits.hold(ticket.tenant, ticket.tokens)
         self._metrics.reservation_moved(moved is not None)
         await self.release(ticket)
         return moved
@@ -636,6 +686,10 @@ class Admission:
         the agent to learn its node's output lengths from and its tenant's service to settle on."""
         if self._fair is not None and generated_tokens > 0:
             self._fair.settle(ticket.tenant, ticket.output_tokens, generated_tokens)
+        if self._limits is not None:
+            self._limits.let_go(ticket.tenant, ticket.tokens)
+            if generated_tokens > 0:
+                self._limits.give_back(ticket.tenant, ticket.output_tokens - generated_tokens, self._clock())
         output = generated_tokens if generated_tokens > 0 else ticket.output_tokens
         prompt = ticket.tokens - ticket.output_tokens
         self._metrics.tenant_served(ticket.tenant, prompt + self._output_weight * output)

@@ -99,6 +99,7 @@ async def serve(
             loop_lag=lag.current_s,
             fairness=config.fairness,
             reports_first_token=config.server.protocol == "endpoint-picker",
+            picker_endpoints=config.server.picker_endpoints,
         )
         if views
         else None

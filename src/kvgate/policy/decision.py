@@ -31,6 +31,9 @@ class Reason(enum.StrEnum):
     QUEUE_FULL = "queue_full"
     NO_CAPACITY = "no_capacity"
     NO_HEALTHY_NODE = "no_healthy_node"
+    # A tenant's own caps (fairness: quota, max_kv_share; kvgate.policy.tenant_limits).
+    TENANT_QUOTA = "tenant_quota"
+    TENANT_SHARE = "tenant_share"
     # The gate or the queue failed on the request in a way it did not expect (a bug, not the client).
     INTERNAL_ERROR = "internal_error"
     # Refusals only the async queue (`kvgate queue`) makes.

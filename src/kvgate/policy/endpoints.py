@@ -27,7 +27,7 @@ from kvgate.headroom.snapshot import NodeView
 # The gateway's subset hint: the endpoints it allows (None: no hint, the whole pool).
 Subset = frozenset[str] | None
 
-# Engines named for a request without a reservation: the pick and its fallbacks.
+# Engines named for a request without a reservation: the pick and its fallbacks (server.picker_endpoints).
 UNRESERVED_ENDPOINTS = 3
 
 

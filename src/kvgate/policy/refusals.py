@@ -39,6 +39,7 @@ class RetryRule(enum.Enum):
     NEVER = "never"  # the same request will be refused again: no Retry-After
     SOON = "soon"  # the gateway's own momentary overload: one second
     CAPACITY = "capacity"  # the pools are full: admission.retry_after_s, or the refusal's forecast
+    QUOTA = "quota"  # the tenant's quota is spent: when its bucket holds the request again
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +51,7 @@ class RefusalRule:
     retry: RetryRule
 
 
-_N, _S, _C = RetryRule.NEVER, RetryRule.SOON, RetryRule.CAPACITY
+_N, _S, _C, _Q = RetryRule.NEVER, RetryRule.SOON, RetryRule.CAPACITY, RetryRule.QUOTA
 _INVALID, _TOO_LARGE, _RATE, _OVERLOADED = (
     "invalid_request_error",
     "request_too_large",
@@ -72,6 +73,10 @@ RULES: Mapping[Reason, RefusalRule] = MappingProxyType({
     Reason.QUEUE_FULL:           RefusalRule(429, "no_capacity",                  _RATE, _RATE, _C),
     Reason.NO_CAPACITY:          RefusalRule(429, "no_capacity",                  _RATE, _RATE, _C),
     Reason.NO_HEALTHY_NODE:      RefusalRule(503, "no_healthy_node",       "server_error", _OVERLOADED, _C),
+    # The tenant's quota is spent (Retry-After: when its bucket holds the request again), or its
+    # reservations hold its most share of KV while others wait (Retry-After: the release forecast).
+    Reason.TENANT_QUOTA:         RefusalRule(429, "tenant_quota_exceeded",        _RATE, _RATE, _Q),
+    Reason.TENANT_SHARE:         RefusalRule(429, "tenant_share_exceeded",        _RATE, _RATE, _C),
     # What the gate or the queue did not expect (an exception: logged with the request id, counted);
     # never a stream error Envoy would fail open on, never a 500. Another try usually succeeds.
     Reason.INTERNAL_ERROR:       RefusalRule(503, "internal_error",        "server_error", "api_error", _S),
@@ -185,6 +190,7 @@ def table_markdown() -> str:
         _N: "none (do not retry as is)",
         _S: f"{_SOON_S:g} s",
         _C: "forecast from the agents (`admission.retry_after`), else `admission.retry_after_s`",
+        _Q: "when the tenant's quota holds the request again (`fairness.tenants.NAME.quota`)",
     }
     for reason, rule in RULES.items():
         lines.append(

@@ -1,0 +1,155 @@
+"""A tenant's own caps (issue 30, item 2; kvgate.policy.tenant_limits): a token quota per window that
+takes the estimate at admission and settles on what ran, and a most share of the long pool's KV that
+holds only while another tenant waits. Each refusal is a 429 with its own reason and a Retry-After."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from test_admission import MODEL, long_route, run, until
+
+from kvgate.agent.in_process import FakeHeadroom, ManualClock
+from kvgate.config import AdmissionConfig, FairnessConfig, TenantConfig, TokenQuotaConfig, parse_config
+from kvgate.errors import ConfigError
+from kvgate.gate.admission import Admission, Admitted
+from kvgate.policy import Reason, Refusal
+from kvgate.policy.refusals import RULES
+from kvgate.policy.tenant_limits import TenantLimits
+
+QUOTA = TokenQuotaConfig(tokens=30_000, window_s=60.0)  # 500 tokens a second
+
+
+def limits(**tenant: object) -> TenantLimits:
+    return TenantLimits(FairnessConfig(tenants={"acme": TenantConfig(**tenant)}))  # type: ignore[arg-type]
+
+
+# --- the quota -----------------------------------------------------------------------------------
+
+
+def test_a_quota_takes_each_estimate_and_says_when_the_bucket_holds_the_next_again() -> None:
+    quota = limits(quota=QUOTA)
+    assert quota.take_quota("acme", 20_000, 0.0) is None
+    assert quota.take_quota("acme", 10_000, 0.0) is None
+    assert quota.take_quota("acme", 5_000, 0.0) == pytest.approx(10.0), "5,000 tokens at 500 a second"
+    assert quota.take_quota("acme", 5_000, 10.0) is None, "refilled by then"
+    assert quota.take_quota("other", 50_000, 0.0) is None, "a tenant without a quota is not held"
+
+
+def test_a_quota_settles_on_what_ran_and_gives_back_what_was_not_admitted() -> None:
+    quota = limits(quota=QUOTA)
+    assert quota.take_quota("acme", 30_000, 0.0) is None
+    quota.give_back("acme", 8_000, 0.0)  # charged 10,000 of output, generated 2,000
+    assert quota.take_quota("acme", 8_000, 0.0) is None
+    quota.give_back("acme", -4_000, 0.0)  # generated 4,000 more than charged: an overdraft
+    assert quota.take_quota("acme", 1, 0.0) == pytest.approx(4_001 / 500)
+
+
+def test_a_request_larger_than_the_whole_quota_goes_only_on_a_full_bucket() -> None:
+    quota = limits(quota=QUOTA)
+    assert quota.take_quota("acme", 1_000, 0.0) is None
+    assert quota.take_quota("acme", 40_000, 0.0) == pytest.approx(1_000 / 500), "until the bucket is full"
+    assert quota.take_quota("acme", 40_000, 2.0) is None, "a full bucket lets it through"
+    assert quota.take_quota("acme", 1_000, 2.0) == pytest.approx(11_000 / 500), "and it is overdrawn"
+
+
+# --- the share -----------------------------------------------------------------------------------
+
+
+def test_the_share_cap_holds_only_while_another_tenant_waits() -> None:
+    share = limits(max_kv_share=0.5)
+    share.hold("acme", 40_000)
+    assert share.share_passed("acme", 20_000, 100_000, others_wait=False) is None, "work-conserving"
+    assert share.share_passed("acme", 20_000, 100_000, others_wait=True) == 0.5
+    assert share.share_passed("acme", 10_000, 100_000, others_wait=True) is None, "exactly half is allowed"
+    share.let_go("acme", 40_000)
+    assert share.share_passed("acme", 50_000, 100_000, others_wait=True) is None
+
+
+def test_the_config_names_a_bad_cap() -> None:
+    with pytest.raises(ConfigError, match=r"fairness\.tenants\.acme\.max_kv_share: must be <= 1"):
+        parse_config("fairness: {tenants: {acme: {max_kv_share: 1.5}}}")
+    with pytest.raises(ConfigError, match=r"fairness\.tenants\.acme\.quota: a quota needs tokens"):
+        parse_config("fairness: {tenants: {acme: {quota: {window_s: 60}}}}")
+    with pytest.raises(ConfigError, match=r"fairness\.default_quota\.window_s: must be >= 1"):
+        parse_config("fairness: {default_quota: {tokens: 100, window_s: 0}}")
+    config = parse_config(
+        "fairness: {default_max_kv_share: 0.5,"
+        " tenants: {acme: {quota: {tokens: 1000}}, big: {max_kv_share: 0.8}}}"
+    ).fairness
+    assert (config.max_kv_share("acme"), config.max_kv_share("big")) == (0.5, 0.8)
+    assert config.quota("acme") == TokenQuotaConfig(1_000, 60.0) and config.quota("big") is None
+    assert config.limits_tenants and not FairnessConfig().limits_tenants
+
+
+def test_the_caps_refuse_with_429_and_their_own_reasons() -> None:
+    for reason, code in (
+        (Reason.TENANT_QUOTA, "tenant_quota_exceeded"),
+        (Reason.TENANT_SHARE, "tenant_share_exceeded"),
+    ):
+        assert (RULES[reason].status, RULES[reason].code) == (429, code)
+
+
+# --- in the gate's admission ---------------------------------------------------------------------
+
+
+def admission_with(fairness: FairnessConfig) -> tuple[FakeHeadroom, ManualClock, Admission]:
+    clock = ManualClock()
+    source = FakeHeadroom(clock, stale_after_s=5.0)
+    source.add_node("a", 100_000)
+    return source, clock, Admission(AdmissionConfig(max_wait_s=60.0), source, clock=clock, fairness=fairness)
+
+
+async def ask(admission: Admission, tenant: str, request_id: str, tokens: int = 10_000) -> Admitted:
+    return await admission.admit(
+        long_route(tokens), MODEL, None, request_id, tenant=tenant, output_tokens=1_000
+    )
+
+
+def test_an_over_quota_request_gets_its_own_429_with_the_refill_as_retry_after_and_the_quota_settles() -> (
+    None
+):
+    async def scenario() -> None:
+        fairness = FairnessConfig(tenants={"acme": TenantConfig(quota=TokenQuotaConfig(20_000, 20.0))})
+        source, clock, admission = admission_with(fairness)
+        await admission.start()
+        first, second = await ask(admission, "acme", "r0"), await ask(admission, "acme", "r1")
+        refused = await ask(admission, "acme", "r2")
+        other = await ask(admission, "someone-else", "r3")
+        assert first.ticket is not None and second.ticket is not None and other.ticket is not None
+        assert isinstance(refused.decision, Refusal) and refused.decision.reason is Reason.TENANT_QUOTA
+        assert refused.decision.retry_after_s == pytest.approx(10.0), "10,000 tokens at 1,000 a second"
+        # r0 generated 100 of its 1,000 output tokens: 900 come back, and 9,100 more refill in 9.1 s.
+        await admission.release(first.ticket, generated_tokens=100)
+        retried = await ask(admission, "acme", "r4")
+        assert isinstance(retried.decision, Refusal) and retried.decision.retry_after_s == pytest.approx(9.1)
+        clock.advance(9.1)
+        source.tick()  # the agent's next message: the node stays fresh
+        assert (await ask(admission, "acme", "r5")).ticket is not None
+        await admission.stop()
+
+    run(scenario)
+
+
+def test_a_tenant_past_its_share_is_refused_only_while_another_waits() -> None:
+    """acme may hold half of 100,000 while others wait. It takes 60,000 while alone (work-conserving);
+    once b's request waits for room, acme's next is refused with its own reason, not made to wait."""
+
+    async def scenario() -> None:
+        fairness = FairnessConfig(tenants={"acme": TenantConfig(max_kv_share=0.5)})
+        _, _, admission = admission_with(fairness)
+        await admission.start()
+        held = [await ask(admission, "acme", f"a{i}", tokens=20_000) for i in range(3)]
+        assert all(a.ticket is not None for a in held), "alone, acme takes what is free"
+        waiting = asyncio.create_task(ask(admission, "b", "b0", tokens=50_000))
+        await until(lambda: admission.gauges().waiting == 1)
+        refused = await ask(admission, "acme", "a3", tokens=20_000)
+        assert isinstance(refused.decision, Refusal) and refused.decision.reason is Reason.TENANT_SHARE
+        assert refused.decision.retry_after_s is not None
+        for admitted in held:
+            assert admitted.ticket is not None
+            await admission.release(admitted.ticket)
+        assert (await waiting).ticket is not None
+        await admission.stop()
+
+    run(scenario)
