@@ -5,14 +5,19 @@ holds only while another tenant waits. Each refusal is a 429 with its own reason
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 from test_admission import MODEL, long_route, run, until
 
+from kvgate._proto.headroom.v1 import headroom_pb2 as pb
 from kvgate.agent.in_process import FakeHeadroom, ManualClock
+from kvgate.agent.tenant_service import TenantService
 from kvgate.config import AdmissionConfig, FairnessConfig, TenantConfig, TokenQuotaConfig, parse_config
 from kvgate.errors import ConfigError
 from kvgate.gate.admission import Admission, Admitted
+from kvgate.headroom.snapshot import TenantCharge
+from kvgate.headroom.wire import HeadroomEncoder, headroom_from_proto
 from kvgate.policy import Reason, Refusal
 from kvgate.policy.refusals import RULES
 from kvgate.policy.tenant_limits import TenantLimits
@@ -151,5 +156,59 @@ def test_a_tenant_past_its_share_is_refused_only_while_another_waits() -> None:
             await admission.release(admitted.ticket)
         assert (await waiting).ticket is not None
         await admission.stop()
+
+    run(scenario)
+
+
+# --- across replicas -----------------------------------------------------------------------------
+
+
+def test_the_agent_counts_each_tenants_held_tokens_and_they_travel_in_the_stream() -> None:
+    service = TenantService()
+    service.granted("r1", TenantCharge("a", 12_000.0, 2.0), 1_000, 11_000)
+    service.granted("r2", TenantCharge("a", 3_000.0, 2.0), 0, 3_000)
+    service.ended("r1", generated_tokens=10)
+    assert service.held() == {"a": 3_000}
+    service.ended("r2")
+    assert service.held() == {}
+
+    source = FakeHeadroom(ManualClock())
+    source.add_node("n", 1_000)
+    plain = source.snapshot()[0].headroom
+    assert plain is not None
+    wired = headroom_from_proto(
+        pb.NodeHeadroom.FromString(HeadroomEncoder().encode(dataclasses.replace(plain, tenant_held={"a": 7})))
+    )
+    assert wired.tenant_held == {"a": 7}
+
+
+def test_a_tenants_share_counts_what_every_replica_granted_it() -> None:
+    """Two gate replicas share one agent. Replica one admits acme 60,000 of 100,000; on replica two,
+    with b waiting there, acme's next request is refused by its share although replica two granted it
+    nothing: the agent's held tokens say what acme holds."""
+
+    async def scenario() -> None:
+        clock = ManualClock()
+        source = FakeHeadroom(clock, stale_after_s=5.0)
+        source.add_node("a", 100_000)
+        fairness = FairnessConfig(tenants={"acme": TenantConfig(max_kv_share=0.5)})
+        one, two = (
+            Admission(AdmissionConfig(max_wait_s=60.0), source, clock=clock, fairness=fairness)
+            for _ in range(2)
+        )
+        for replica in (one, two):
+            await replica.start()
+        held = [await ask(one, "acme", f"a{i}", tokens=20_000) for i in range(3)]
+        assert all(a.ticket is not None for a in held)
+        waiting = asyncio.create_task(ask(two, "b", "b0", tokens=50_000))
+        await until(lambda: two.gauges().waiting == 1)
+        refused = await ask(two, "acme", "a3", tokens=20_000)
+        assert isinstance(refused.decision, Refusal) and refused.decision.reason is Reason.TENANT_SHARE
+        for admitted in held:
+            assert admitted.ticket is not None
+            await one.release(admitted.ticket)
+        assert (await waiting).ticket is not None
+        for replica in (one, two):
+            await replica.stop()
 
     run(scenario)

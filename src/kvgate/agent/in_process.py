@@ -279,7 +279,7 @@ class FakeHeadroom:
         )
         self.reserves.append((node, request_id, hold_slot))
         if outcome.granted and charge is not None:
-            state.tenant_service.granted(request_id, charge, output_tokens)
+            state.tenant_service.granted(request_id, charge, output_tokens, outcome.charged_tokens)
         await asyncio.sleep(0)  # an answer arrives on a later turn of the loop, as over gRPC
         return outcome
 
@@ -351,6 +351,7 @@ class FakeHeadroom:
             freed_tokens_total=node.ledger.freed_tokens,
             head=node.claims.published(headroom, releases),
             tenant_service=node.tenant_service.totals(),
+            tenant_held=node.tenant_service.held(),
         )
 
     def _releases(self, node: _Node) -> tuple[ExpectedRelease, ...]:

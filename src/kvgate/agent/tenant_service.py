@@ -10,6 +10,10 @@ stream (NodeHeadroom.tenant_service), and each gate adds them up over the agents
 
 Totals are kept for at most `max_tenants` tenants: past that the least served is forgotten (a tenant
 that comes back is lifted to the others' least counter by the gates anyway).
+
+It also counts the tokens each tenant's live reservations were charged (NodeHeadroom.tenant_held), which
+the gates add up to hold a tenant to its most share of the pool (fairness max_kv_share) whatever replica
+admitted its requests (kvgate.policy.tenant_limits).
 """
 
 from __future__ import annotations
@@ -23,11 +27,15 @@ class TenantService:
     def __init__(self, max_tenants: int = MAX_TENANTS) -> None:
         self._max_tenants = max_tenants
         self._totals: dict[str, float] = {}
-        # By request id: what each live reservation was charged, and the output budget in it.
-        self._live: dict[str, tuple[TenantCharge, int]] = {}
+        # By request id: what each live reservation was charged, the output budget in it, and the
+        # tokens the node charged for it.
+        self._live: dict[str, tuple[TenantCharge, int, int]] = {}
+        self._held: dict[str, int] = {}
 
-    def granted(self, request_id: str, charge: TenantCharge, output_tokens: int) -> None:
-        self._live[request_id] = (charge, output_tokens)
+    def granted(self, request_id: str, charge: TenantCharge, output_tokens: int, tokens: int = 0) -> None:
+        """`tokens`: what the node charged the reservation (its held KV)."""
+        self._live[request_id] = (charge, output_tokens, tokens)
+        self._held[charge.tenant] = self._held.get(charge.tenant, 0) + tokens
         self._totals[charge.tenant] = self._totals.get(charge.tenant, 0.0) + charge.cost
         if len(self._totals) > self._max_tenants:
             del self._totals[min(self._totals, key=self._totals.__getitem__)]
@@ -36,12 +44,22 @@ class TenantService:
         """The reservation ended (released, or its lease ran out); `generated_tokens`, where its
         releaser read the answer, settles its output part (0: as charged)."""
         live = self._live.pop(request_id, None)
-        if live is None or generated_tokens <= 0:
+        if live is None:
             return
-        charge, output_tokens = live
+        charge, output_tokens, tokens = live
+        held = self._held.get(charge.tenant, 0) - tokens
+        if held > 0:
+            self._held[charge.tenant] = held
+        else:
+            self._held.pop(charge.tenant, None)
+        if generated_tokens <= 0:
+            return
         if charge.tenant in self._totals:
             delta = charge.output_weight * (generated_tokens - output_tokens)
             self._totals[charge.tenant] = max(0.0, self._totals[charge.tenant] + delta)
 
     def totals(self) -> dict[str, float]:
         return dict(self._totals)
+
+    def held(self) -> dict[str, int]:
+        return dict(self._held)

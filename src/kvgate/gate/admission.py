@@ -350,8 +350,11 @@ class Admission:
         assert limits is not None
         nodes = source.snapshot()
         admissible_tokens = sum(n.headroom.admissible_tokens for n in nodes if n.headroom is not None)
+        # What every replica's grants to the tenant hold, by the agents (this gate's own counted at
+        # once, kvgate.headroom.view); this gate's own count where the agents say nothing.
+        shared = sum(n.headroom.tenant_held.get(ask.tenant, 0) for n in nodes if n.headroom is not None)
         others_wait = self._queue.waits_other_than(ask.tenant)
-        share = limits.share_passed(ask.tenant, route.tokens, admissible_tokens, others_wait)
+        share = limits.share_passed(ask.tenant, route.tokens, admissible_tokens, others_wait, shared)
         if share is not None:
             refused = Refusal(
                 Reason.TENANT_SHARE,
@@ -671,10 +674,12 @@ class Admission:
             log.info("first token of %s not told to %s: %s", ticket.request_id, ticket.agent, error)
 
     def _charge_of(self, ask: _Ask) -> TenantCharge | None:
-        """With fair shares, what the agent adds to the request's tenant's service when it grants."""
-        if self._fair is None:
+        """With fair shares or tenant caps, what the agent adds to the request's tenant's service and
+        held tokens when it grants."""
+        if self._fair is None and self._limits is None:
             return None
-        return self._fair.charge_of(ask.tenant, ask.tokens - ask.output_tokens, ask.output_tokens)
+        cost = ask.tokens - ask.output_tokens + self._output_weight * ask.output_tokens
+        return TenantCharge(ask.tenant, cost, self._output_weight)
 
     def _release_later(self, agent: str, request_id: str, *, unanswered: bool = False) -> None:
         task = asyncio.create_task(self._release(agent, request_id, unanswered=unanswered))

@@ -175,6 +175,8 @@ class NodeHeadroom:
     # Fair shares across replicas: each tenant's service attained on this node's grants since the agent
     # started, in cost units (kvgate.agent.tenant_service).
     tenant_service: Mapping[str, float] = field(default_factory=dict)
+    # Tenant caps across replicas: the tokens each tenant's live reservations here were charged.
+    tenant_held: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def admissible_tokens(self) -> int:

@@ -218,7 +218,7 @@ class HeadroomView:
         )
         self._merge(link, outcome.headroom_tokens, outcome.reserved_tokens, outcome.reservations)
         if outcome.granted and charge is not None:
-            self._merge_service(link, charge)
+            self._merge_service(link, charge, outcome.charged_tokens)
         if outcome.granted:
             self._merge_prefill(link, max(0, tokens - output_tokens - outcome.cached_tokens))
             if prefix is not None:
@@ -261,15 +261,18 @@ class HeadroomView:
         return link
 
     @staticmethod
-    def _merge_service(link: _Link, charge: TenantCharge) -> None:
-        """This view's own grant counts in its tenant's service at once, before the agent's next
-        message says so: the gate's line is ordered by it straight after the grant."""
+    def _merge_service(link: _Link, charge: TenantCharge, charged_tokens: int) -> None:
+        """This view's own grant counts in its tenant's service and held tokens at once, before the
+        agent's next message says so: the gate's line is ordered by it straight after the grant, and the
+        next request of that tenant sees it in its share."""
         latest = link.latest
         if latest is None:
             return
         service = dict(latest.tenant_service)
         service[charge.tenant] = service.get(charge.tenant, 0.0) + charge.cost
-        link.latest = dataclasses.replace(latest, tenant_service=service)
+        held = dict(latest.tenant_held)
+        held[charge.tenant] = held.get(charge.tenant, 0) + charged_tokens
+        link.latest = dataclasses.replace(latest, tenant_service=service, tenant_held=held)
 
     @staticmethod
     def _merge(

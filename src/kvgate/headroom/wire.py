@@ -90,6 +90,7 @@ def _scalars_to_proto(h: NodeHeadroom) -> pb.NodeHeadroom:
         prefill_backlog_tokens=h.prefill_backlog_tokens,
         prefill_tokens_per_s=h.prefill_tokens_per_s,
         tenant_service=h.tenant_service,
+        tenant_held=h.tenant_held,
     )
 
 
@@ -253,6 +254,7 @@ def headroom_from_proto(m: pb.NodeHeadroom, previous: PrefixSummary = NO_PREFIXE
         prefill_backlog_tokens=m.prefill_backlog_tokens,
         prefill_tokens_per_s=m.prefill_tokens_per_s,
         tenant_service=dict(m.tenant_service),
+        tenant_held=dict(m.tenant_held),
     )
 
 

@@ -28,7 +28,6 @@ from collections import Counter
 from collections.abc import Mapping
 
 from kvgate.config import FairnessConfig
-from kvgate.headroom.snapshot import TenantCharge
 
 # Tenants remembered. Past this, the tenant with the least counter that waits for nothing is
 # forgotten: were it to come back, it is lifted to the others' least counter anyway.
@@ -51,10 +50,6 @@ class FairShare:
     def cost(self, prompt_tokens: int, output_tokens: int) -> float:
         """A request's cost in tokens, before its tenant's weight."""
         return prompt_tokens + self._config.output_weight * output_tokens
-
-    def charge_of(self, tenant: str, prompt_tokens: int, output_tokens: int) -> TenantCharge:
-        """What an agent adds to `tenant`'s service when it grants this request."""
-        return TenantCharge(tenant, self.cost(prompt_tokens, output_tokens), self._config.output_weight)
 
     def counter(self, tenant: str) -> float:
         """The weighted service `tenant` attained, lifts included: the fair order's key, least first."""

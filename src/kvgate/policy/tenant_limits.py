@@ -11,11 +11,13 @@ while its 429 said to come back. An over-quota request is told to come back when
 it again.
 
 The share cap is work-conserving: it holds a tenant back only while another tenant's long request
-waits (in this gate's line), and it counts the tokens this gate's live reservations hold for that
-tenant against the admissible KV of the long pool's nodes (kvgate.headroom.snapshot.admissible).
+waits (in this gate's line). It counts the tokens the tenant's live reservations hold against the
+admissible KV of the long pool's nodes (kvgate.headroom.snapshot.admissible): as the agents publish
+them (NodeHeadroom.tenant_held), so every gate replica's grants count, or this process's own where
+that is more.
 
-Both are this gate process's own: with several gate replicas (or `server.workers`) each holds a
-tenant to its quota and share of what it admits (docs/operations.md, "Fair shares").
+The quota is this gate process's own: with several gate replicas (or `server.workers`) each holds a
+tenant to its quota of what it admits (docs/operations.md, "Fair shares").
 """
 
 from __future__ import annotations
@@ -63,14 +65,17 @@ class TenantLimits:
         bucket.tokens = min(float(quota.tokens), bucket.tokens + tokens)
 
     def share_passed(
-        self, tenant: str, tokens: int, admissible_tokens: int, others_wait: bool
+        self, tenant: str, tokens: int, admissible_tokens: int, others_wait: bool, shared_held: int = 0
     ) -> float | None:
         """The most share of the pool's admissible KV that `tokens` more would take `tenant` past while
-        another tenant's request waits; None when they would not."""
+        another tenant's request waits; None when they would not. `shared_held`: what the agents say
+        the tenant's live reservations hold, every replica's grants included; this process's own count
+        stands in where it is more (agents that do not say, a grant their next message will show)."""
         share = self._config.max_kv_share(tenant)
         if share is None or not others_wait or admissible_tokens <= 0:
             return None
-        return share if self._held.get(tenant, 0) + tokens > share * admissible_tokens else None
+        held = max(shared_held, self._held.get(tenant, 0))
+        return share if held + tokens > share * admissible_tokens else None
 
     def hold(self, tenant: str, tokens: int) -> None:
         self._held[tenant] = self._held.get(tenant, 0) + tokens
