@@ -1,4 +1,5 @@
-"""Who runs next: priority, then a token-fair share across tenants, then age (kvgate.queue.fairness)."""
+"""Who runs next: priority, then the tenant with the least weighted attained service, then age
+(kvgate.queue.fairness), by the agents' totals once they publish them."""
 
 from __future__ import annotations
 
@@ -32,14 +33,15 @@ def test_one_tenant_runs_in_arrival_order() -> None:
     assert fair.next() is None
 
 
-def test_a_tenant_that_arrives_behind_a_flood_waits_for_one_flood_job_at_most() -> None:
+def test_a_tenant_that_arrives_behind_a_flood_takes_every_other_turn() -> None:
+    """b starts level with a (lifted to its counter): one more flood job, older, then turns."""
     fair = FairQueue()
     flood = jobs("a", 10)
     fair.load(flood, per_group=100)
     assert dispatch(fair, 1) == ["a1"]  # running when the other tenant arrives
     late = jobs("b", 2)
     fair.load(flood[1:] + late, per_group=100)
-    assert dispatch(fair, 4) == ["b1", "a2", "b2", "a3"]
+    assert dispatch(fair, 4) == ["a2", "b1", "a3", "b2"]
 
 
 def test_shares_are_by_tokens_not_by_count() -> None:
@@ -55,7 +57,7 @@ def test_shares_are_by_tokens_not_by_count() -> None:
 
 def test_a_tenant_of_weight_three_gets_three_times_the_tokens_while_both_wait() -> None:
     config = parse_config("fairness: {tenants: {heavy: {weight: 3}}}").fairness
-    fair = FairQueue(config.weight)
+    fair = FairQueue(config)
     fair.load(jobs("a", 40) + jobs("heavy", 40), per_group=100)
     order = dispatch(fair, 40)
     assert sum(1 for name in order if name.startswith("heavy")) == 30
@@ -70,7 +72,7 @@ def test_a_tenant_that_was_idle_does_not_cash_in_credit() -> None:
     back = jobs("b", 5)
     fair.load(a[9:] + back, per_group=100)
     # b starts level with a: one turn each, not eight b's in a row.
-    assert dispatch(fair, 4) == ["b1", "a10", "b2", "a11"]
+    assert dispatch(fair, 4) == ["a10", "b1", "a11", "b2"]
 
 
 def test_a_higher_priority_goes_first_and_ties_go_to_the_older_job() -> None:
@@ -98,3 +100,14 @@ def test_a_group_read_only_in_part_asks_for_a_reload_once_it_runs_out() -> None:
     assert not fair.needs_reload  # b was read whole; a still has one here
     dispatch(fair, 1)
     assert fair.needs_reload
+
+
+def test_the_order_follows_the_service_the_agents_saw_from_every_replica_and_gate() -> None:
+    """a and b wait level here; the agents' totals say a gate (or another replica) served a 50,000
+    tokens meanwhile: b's jobs go first until b has as much. A replica that restarts reads the same
+    totals, so nobody's share starts over."""
+    for replica in (FairQueue(), FairQueue()):
+        replica.load(jobs("a", 10) + jobs("b", 10), per_group=100)
+        replica.observe({"a": 50_000.0, "b": 0.0})
+        order = dispatch(replica, 8)
+        assert order[:7] == ["b1", "b2", "b3", "b4", "b5", "b6", "b7"], order

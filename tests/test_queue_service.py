@@ -21,6 +21,7 @@ from waiting import PATIENCE_S, until_async
 
 from kvgate.agent.in_process import FakeHeadroom
 from kvgate.config import parse_config
+from kvgate.headroom.snapshot import TenantCharge
 from kvgate.queue.engines import EngineFailure
 from kvgate.queue.jobs import JobRequest
 from kvgate.queue.live import Head
@@ -222,7 +223,10 @@ def test_deferred_request_gets_202_a_job_url_and_its_answer_when_done(tmp_path: 
     run(scenario)
 
 
-def test_one_tenant_flooding_delays_another_by_one_flood_job_at_most(tmp_path: Path) -> None:
+def test_one_tenant_flooding_delays_another_by_one_more_flood_job_at_most(tmp_path: Path) -> None:
+    """The quiet tenant starts level with the flood (lifted to its counter): the running flood job and
+    one more, older, then turns (kvgate.queue.fairness)."""
+
     async def scenario() -> None:
         async with queue(tmp_path) as q:
             for _ in range(6):
@@ -235,7 +239,37 @@ def test_one_tenant_flooding_delays_another_by_one_flood_job_at_most(tmp_path: P
                 running = await next_call(q, done)
                 tenants.append(await tenant_of(q, running))
                 q.engines.answer(running)
-            assert tenants == ["flood", "quiet", "flood", "quiet", "flood", "flood"]
+            assert tenants == ["flood", "flood", "quiet", "flood", "quiet", "flood"]
+
+    run(scenario)
+
+
+def test_the_queue_orders_tenants_by_the_service_the_agents_count_from_the_gates_too(tmp_path: Path) -> None:
+    """A gate's grants to `busy` reach the agent (a Reserve carrying its charge) while the queue's
+    jobs wait: the queue runs `idle`'s jobs before `busy`'s older ones; its own dispatches are charged
+    on the agent too (kvgate.queue.fairness)."""
+
+    async def scenario() -> None:
+        async with queue(tmp_path) as q:
+            blocker = await q.defer(8000, x_kvgate_tenant="other")  # one runs at a time (8k of a 10k node)
+            await q.engines.wait_calls(1)
+            for tenant in ("busy", "busy", "idle", "idle"):
+                await q.defer(8000, x_kvgate_tenant=tenant)
+            # A gate's grant to busy on another node, as its Reserve reaches that node's agent.
+            q.source.add_node("node-b", 100)
+            granted = await q.source.reserve(
+                "node-b", "gate-grant", 1, charge=TenantCharge("busy", 50_000.0, 2.0)
+            )
+            assert granted.granted
+            await q.source.release("node-b", "gate-grant")
+            tenants = []
+            for done in range(5):
+                running = await next_call(q, done)
+                tenants.append(await tenant_of(q, running))
+                q.engines.answer(running)
+            assert tenants == ["other", "idle", "idle", "busy", "busy"], blocker
+            (node_a,) = [n.headroom for n in q.source.snapshot() if n.agent == "node-a"]
+            assert node_a is not None and node_a.tenant_service["idle"] == 16_000
 
     run(scenario)
 

@@ -29,9 +29,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvgate.config import FairnessConfig
 from kvgate.errors import HeadroomError, StoreError
 from kvgate.headroom import giveback
-from kvgate.headroom.snapshot import HeadClaim, NodeView, ReleaseOutcome, ReserveOutcome
+from kvgate.headroom.snapshot import HeadClaim, NodeView, ReleaseOutcome, ReserveOutcome, TenantCharge
 from kvgate.policy.nodes import StalePolicy, choose_nodes
 from kvgate.policy.slot import fits_beside_heads, slot_node
 from kvgate.queue import placement
@@ -54,6 +55,9 @@ MAX_PASSED = 16
 # agent's claim lifetime (kvgate.agent.backfill.CLAIM_TTL_S, 2 s); rounds come at least every
 # refresh_s (1 s) while it waits.
 CLAIM_RENEW_S = 0.5
+# A job's charge counts its whole estimate once (the store keeps no prompt/output split), and its
+# Release says nothing of what it generated: nothing to settle at another weight.
+QUEUE_OUTPUT_WEIGHT = 1.0
 
 
 class HeadroomSource(Protocol):
@@ -71,6 +75,7 @@ class HeadroomSource(Protocol):
         waiting_since_unix_ns: int = 0,
         rank: int = 0,
         hold_slot: bool = False,
+        charge: TenantCharge | None = None,
     ) -> ReserveOutcome: ...
 
     async def release(
@@ -110,10 +115,10 @@ class Dispatcher:
         on_dispatch: Callable[[Job], None] = lambda job: None,
         clock: Callable[[], float] = time.monotonic,
         demand: Callable[[bool], None] = lambda wanted: None,
-        weight: Callable[[str], float] = lambda tenant: 1.0,
+        fairness: FairnessConfig | None = None,
     ) -> None:
         """`demand`: told after each round whether jobs wait, so a view that follows the agents only
-        while needed (HeadroomView's on_demand) does so. `weight`: a tenant's fair-share weight."""
+        while needed (HeadroomView's on_demand) does so. `fairness`: the tenants' weights."""
         self._store = store
         self._source = source
         self._launcher = launcher
@@ -124,7 +129,7 @@ class Dispatcher:
         self._on_dispatch = on_dispatch
         self._clock = clock
         self._demand = demand
-        self._fair = FairQueue(weight)
+        self._fair = FairQueue(fairness)
         self._wake = asyncio.Event()
         # The next job fits no node now: headroom updates are worth a round.
         self._blocked = False
@@ -174,6 +179,7 @@ class Dispatcher:
             await self._reload()
         self._blocked = False
         self._updated = False
+        self._observe_service(self._source.snapshot())
         passed: set[str] = set()  # jobs this round found no room for: the first is the head
         while (job := self._fair.next(passed)) is not None and len(passed) < MAX_PASSED:
             nodes = self._source.snapshot()
@@ -192,6 +198,20 @@ class Dispatcher:
             self._wake.set()  # room may have freed while this round ran: look again now
         if not passed:
             await self._let_go()
+
+    def _observe_service(self, nodes: Sequence[NodeView]) -> None:
+        """Each tenant's service as the agents count it, every gate's and queue replica's grants alike
+        (kvgate.queue.fairness)."""
+        totals: dict[str, float] = {}
+        published = False
+        for node in nodes:
+            if node.headroom is None or not node.headroom.tenant_service:
+                continue
+            published = True
+            for tenant, service in node.headroom.tenant_service.items():
+                totals[tenant] = totals.get(tenant, 0.0) + service
+        if published:
+            self._fair.observe(totals)
 
     async def _reload(self) -> None:
         wait = self._last_reload + MIN_RELOAD_S - self._clock()
@@ -265,7 +285,13 @@ class Dispatcher:
     async def _reserve(self, agent: str, reservation: str, job: Waiting, since: int, *, hold: bool) -> bool:
         try:
             outcome = await self._source.reserve(
-                agent, reservation, job.tokens, waiting_since_unix_ns=since, rank=job.priority, hold_slot=hold
+                agent,
+                reservation,
+                job.tokens,
+                waiting_since_unix_ns=since,
+                rank=job.priority,
+                hold_slot=hold,
+                charge=TenantCharge(job.tenant, float(job.tokens), QUEUE_OUTPUT_WEIGHT),
             )
         except HeadroomError as error:
             log.warning("reserve on %s failed: %s", agent, error)

@@ -1,42 +1,45 @@
-"""Which waiting job runs next: priority first, then a token-fair share across tenants, then age.
+"""Which waiting job runs next: priority first, then the tenant with the least weighted attained
+service, then age.
 
-Within one priority, tenants share the pool by estimated tokens with start-time fair queuing, the
-exact form of what deficit round-robin approximates: each tenant's next job gets a virtual start tag,
-max(the level's virtual time, the finish tag of that tenant's last dispatched job), and its finish
-tag is start + tokens; the smallest start tag goes first (ties: the older job). The level's virtual
-time is the start tag of the job dispatched last, so a tenant that was idle starts level with the
-others instead of cashing in credit, and a tenant that just arrived is ahead of every tenant that
-has a job running: it waits at most for one of their jobs to end. One tenant's thirty 30k-token
-prompts then take turns with another's two 1k-token ones by tokens, not by count: the second
-tenant's jobs run before the first tenant's second prompt.
+Within one priority, tenants share the pool as the gate's line shares it (kvgate.policy.fair_share,
+the Virtual Token Counter): each tenant's counter is the service it attained, divided by its weight
+(`fairness.tenants.NAME.weight` of kvgate.yaml, `fairness.default_weight` for the rest), and the head
+job of the tenant with the least counter goes first (ties: the older job). A tenant that starts
+waiting is lifted to the least counter of those waiting, so a tenant that was idle starts level with
+the others instead of cashing in credit. One tenant's thirty 30k-token prompts then take turns with
+another's 1k-token ones by tokens, not by count, and a tenant of weight 3 gets three times the tokens
+of a tenant of weight 1 while both wait.
 
-A tenant's jobs are charged their tokens divided by its weight (`fairness.tenants.NAME.weight` of
-kvgate.yaml, `fairness.default_weight` for the rest: the gate's weights, kvgate.policy.fair_share), so a
-tenant of weight 3 gets three times the tokens of a tenant of weight 1 while both wait.
+A dispatched job is charged its tokens (the store keeps the estimate whole, prompt and output budget
+together, so output counts once here where the gate counts it `output_weight` times). Each Reserve
+carries that charge to the agent (kvgate.agent.tenant_service), and once the agents publish their
+totals (`observe`) the counters are their sum over the agents: the gates' grants and every queue
+replica's count alike, so the gates' lines and every queue replica order tenants by the same service,
+and a queue restart loses nobody's share.
 
 Pure and in memory: the dispatcher feeds it the heads of each (priority, tenant) group read from the
-store and tells it what it dispatched. Each replica keeps its own tags; with several replicas the
-share is fair per replica, and close to fair overall.
+store, the agents' totals, and tells it what it dispatched.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Container, Iterable, Mapping
 
+from kvgate.config import FairnessConfig
+from kvgate.policy.fair_share import FairShare
 from kvgate.queue.jobs import Waiting
 
 _Group = tuple[int, str]
 
 
 class FairQueue:
-    def __init__(self, weight: Callable[[str], float] = lambda tenant: 1.0) -> None:
-        self._weight = weight
+    def __init__(self, fairness: FairnessConfig | None = None) -> None:
+        self._fair = FairShare(fairness or FairnessConfig())
         self._groups: dict[_Group, deque[Waiting]] = {}
         # Groups the store may hold more of than it handed over: once one empties, read again.
         self._truncated: set[_Group] = set()
-        self._finish: dict[_Group, float] = {}
-        self._virtual: dict[int, float] = {}
+        self._backlogged: set[str] = set()  # tenants with a job here: waiting, for the lifts
         self.needs_reload = True
 
     def load(self, waiting: Iterable[Waiting], per_group: int) -> None:
@@ -46,9 +49,12 @@ class FairQueue:
             groups.setdefault((job.priority, job.tenant), deque()).append(job)
         self._groups = groups
         self._truncated = {key for key, jobs in groups.items() if len(jobs) >= per_group}
-        # A finish tag at or below its level's virtual time no longer changes any start tag.
-        self._finish = {key: tag for key, tag in self._finish.items() if tag > self._virtual.get(key[0], 0.0)}
+        self._sync_backlog()
         self.needs_reload = False
+
+    def observe(self, totals: Mapping[str, float]) -> None:
+        """Each tenant's service summed over the agents' messages: the counters follow it from now."""
+        self._fair.observe(totals)
 
     def __len__(self) -> int:
         return sum(len(jobs) for jobs in self._groups.values())
@@ -61,24 +67,19 @@ class FairQueue:
             head = next((job for job in jobs if job.id not in passed), None)
             if head is None:
                 continue
-            candidate = (priority, self._start(priority, tenant), head.seq, head)
+            candidate = (priority, self._fair.counter(tenant), head.seq, head)
             if best is None or candidate[:3] < best[:3]:
                 best = candidate
         return best[3] if best is not None else None
 
     def dispatched(self, job: Waiting) -> None:
         """`job` was sent to a node: charge its tenant its tokens."""
-        start = self._start(job.priority, job.tenant)
-        self._virtual[job.priority] = start
-        self._finish[(job.priority, job.tenant)] = start + job.tokens / self._weight(job.tenant)
+        self._fair.charge(job.tenant, job.tokens)
         self._remove(job)
 
     def drop(self, job: Waiting) -> None:
         """`job` left the queue without this replica running it (cancelled, claimed elsewhere, failed)."""
         self._remove(job)
-
-    def _start(self, priority: int, tenant: str) -> float:
-        return max(self._virtual.get(priority, 0.0), self._finish.get((priority, tenant), 0.0))
 
     def _remove(self, job: Waiting) -> None:
         key = (job.priority, job.tenant)
@@ -90,3 +91,16 @@ class FairQueue:
             del self._groups[key]
             if key in self._truncated:
                 self.needs_reload = True
+            self._sync_backlog()
+
+    def _sync_backlog(self) -> None:
+        """A tenant that now has a job here starts waiting (lifted); one with none stops."""
+        first_seq: dict[str, int] = {}
+        for (_, tenant), jobs in self._groups.items():
+            first_seq[tenant] = min(first_seq.get(tenant, jobs[0].seq), jobs[0].seq)
+        tenants = set(first_seq)
+        for tenant in sorted(tenants - self._backlogged, key=first_seq.__getitem__):  # as they arrived
+            self._fair.waits(tenant)
+        for tenant in self._backlogged - tenants:
+            self._fair.done_waiting(tenant)
+        self._backlogged = tenants

@@ -137,7 +137,7 @@ class QueueService:
             on_dispatch=self._dispatched,
             clock=self._clock,
             demand=self._view.demand if self._view is not None else lambda wanted: None,
-            weight=config.fairness.weight,
+            fairness=config.fairness,
         )
         self.settler = Settler(self.batches, settings.file_ttl_s)
         intake = Intake(config)
