@@ -62,6 +62,8 @@ def test_completions_accept_text_and_token_ids_and_default_to_16_tokens() -> Non
     request = parse_request("completion", {"prompt": [1, 2, 3]})
     assert (request.prompt_tokens, request.max_tokens) == (3, 16)
     assert parse_request("chat", {"messages": [{"role": "user", "content": "hi"}]}).max_tokens is None
+    ends = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "kvgate_sim_eos_after": 50}
+    assert parse_request("chat", ends).eos_after == 50
 
 
 @pytest.mark.parametrize(
@@ -73,6 +75,7 @@ def test_completions_accept_text_and_token_ids_and_default_to_16_tokens() -> Non
         ("chat", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}),
         ("chat", {"messages": [{"role": "user", "content": "x"}], "max_tokens": True}),
         ("chat", {"messages": [{"role": "user", "content": "x"}], "stream": "yes"}),
+        ("chat", {"messages": [{"role": "user", "content": "x"}], "kvgate_sim_eos_after": 0}),
         ("completion", {"prompt": ["a", "b"]}),
         ("completion", {}),
     ],

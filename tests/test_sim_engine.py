@@ -191,6 +191,15 @@ def test_default_output_length_is_seeded_and_ends_with_stop() -> None:
     assert event.finish_reason == "stop"
 
 
+def test_an_answer_that_ends_before_its_budget_stops_there_and_says_stop() -> None:
+    """A replay that over-declares max_tokens says where the simulated answer ends (eos_after)."""
+    e = engine()
+    assert e.add("short", prompt_tokens=1, max_tokens=400, eos_after=1) == 1
+    assert e.add("capped", prompt_tokens=1, max_tokens=3, eos_after=100) == 3, "the budget still caps"
+    (event, *_) = e.complete(e.schedule())
+    assert (event.request_id, event.finish_reason) == ("short", "stop")
+
+
 def test_config_refuses_a_model_len_the_cache_cannot_hold() -> None:
     with pytest.raises(ConfigError, match="larger than the KV cache"):
         EngineConfig(kv_capacity_tokens=1000, max_model_len=1001)

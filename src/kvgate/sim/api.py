@@ -7,6 +7,9 @@ tokenizer (`kvgate sim --tokenizer`) or `kvgate.sim.tokens`' ceil(UTF-8 bytes / 
 not charged; a completions prompt given as token ids counts one token per id (and keeps them). The
 parts are kept, in order with their message's role, for the prefix cache's block hashes
 (kvgate.sim.blocks). `ignore_eos` is vLLM's sampling field of the same name (a boolean, default false).
+`kvgate_sim_eos_after`, the simulator's own, is where the simulated model ends its answer when
+max_tokens allows it: a replay that over-declares max_tokens, as reasoning clients do, says how long
+each answer really is (a real engine ignores the field, as vLLM does fields it does not know).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ Part = tuple[str, str, int]  # (role or "prompt", text, tokens)
 
 # vLLM's completions endpoint generates 16 tokens when max_tokens is absent, like OpenAI's.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+SIM_EOS_AFTER = "kvgate_sim_eos_after"
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +41,7 @@ class CompletionRequest:
     parts: tuple[Part, ...] = ()
     ignore_eos: bool = False
     prompt_ids: tuple[int, ...] | None = None  # a completions prompt given as token ids
+    eos_after: int | None = None  # kvgate_sim_eos_after: the simulated answer's natural length
 
 
 class EngineError(KvgateError):
@@ -86,8 +91,9 @@ def parse_request(api: Api, body: object, count: TokenCount = count_text_tokens)
     if not isinstance(ignore_eos, bool):
         raise bad_request("'ignore_eos' must be true or false")
     prompt_tokens = max(sum(tokens for _, _, tokens in parts), 1)
+    eos_after = _positive_int(body, SIM_EOS_AFTER)
     return CompletionRequest(
-        api, model, prompt_tokens, max_tokens, stream, include_usage, parts, ignore_eos, prompt_ids
+        api, model, prompt_tokens, max_tokens, stream, include_usage, parts, ignore_eos, prompt_ids, eos_after
     )
 
 

@@ -22,7 +22,8 @@ How a step is built, as in vLLM V1:
   computes only the rest; vLLM recomputes at least the prompt's last token, so a hit never covers it
   (vllm/v1/core/kv_cache_manager.py, get_computed_blocks @ 003df29).
 - A request names its output budget (max_tokens) and gets exactly that many tokens, as a model that
-  never ends early; without one it stops at a seeded end-of-sequence within `default_output_tokens`,
+  never ends early, unless it says where the simulated answer ends (`eos_after`, a replay's real
+  answer length under an over-declared budget); without one it stops at a seeded end-of-sequence within `default_output_tokens`,
   unless end-of-sequence is ignored (vLLM's `ignore_eos`, per request or `EngineConfig.ignore_eos`):
   then it runs to max-model-len, vLLM's default budget.
 - With `kv_events`, every change to the prefix cache is recorded as vLLM's scheduler reports it
@@ -214,6 +215,7 @@ class Engine:
         *,
         token_ids: tuple[int, ...] = (),
         ignore_eos: bool = False,
+        eos_after: int | None = None,
     ) -> int:
         """Queue a request the caller has validated; returns the number of tokens it will generate.
         `block_hashes` key its prompt's full blocks in the prefix cache; with KV events on, `token_ids`
@@ -224,7 +226,9 @@ class Engine:
             raise ValueError(f"KV events need the token ids of {request_id}'s {len(block_hashes)} blocks")
         room = self.config.max_model_len - prompt_tokens
         ends = max_tokens is None and not (ignore_eos or self.config.ignore_eos)
-        if max_tokens is not None:
+        if max_tokens is not None and eos_after is not None and eos_after < max_tokens:
+            target, ends = eos_after, True  # the model ends its answer before the budget
+        elif max_tokens is not None:
             target = max_tokens
         elif ends:
             low, high = self.config.default_output_tokens

@@ -266,6 +266,7 @@ class SimServer:
             hashes,
             token_ids=tuple(ids),
             ignore_eos=parsed.ignore_eos,
+            eos_after=parsed.eos_after,
         )
         self._wakes[rank].set()
         words = _Words(self.config.seed, request_id)
