@@ -25,7 +25,6 @@ from typing import Any
 
 import pytest
 import yaml
-from jwt_tokens import Signer
 from test_chart import (
     CHART,
     EXT_AUTHZ,
@@ -45,6 +44,7 @@ from test_chart import (
 from test_chart_envoy import envoy_validate
 
 from kvgate.config import parse_config
+from kvgate.harness.jwt import Signer
 
 MODES = ("standalone", "istio", "envoy-gateway", "none", "simulator")
 OPENSSL_TIMEOUT_S = 30

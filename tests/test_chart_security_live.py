@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jwt_tokens import Signer
 from pki import Authority
 from test_chart import Helm, container, gate_config_text, one, real_helm, standalone
 from test_chart_envoy import text_of_about
@@ -24,6 +23,7 @@ from test_chart_security import MTLS, secret_files
 from test_chart_tls import mount_volumes, rewrite
 
 from kvgate.harness.client import Reply, chat, post
+from kvgate.harness.jwt import Signer
 from kvgate.harness.processes import Service, kvgate_command
 from kvgate.harness.stack import agent_process, envoy_process, gate_process
 from kvgate.harness.upstreams import Upstreams

@@ -17,12 +17,12 @@ import grpc
 import pytest
 import yaml
 from envoy.service.ratelimit.v3 import rls_pb2, rls_pb2_grpc
-from jwt_tokens import Signer
 
 from kvgate.config import Config
 from kvgate.gate.processor import request_attributes
 from kvgate.harness.client import chat, post
 from kvgate.harness.envoy import render_envoy
+from kvgate.harness.jwt import Signer
 from kvgate.harness.processes import find_envoy
 from kvgate.harness.stack import agent_process, envoy_process, gate_process
 from kvgate.harness.upstreams import Upstreams

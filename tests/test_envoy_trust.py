@@ -22,13 +22,13 @@ from typing import Any
 
 import pytest
 import yaml
-from jwt_tokens import Signer
 from test_envoyconfig_routes import run_cli
 from texts import text_with_tokens
 from waiting import until
 
 from kvgate.harness.client import Reply, chat, post
 from kvgate.harness.envoy import render_envoy
+from kvgate.harness.jwt import Signer
 from kvgate.harness.processes import Service
 from kvgate.harness.stack import agent_process, envoy_process, gate_process
 from kvgate.harness.upstreams import Upstreams

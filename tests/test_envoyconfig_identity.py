@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 import yaml
-from jwt_tokens import Signer
 from pki import Authority
 from test_chart_envoy import envoy_validate
 from test_envoyconfig_routes import run_cli
 
 from kvgate.errors import ConfigError
 from kvgate.harness.client import post
+from kvgate.harness.jwt import Signer
 from kvgate.harness.stack import envoy_process
 from kvgate.harness.upstreams import Upstreams
 from kvgate.localports import free_port

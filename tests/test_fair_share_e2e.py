@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from jwt_tokens import Signer
 from test_envoy_trust import AUDIENCE, ENVOY, ISSUER, with_jwks
 from texts import text_with_tokens
 from waiting import until
@@ -22,6 +21,7 @@ from kvgate.agent.sources.engines import promtext
 from kvgate.config.headroom import HeadroomSettings
 from kvgate.harness.client import Reply, chat, post
 from kvgate.harness.envoy import render_envoy
+from kvgate.harness.jwt import Signer
 from kvgate.harness.processes import Service
 from kvgate.harness.stack import agent_process, envoy_process, gate_process
 from kvgate.harness.upstreams import Upstreams

@@ -23,9 +23,9 @@ How a step is built, as in vLLM V1:
   (vllm/v1/core/kv_cache_manager.py, get_computed_blocks @ 003df29).
 - A request names its output budget (max_tokens) and gets exactly that many tokens, as a model that
   never ends early, unless it says where the simulated answer ends (`eos_after`, a replay's real
-  answer length under an over-declared budget); without one it stops at a seeded end-of-sequence within `default_output_tokens`,
-  unless end-of-sequence is ignored (vLLM's `ignore_eos`, per request or `EngineConfig.ignore_eos`):
-  then it runs to max-model-len, vLLM's default budget.
+  answer length under an over-declared budget); without one it stops at a seeded end-of-sequence
+  within `default_output_tokens`, unless end-of-sequence is ignored (vLLM's `ignore_eos`, per request
+  or `EngineConfig.ignore_eos`): then it runs to max-model-len, vLLM's default budget.
 - With `kv_events`, every change to the prefix cache is recorded as vLLM's scheduler reports it
   (kvgate.sim.kv_events): BlockStored when a request's full prompt blocks are registered (with their
   token ids), BlockRemoved when a cached block is reallocated, AllBlocksCleared when a crash empties

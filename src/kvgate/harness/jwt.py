@@ -1,4 +1,4 @@
-"""RS256 JSON Web Tokens for tests, made with the openssl command line (like tests/pki.py).
+"""RS256 JSON Web Tokens made with the openssl command line, for the tests and the demo's tenants.
 
 An RS256 signature is RSASSA-PKCS1-v1_5 over SHA-256 (RFC 7518 section 3.3), which is what
 `openssl dgst -sha256 -sign` writes; the JWKS holds the key's modulus and exponent (RFC 7518 6.3.1).
