@@ -27,6 +27,7 @@ from kvgate.demo.prompts import BLOCK_TOKENS
 from kvgate.demo.scenario import Planned, Scenario
 from kvgate.demo.tokenizer import prompt_blocks
 from kvgate.names import JOB_ID_HEADER
+from kvgate.sim.api import SIM_EOS_AFTER
 from kvgate.sim.server import GATE_REASON_HEADER, NODE_HEADER
 from kvgate.sim.tokens import make_prompt
 
@@ -69,7 +70,7 @@ def request_body(scenario: Scenario, planned: Planned) -> bytes:
     a document, or a session's history, is the same text in every request that carries it), or a
     trace request's blocks as one user message, its output exact (`ignore_eos`, as vLLM reads it).
     Under a scenario's tokenizer every text is exact under it (`_text`)."""
-    exact: dict[str, bool] = {}
+    exact: dict[str, bool | int] = {}
     if planned.blocks:
         text = prompt_blocks(scenario.tokenizer).prompt(planned.blocks, planned.prompt_tokens)
         messages = [{"role": "user", "content": text}]
@@ -82,6 +83,8 @@ def request_body(scenario: Scenario, planned: Planned) -> bytes:
     else:
         prompt = _text(scenario, f"{scenario.seed}/prompt/{planned.index}", planned.prompt_tokens)
         messages = [{"role": "user", "content": prompt}]
+    if 0 < planned.output_tokens < planned.max_tokens:
+        exact = {SIM_EOS_AFTER: planned.output_tokens}  # the simulated answer ends before its budget
     body = {
         "model": scenario.model,
         "messages": messages,
@@ -157,8 +160,12 @@ class LoadGenerator:
         scenario: Scenario,
         async_nodes: frozenset[str] = frozenset(),
         clock: Callable[[], float] = time.monotonic,
+        credentials: Mapping[str, str] | None = None,
     ) -> None:
+        """`credentials`: each tenant's bearer token (kvgate.demo.tenants); without, every request is
+        sent without one (anonymous)."""
         self._url = url
+        self._credentials = credentials or {}
         self._scenario = scenario
         self._async_nodes = async_nodes
         self._clock = clock
@@ -232,6 +239,9 @@ class LoadGenerator:
         self, session: aiohttp.ClientSession, planned: Planned, body: bytes, sent: float, start: float
     ) -> Result:
         headers = {"Content-Type": "application/json"}
+        token = self._credentials.get(planned.tenant)
+        if token is not None:
+            headers["Authorization"] = f"Bearer {token}"
         async with session.post(self._url, data=body, headers=headers) as response:
             node = response.headers.get(NODE_HEADER)
             routed = response.headers.get(GATE_REASON_HEADER)

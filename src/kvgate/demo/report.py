@@ -182,7 +182,35 @@ def format_table(report: Mapping[str, Mapping[str, Any]]) -> str:
         rows.append((key, [_cell(report[r].get(key)) for r in runs]))
     for key in RETRY_KEYS:
         rows.append((key, [_cell(report[r].get(key)) for r in runs]))
+    rows += _fairness_rows(report, runs)
     return render_rows(runs, rows)
+
+
+FAIRNESS_KEYS = (
+    "jain_mean",
+    "jain_min",
+    "service_gap_max",
+    "largest_request_cost",
+    "kv_occupancy_mean",
+    "output_tokens_per_s",
+    "chat_ttft_p99_ms",
+)
+TENANT_KEYS = ("share", "fair_share", "long_ttft_p99_ms", "refused_429")
+
+
+def _fairness_rows(
+    report: Mapping[str, Mapping[str, Any]], runs: Sequence[str]
+) -> list[tuple[str, list[str]]]:
+    """The fairness scenario's figures (kvgate.demo.fairness), where a run has them."""
+    if not any("jain_mean" in report[r] for r in runs):
+        return []
+    rows = [(key, [_cell(report[r].get(key)) for r in runs]) for key in FAIRNESS_KEYS]
+    tenants = sorted({t for r in runs for t in report[r].get("tenants", {})})
+    for tenant in tenants:
+        for key in TENANT_KEYS:
+            cells = [_cell(report[r].get("tenants", {}).get(tenant, {}).get(key)) for r in runs]
+            rows.append((f"{tenant} {key}", cells))
+    return rows
 
 
 def cell(value: object) -> str:

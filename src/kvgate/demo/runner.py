@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kvgate.demo.capacity import node_capacity_tokens_per_s
+from kvgate.demo.fairness import fairness_figures, gate_tenant_requests
 from kvgate.demo.load import LoadGenerator, Result
 from kvgate.demo.plot import write_plot
 from kvgate.demo.report import RunTrace, format_table, summarize_run
-from kvgate.demo.retry_figures import RetryFigures, read_retry_figures
+from kvgate.demo.retry_figures import read_retry_figures
 from kvgate.demo.runs import start_stack
 from kvgate.demo.scenario import Planned, RunName, Scenario, long_shape, plan
 from kvgate.demo.scrape import Sampler, fetch_page, final_metrics, with_sampled_peaks
@@ -75,7 +76,7 @@ async def _phase(
 ) -> list[Result]:
     duration = scenario.timing.burst_phase_s if with_bursts else scenario.timing.no_burst_phase_s
     requests = plan(scenario, duration, with_bursts)
-    load = LoadGenerator(stack.url, scenario, stack.async_nodes)
+    load = LoadGenerator(stack.url, scenario, stack.async_nodes, credentials=stack.credentials)
     bodies = load.prepare(requests)
     return await replay(
         label, load, requests, bodies, duration_s=duration, progress=progress, sampler=sampler
@@ -130,7 +131,8 @@ async def _run_one(
         burst = await _phase(f"{name} {busy}", stack, scenario, True, progress, sampler=sampler)
         final = await final_metrics(stack.nodes, wait_s=scenario.node.restart_s + 2.0, parse=stack.parse_page)
         final = with_sampled_peaks(final, sampler.timeline)
-        retry = await _retry_figures(stack)
+        gate_page = await fetch_page(stack.gate_metrics_url) if stack.gate_metrics_url else None
+        retry = read_retry_figures(gate_page) if gate_page is not None else None
         pages = await agent_pages(stack.agent_metrics)
     long_capacity = (
         None  # the simulator's capacity model does not describe a real engine
@@ -141,15 +143,13 @@ async def _run_one(
     summary = summarize_run(burst, no_burst, final, pools, long_capacity, retry=retry)
     if pages:
         summary["soft_pools"] = soft_pool_figures(pages, burst, pools)
+    if scenario.tenants:
+        weights = {t.name: t.weight for t in scenario.tenants}
+        window = scenario.timing.fairness_window_s
+        summary |= fairness_figures(burst, sampler.timeline, stack.long_pool, weights, window_s=window)
+        if gate_page is not None:
+            summary["gate_tenant_requests"] = gate_tenant_requests(gate_page)
     return RunTrace(summary, burst, sampler.timeline)
-
-
-async def _retry_figures(stack: Stack) -> RetryFigures | None:
-    """The gate's Retry-After answers and their check (kvgate.demo.retry_figures); None without a gate."""
-    if stack.gate_metrics_url is None:
-        return None
-    page = await fetch_page(stack.gate_metrics_url)
-    return read_retry_figures(page) if page is not None else None
 
 
 async def run_demo(

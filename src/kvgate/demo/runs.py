@@ -5,6 +5,8 @@
   Envoy, prefix-aware placement on only in `kvgate_prefix_on`, the queue unless `kvgate_no_queue`;
 - `kvgate_inferencepool`: kvgate as an InferencePool's endpoint picker (docs/picker.md) behind Envoy
   configured as the pool's gateway (envoy/envoy-inferencepool.yaml), without the queue;
+- `kvgate_nofair`, `kvgate_fair`: kvgate with the scenario's tenants identified by verified tokens
+  (kvgate.demo.tenants), fair shares off and on;
 - `peer_<router>_<policy>`: a peer router over the baseline's nodes (kvgate.demo.peers).
 Every run starts fresh nodes.
 """
@@ -43,6 +45,7 @@ async def start_stack(
         envoy_config,
         prefix_affinity=name == "kvgate_prefix_on",
         queue=scenario.layout.queue and name != "kvgate_no_queue",
+        fairness={"kvgate_fair": True, "kvgate_nofair": False}.get(name),
     )
 
 

@@ -10,6 +10,8 @@ silently falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,6 +106,30 @@ class Sessions:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantTraffic:
+    """One tenant's long requests (the fairness scenario): its weight, what each request asks and how
+    often. Each request generates `output_tokens` but declares `output_tokens x over_declare` as its
+    max_tokens, as reasoning clients do (the simulated model ends early: kvgate_sim_eos_after). With
+    `on_s`, the tenant sends for on_s, then pauses off_s, and again. Its identity reaches the gate as
+    a verified token's claims (kvgate.demo.tenants), its priority too."""
+
+    name: str = "tenant"
+    weight: float = dataclasses.field(default=1.0, metadata={"min": 0.01})
+    prompt_tokens: int = dataclasses.field(default=8000, metadata=at_least(1))
+    output_tokens: int = dataclasses.field(default=128, metadata=at_least(1))
+    over_declare: float = dataclasses.field(default=1.0, metadata=at_least(1))
+    rate_per_s: float = dataclasses.field(default=0.1, metadata={"min": 0.001})
+    first_at_s: float = 0.0
+    on_s: float = 0.0
+    off_s: float = 0.0
+    priority: Literal["high", "normal", "low"] = "normal"
+
+    @property
+    def declared_tokens(self) -> int:
+        return math.ceil(self.output_tokens * self.over_declare)
+
+
+@dataclass(frozen=True, slots=True)
 class GateSettings:
     # How long the gate holds a long request that fits no node yet. It must stay well under Envoy's
     # ext_proc message_timeout (5 s in envoy/envoy.yaml), or Envoy gives up on the gate and fails open.
@@ -145,6 +171,8 @@ class Timing:
     request_timeout_s: float = 60.0
     connect_timeout_s: float = 5.0
     max_in_flight: int = 256
+    # The fairness scenario's windows for Jain's index (kvgate.demo.fairness).
+    fairness_window_s: float = dataclasses.field(default=60.0, metadata={"min": 1})
 
 
 # A peer router in one of its policies, over the same nodes as the baseline (kvgate.demo.peers):
@@ -172,6 +200,8 @@ RunName = Literal[
     "kvgate_prefix_on",
     "kvgate_no_queue",
     "kvgate_inferencepool",
+    "kvgate_nofair",
+    "kvgate_fair",
     PeerRunName,
 ]
 RUN_NAMES: tuple[RunName, ...] = get_args(RunName)
@@ -192,6 +222,9 @@ class Scenario:
     bursts: Bursts | None = Bursts()  # null: no bursts
     documents: Documents | None = None
     sessions: Sessions | None = None
+    # Long traffic per tenant (the fairness scenario): with it, the kvgate runs authenticate each
+    # tenant's requests (kvgate.demo.tenants) and report per-tenant service (kvgate.demo.fairness).
+    tenants: tuple[TenantTraffic, ...] = ()
     gate: GateSettings = GateSettings()
     agent: AgentSettings = AgentSettings()
     timing: Timing = Timing()
@@ -220,6 +253,9 @@ class Planned:
     label: str = ""  # what the request belongs to: "doc 2", "session 1 turn 3"
     # A trace request's prompt: one hash id per 512-token block (kvgate.demo.prompts), output exact.
     blocks: tuple[int, ...] = ()
+    tenant: str = ""  # whose request it is (scenario.tenants); "" for the anonymous traffic
+    # What the simulated answer really generates, under max_tokens (kvgate_sim_eos_after); 0: max_tokens.
+    output_tokens: int = 0
 
 
 def _check(s: Scenario) -> None:
@@ -238,6 +274,7 @@ def _check(s: Scenario) -> None:
         *([s.bursts.prompt_tokens + s.bursts.max_tokens] if s.bursts is not None else []),
         *([_largest_question(s.documents)] if s.documents is not None else []),
         *([_last_turn(s.sessions)] if s.sessions is not None else []),
+        *(t.prompt_tokens + t.declared_tokens for t in s.tenants),
     ]
     if any(tokens > s.node.max_model_len for tokens in longest):
         problems.append("long requests must fit node.max_model_len")
@@ -255,8 +292,19 @@ def _check(s: Scenario) -> None:
         s.sessions is not None and (s.sessions.count < 1 or s.sessions.every_s <= 0)
     ):
         problems.append("documents and sessions need a count >= 1 and a rate or period > 0")
+    problems += _tenant_problems(s.tenants)
     if problems:
         raise ConfigError(f"scenario {s.name}: " + "; ".join(problems))
+
+
+def _tenant_problems(tenants: tuple[TenantTraffic, ...]) -> list[str]:
+    problems = []
+    names = [t.name for t in tenants]
+    if len(set(names)) != len(names):
+        problems.append("tenants must have distinct names")
+    if any((t.on_s > 0) != (t.off_s > 0) for t in tenants):
+        problems.append("a tenant's on_s and off_s are set together")
+    return problems
 
 
 def parse_scenario(text: str, source: str = "<string>") -> Scenario:
@@ -289,6 +337,11 @@ def long_shape(scenario: Scenario) -> tuple[int, int]:
     if scenario.sessions is not None:
         s = scenario.sessions
         return s.first_tokens + (s.turns - 1) * s.turn_tokens // 2, s.max_tokens
+    if scenario.tenants:
+        rate = sum(t.rate_per_s for t in scenario.tenants)
+        prompt = sum(t.prompt_tokens * t.rate_per_s for t in scenario.tenants) / rate
+        output = sum(t.output_tokens * t.rate_per_s for t in scenario.tenants) / rate
+        return round(prompt), round(output)
     return scenario.short.prompt_tokens_max, scenario.short.max_tokens
 
 
@@ -307,9 +360,11 @@ def plan(scenario: Scenario, duration_s: float, with_bursts: bool) -> list[Plann
     short_rng = random.Random(f"{scenario.seed}/short")
     items: list[Planned] = []
     t = short_rng.expovariate(scenario.short.rate_per_s)
+    # With tenants, everyone chats beside its long requests, in turn.
+    chatting = itertools.cycle([t.name for t in scenario.tenants] or [""])
     while t < duration_s:
         tokens = short_rng.randint(scenario.short.prompt_tokens_min, scenario.short.prompt_tokens_max)
-        items.append(Planned(t, "short", tokens, scenario.short.max_tokens, 0))
+        items.append(Planned(t, "short", tokens, scenario.short.max_tokens, 0, tenant=next(chatting)))
         t += short_rng.expovariate(scenario.short.rate_per_s)
     if with_bursts:
         if scenario.bursts is not None:
@@ -318,6 +373,10 @@ def plan(scenario: Scenario, duration_s: float, with_bursts: bool) -> list[Plann
             items += _questions(scenario.documents, random.Random(f"{scenario.seed}/documents"), duration_s)
         if scenario.sessions is not None:
             items += _turns(scenario.sessions, duration_s)
+        for tenant in scenario.tenants:
+            items += _tenant_requests(
+                tenant, random.Random(f"{scenario.seed}/tenant/{tenant.name}"), duration_s
+            )
     items.sort(key=lambda item: item.at_s)
     return [dataclasses.replace(item, index=i) for i, item in enumerate(items)]
 
@@ -344,6 +403,28 @@ def _questions(d: Documents, rng: random.Random, duration_s: float) -> list[Plan
         parts = (("system", f"document/{doc}", sizes[doc]), ("user", f"question/{len(items)}", question))
         items.append(Planned(t, "long", sizes[doc] + question, d.max_tokens, 0, parts, f"doc {doc}"))
         t += rng.expovariate(d.rate_per_s)
+    return items
+
+
+def _tenant_requests(t: TenantTraffic, rng: random.Random, duration_s: float) -> list[Planned]:
+    """Poisson arrivals at the tenant's rate while it is on."""
+    items: list[Planned] = []
+    at = t.first_at_s + rng.expovariate(t.rate_per_s)
+    while at < duration_s:
+        if t.on_s <= 0 or (at - t.first_at_s) % (t.on_s + t.off_s) < t.on_s:
+            items.append(
+                Planned(
+                    at,
+                    "long",
+                    t.prompt_tokens,
+                    t.declared_tokens,
+                    0,
+                    label=t.name,
+                    tenant=t.name,
+                    output_tokens=t.output_tokens,
+                )
+            )
+        at += rng.expovariate(t.rate_per_s)
     return items
 
 

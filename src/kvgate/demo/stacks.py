@@ -24,6 +24,7 @@ from typing import Any, Protocol
 from kvgate.demo.envoy_config import baseline_bootstrap, write_yaml
 from kvgate.demo.scenario import Scenario, lender_engine_flags
 from kvgate.demo.scrape import Node, NodeMetrics, parse_sim_metrics
+from kvgate.demo.tenants import identities, verifying
 from kvgate.demo.tokenizer import tokenizer_file
 from kvgate.harness.envoy import render_envoy
 from kvgate.harness.processes import ProcessGroup, find_envoy, kvgate_command, sim_command
@@ -47,6 +48,8 @@ class Stack:
     agent_metrics: Mapping[str, str] = field(default_factory=dict)
     # The port each ProcessGroup name listens on (kvgate runs): where a restarted process is awaited.
     listens: Mapping[str, int] = field(default_factory=dict)
+    # Each tenant's bearer token, where this stack's Envoy verifies them (kvgate.demo.tenants).
+    credentials: Mapping[str, str] = field(default_factory=dict)
 
 
 class NodeKind(Protocol):
@@ -166,10 +169,12 @@ def gate_config(
     *,
     interactive_agent_ports: Sequence[int] = (),
     picker: bool = False,
+    fairness: bool | None = None,
 ) -> dict[str, Any]:
     """The gate's YAML for this run (the queue reads it too): pool limits from the node profile, one
     agent per long node, and one per interactive node that lends (its long requests borrow there) or,
-    for an endpoint picker (`picker`), that it picks."""
+    for an endpoint picker (`picker`), that it picks. `fairness`: fair shares on or off, with the
+    scenario's tenants' weights (None: the default config)."""
     placement = {"placement": {"prefix_affinity": True}} if prefix_affinity else {}
     protocol = {"protocol": "endpoint-picker"} if picker else {}
     tokenizer = {} if scenario.tokenizer is None else {"tokenizer": str(tokenizer_file(scenario.tokenizer))}
@@ -188,7 +193,12 @@ def gate_config(
         "headroom": {"agents": [f"127.0.0.1:{port}" for port in agent_ports], **_headroom_timing(scenario)},
         **_interactive_headroom(scenario, interactive_agent_ports),
         **placement,
+        **({} if fairness is None else {"fairness": _fairness(scenario, fairness)}),
     }
+
+
+def _fairness(scenario: Scenario, enabled: bool) -> dict[str, Any]:
+    return {"enabled": enabled, "tenants": {t.name: {"weight": t.weight} for t in scenario.tenants}}
 
 
 def _interactive_headroom(scenario: Scenario, ports: Sequence[int]) -> dict[str, Any]:
@@ -255,11 +265,13 @@ async def start_kvgate(
     prefix_affinity: bool = False,
     queue: bool = False,
     picker: bool = False,
+    fairness: bool | None = None,
 ) -> Stack:
     """kvgate's stack; with `queue`, `kvgate queue` is the async pool and runs overflow on the long
     nodes, as soon as one of their agents reserves for it. With `picker`, the gate is the endpoint
     picker of one pool of every node (envoy_config is then envoy-inferencepool.yaml): every
-    interactive node has an agent, and there is no async pool."""
+    interactive node has an agent, and there is no async pool. With `fairness` (on or off) the
+    scenario's tenants are identified by tokens Envoy verifies (kvgate.demo.tenants)."""
     layout = scenario.layout
     async_size = 0 if picker else layout.async_nodes
     sizes = {"interactive": layout.interactive_nodes, "long": layout.long_nodes, "async": async_size}
@@ -294,6 +306,7 @@ async def start_kvgate(
             queue,
             interactive_agent_ports=list(lending_agents.values()),
             picker=picker,
+            fairness=fairness,
         ),
         work_dir / "kvgate-gate.yaml",
     )
@@ -317,7 +330,13 @@ async def start_kvgate(
         )  # fmt: skip
         envoy_ports["async"] = [queue_port]
         ready["queue"] = queue_port
-    _start_envoy(group, render_envoy(envoy_config, work_dir / "envoy-kvgate.yaml", envoy_ports))
+    rendered = render_envoy(envoy_config, work_dir / "envoy-kvgate.yaml", envoy_ports)
+    credentials: Mapping[str, str] = {}
+    if fairness is not None:
+        tenants = identities(scenario, work_dir)
+        verifying(rendered, tenants.jwks)
+        credentials = tenants.tokens
+    _start_envoy(group, rendered)
     await wait_all(group, ready)
     url = f"http://127.0.0.1:{listen}/v1/chat/completions"
     async_nodes = frozenset(n.name for n in nodes if n.pool == "async")
@@ -332,4 +351,5 @@ async def start_kvgate(
         kind.parse_page,
         agent_metrics,
         ready,
+        credentials,
     )

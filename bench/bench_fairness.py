@@ -1,0 +1,59 @@
+"""Fair shares between tenants: the fairness scenario through kvgate without and with fair shares.
+
+Replays src/kvgate/demo/scenarios/fairness.yaml (six tenants, each a verified token's tenant, one
+flooding the long pool, one of weight 3, one on and off, one at low priority, everyone chatting beside)
+on simulated nodes with the real Envoy, gate and agents, and prints each run's figures
+(kvgate.demo.fairness: Jain's index in 60 s windows, the service gap against twice the largest
+request's cost, each tenant's share against its weighted max-min fair share) and the ratios of the run
+with fair shares to the run without, measured in the same session. About ten minutes; writes
+out/bench/fairness/report.json ({"runs": {name: figures}}).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvgate.demo.cli import default_envoy_config
+from kvgate.demo.report import format_table
+from kvgate.demo.runner import run_demo
+from kvgate.demo.scenario import builtin_scenario, load_scenario
+
+OUT = Path("out/bench/fairness")
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> str:
+    if numerator is None or not denominator:
+        return "-"
+    return f"{numerator / denominator:.2f}"
+
+
+def main() -> None:
+    scenario = load_scenario(builtin_scenario("fairness"))
+    print(f"load average before: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    report: dict[str, Any] = asyncio.run(run_demo(scenario, OUT, default_envoy_config(), stream=sys.stdout))
+    (OUT / "report.json").write_text(json.dumps({"runs": report}, indent=2) + "\n", encoding="utf-8")
+    print(format_table(report))
+    off, on = report["kvgate_nofair"], report["kvgate_fair"]
+    print()
+    for key in ("jain_mean", "jain_min", "service_gap_max", "kv_occupancy_mean", "output_tokens_per_s"):
+        print(f"{key + ', fair / not fair':<45} {_ratio(on[key], off[key])}")
+    print(f"{'chat TTFT p99, fair / not fair':<45} {_ratio(on['chat_ttft_p99_ms'], off['chat_ttft_p99_ms'])}")
+    bound = 2 * on["largest_request_cost"]
+    print(
+        f"service gap with fair shares {on['service_gap_max']:,} against the bound 2 x largest cost {bound:,}"
+    )
+    for tenant, figures in on["tenants"].items():
+        print(
+            f"tenant {tenant} (weight {figures['weight']:g}): share {figures['share']} "
+            f"(fair {figures['fair_share']}), without fair shares {off['tenants'][tenant]['share']}; "
+            f"long TTFT p99 {figures['long_ttft_p99_ms']} ms, 429s {figures['refused_429']}"
+        )
+    print(f"preemptions {off['preemptions']} / {on['preemptions']}, "
+          f"lost {off['requests_lost']} / {on['requests_lost']} (without / with fair shares)")  # fmt: skip
+    print(f"load average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    print(f"wrote {OUT / 'report.json'}")
