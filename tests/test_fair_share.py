@@ -258,3 +258,39 @@ def test_a_replica_orders_its_line_by_the_service_the_agents_saw_from_every_repl
         return first
 
     assert run(scenario) == ["b-here"]
+
+
+def backfilled(fair: FairShare, queues: dict[str, list[float]], steps: int, *, bounded: bool) -> float:
+    """Serve backlogged tenants where room frees unevenly: the least counter's head when it fits, else
+    another tenant's head that fits (backfill), held to may_pass when `bounded`. The largest weighted
+    service gap between the tenants (all backlogged throughout)."""
+    draw = random.Random(7)
+    served = dict.fromkeys(queues, 0.0)
+    for tenant in queues:
+        fair.waits(tenant)
+    gap = 0.0
+    for _ in range(steps):
+        room = draw.choice([5_000.0] * 9 + [40_000.0])
+        order = sorted(queues, key=fair.counter)
+        fits = [t for t in order if queues[t][0] <= room]
+        chosen = next(
+            (t for t in fits if t == order[0] or not bounded or fair.may_pass(t, queues[t][0])), None
+        )
+        if chosen is None:
+            continue
+        cost = queues[chosen].pop(0)
+        fair.charge(chosen, cost)
+        served[chosen] += cost / FAIR.weight(chosen)
+        gap = max(gap, max(served.values()) - min(served.values()))
+    return gap
+
+
+def test_backfill_held_to_may_pass_keeps_the_gap_within_twice_the_largest_cost() -> None:
+    """A tenant of 30k-token requests and one of 3k-token ones: room for a 30k request frees now and
+    then, for a 3k one often. Backfilling freely, the small tenant runs far ahead while the big one
+    waits for room; held to may_pass, it waits its turn once it is a large cost ahead."""
+    queues = {"big": [30_000.0] * 300, "small": [3_000.0] * 3_000}
+    free = backfilled(FairShare(FAIR), {k: list(v) for k, v in queues.items()}, 600, bounded=False)
+    held = backfilled(FairShare(FAIR), {k: list(v) for k, v in queues.items()}, 600, bounded=True)
+    assert free > 2 * 30_000
+    assert held <= 2 * 30_000

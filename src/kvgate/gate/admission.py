@@ -428,9 +428,10 @@ class Admission:
         measured on admission's clock; max_wait_s 0 means one try and no waiting.
         """
         nodes = source.snapshot()
-        admitted = await self._attempt(source, route, ask, nodes, choice)
-        if admitted is not None:
-            return admitted
+        if self._may_pass(ask):
+            admitted = await self._attempt(source, route, ask, nodes, choice)
+            if admitted is not None:
+                return admitted
         if ask.max_wait_s <= 0:
             return self._no_room(source, route, model, ask)
         ask.waited = True
@@ -457,7 +458,7 @@ class Admission:
                 just_tried = False
                 if not choice.any_usable:
                     return Admitted(no_healthy_node(route))
-                if not self._queue.is_head(place):
+                if not self._queue.is_head(place) and self._may_pass(ask):
                     # Woken behind the head: it fits beside the heads' slots by the latest messages.
                     admitted = await self._attempt(source, route, ask, nodes, choice)
                     if admitted is not None:
@@ -466,6 +467,14 @@ class Admission:
         finally:
             self._leave_line(place, ask)
             self._let_go(ask)
+
+    def _may_pass(self, ask: _Ask) -> bool:
+        """With fair shares, whether `ask` may take room ahead of the line (kvgate.policy.fair_share)."""
+        if self._fair is None:
+            return True
+        return self._fair.may_pass(
+            ask.tenant, self._fair.cost(ask.tokens - ask.output_tokens, ask.output_tokens)
+        )
 
     def _join_line(self, ask: _Ask) -> Place | None:
         """A place in the line (None: it is full); with fair shares its tenant waits from now."""

@@ -10,6 +10,12 @@ waits): idling banks no credit, so a tenant that comes back cannot starve the ot
 not use. Between two tenants that keep waiting, the weighted service each attains then differs by at
 most the largest request's weighted cost, twice (VTC's bound, 2 x max(w_in x L_in, w_out x M)).
 
+Backfill keeps to that bound: a request that would go ahead of the line (it fits where the head does
+not, or it arrives while others wait) may do so only while its tenant's counter, with its own cost,
+stays within the largest weighted cost of the least counter of the other tenants waiting
+(`may_pass`). Otherwise it waits its turn: a tenant's small requests cannot take what frees around a
+big head until their tenant is far ahead.
+
 A request is charged its estimate when admitted (the output budget it reserved) and settled on what
 its engine's answer says it generated, where the gate reads the answer (an endpoint picker,
 kvgate.gate.picker): the counter then holds what ran, not what was guessed.
@@ -46,6 +52,7 @@ class FairShare:
         self._lift: dict[str, float] = {}
         self._waiting: Counter[str] = Counter()  # waiters per tenant: a tenant here is backlogged
         self._last_served = 0.0
+        self._largest = 0.0  # the largest weighted cost charged: the slack backfill is allowed
 
     def cost(self, prompt_tokens: int, output_tokens: int) -> float:
         """A request's cost in tokens, before its tenant's weight."""
@@ -79,8 +86,18 @@ class FairShare:
         else:
             del self._waiting[tenant]
 
+    def may_pass(self, tenant: str, cost: float) -> bool:
+        """Whether a request of `tenant` costing `cost` may go ahead of the other tenants' waiters:
+        none waits, or its tenant's counter with it stays within the largest weighted cost of theirs."""
+        others = [self.counter(t) for t, n in self._waiting.items() if n > 0 and t != tenant]
+        if not others:
+            return True
+        weighted = cost / self._config.weight(tenant)
+        return self.counter(tenant) + weighted <= min(others) + max(self._largest, weighted)
+
     def charge(self, tenant: str, cost: float) -> None:
         """A request of `tenant` was admitted at `cost` (its estimate)."""
+        self._largest = max(self._largest, cost / self._config.weight(tenant))
         self._charged[tenant] = self._charged.get(tenant, 0.0) + cost / self._config.weight(tenant)
         if self._shared is not None:
             # Counted at once; the agents' next totals include it.
