@@ -5,13 +5,15 @@ flooding the long pool, one of weight 3, one on and off, one at low priority, ev
 on simulated nodes with the real Envoy, gate and agents, and prints each run's figures
 (kvgate.demo.fairness: Jain's index in 60 s windows, the service gap against twice the largest
 request's cost, each tenant's share against its weighted max-min fair share) and the ratios of the run
-with fair shares to the run without, measured in the same session. About ten minutes; writes
-out/bench/fairness/report.json ({"runs": {name: figures}}).
+with fair shares to the run without, measured in the same session; then B and D each alone on the
+same nodes, their TTFT reference. About fifteen minutes; writes out/bench/fairness/report.json
+({"runs": {name: figures}}, the alone runs as alone_B and alone_D).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -24,6 +26,7 @@ from kvgate.demo.runner import run_demo
 from kvgate.demo.scenario import builtin_scenario, load_scenario
 
 OUT = Path("out/bench/fairness")
+ALONE = ("B", "D")  # the tenants also run alone, for their TTFT reference
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> str:
@@ -36,6 +39,12 @@ def main() -> None:
     scenario = load_scenario(builtin_scenario("fairness"))
     print(f"load average before: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     report: dict[str, Any] = asyncio.run(run_demo(scenario, OUT, default_envoy_config(), stream=sys.stdout))
+    for name in ALONE:
+        # The tenant's own traffic alone on the same nodes, with fair shares: its TTFT reference.
+        (tenant,) = [t for t in scenario.tenants if t.name == name]
+        alone = dataclasses.replace(scenario, tenants=(tenant,), runs=("kvgate_fair",))
+        run = asyncio.run(run_demo(alone, OUT / f"alone_{name}", default_envoy_config(), stream=sys.stdout))
+        report[f"alone_{name}"] = run["kvgate_fair"]
     (OUT / "report.json").write_text(json.dumps({"runs": report}, indent=2) + "\n", encoding="utf-8")
     print(format_table(report))
     off, on = report["kvgate_nofair"], report["kvgate_fair"]
@@ -53,6 +62,10 @@ def main() -> None:
             f"(fair {figures['fair_share']}), without fair shares {off['tenants'][tenant]['share']}; "
             f"long TTFT p99 {figures['long_ttft_p99_ms']} ms, 429s {figures['refused_429']}"
         )
+    for name in ALONE:
+        beside = on["tenants"][name]["long_ttft_p99_ms"]
+        alone = report[f"alone_{name}"]["tenants"][name]["long_ttft_p99_ms"]
+        print(f"tenant {name}: long TTFT p99 beside the others / alone {_ratio(beside, alone)}")
     print(f"preemptions {off['preemptions']} / {on['preemptions']}, "
           f"lost {off['requests_lost']} / {on['requests_lost']} (without / with fair shares)")  # fmt: skip
     print(f"load average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")

@@ -311,7 +311,12 @@ class Admission:
         if capped is not None:
             admitted = Admitted(capped)
         else:
-            admitted = await self._admit_long(source, route, model, ask)
+            try:
+                admitted = await self._admit_long(source, route, model, ask)
+            except BaseException:
+                if self._limits is not None:  # cancelled (the stream went away): its quota comes back
+                    self._limits.give_back(ask.tenant, ask.tokens, self._clock())
+                raise
             if self._limits is not None:
                 self._count_limits(admitted, ask)
         if admitted.ticket is not None:
