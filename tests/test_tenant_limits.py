@@ -136,6 +136,27 @@ def test_an_over_quota_request_gets_its_own_429_with_the_refill_as_retry_after_a
     run(scenario)
 
 
+def test_a_request_cancelled_while_it_waits_gives_its_quota_back() -> None:
+    """The node is full; acme's request waits, having taken 10,000 of its 10,000-token quota, and its
+    stream goes away. Its estimate comes back: the next one is not refused by the quota."""
+
+    async def scenario() -> None:
+        fairness = FairnessConfig(tenants={"acme": TenantConfig(quota=TokenQuotaConfig(10_000, 3600.0))})
+        _, _, admission = admission_with(fairness)
+        await admission.start()
+        blocker = await ask(admission, "other", "blocker", tokens=100_000)
+        assert blocker.ticket is not None
+        waiting = asyncio.create_task(ask(admission, "acme", "a0"))
+        await until(lambda: admission.gauges().waiting == 1)
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        await admission.release(blocker.ticket)
+        assert (await ask(admission, "acme", "a1")).ticket is not None
+        await admission.stop()
+
+    run(scenario)
+
+
 def test_a_tenant_past_its_share_is_refused_only_while_another_waits() -> None:
     """acme may hold half of 100,000 while others wait. It takes 60,000 while alone (work-conserving);
     once b's request waits for room, acme's next is refused with its own reason, not made to wait."""
