@@ -45,7 +45,7 @@ from kvgate.headroom.snapshot import (
 from kvgate.names import ANONYMOUS_TENANT, OTHER_TENANTS
 from kvgate.policy import Decision, Reason, Refusal, Route
 from kvgate.policy.endpoints import UNRESERVED_ENDPOINTS, Subset, least_busy, within
-from kvgate.policy.fair_share import FairShare
+from kvgate.policy.fair_share import FairShare, agents_totals
 from kvgate.policy.identity import Priorities
 from kvgate.policy.nodes import Affinity, NodeChoice, choose_nodes
 from kvgate.policy.overflow import interactive_saturated, no_healthy_node, overflow
@@ -739,15 +739,8 @@ class Admission:
         """Fair shares across replicas: each tenant's service summed over the agents that say it; the
         line is sorted again, since another replica's grants may have moved a tenant."""
         assert self._fair is not None
-        totals: dict[str, float] = {}
-        published = False
-        for node in nodes:
-            if node.headroom is None or not node.headroom.tenant_service:
-                continue
-            published = True
-            for tenant, service in node.headroom.tenant_service.items():
-                totals[tenant] = totals.get(tenant, 0.0) + service
-        if published:
+        totals = agents_totals(nodes)
+        if totals is not None:
             self._fair.observe(totals)
             self._reorder()
 

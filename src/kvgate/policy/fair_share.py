@@ -31,13 +31,28 @@ loses nothing of anyone's share; an agent restart forgets what its node served (
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from kvgate.config import FairnessConfig
+from kvgate.headroom.snapshot import NodeView
 
 # Tenants remembered. Past this, the tenant with the least counter that waits for nothing is
 # forgotten: were it to come back, it is lifted to the others' least counter anyway.
 MAX_TENANTS = 10_000
+
+
+def agents_totals(nodes: Sequence[NodeView]) -> dict[str, float] | None:
+    """Each tenant's service summed over the agents' latest messages (NodeHeadroom.tenant_service);
+    None when no agent publishes any."""
+    totals: dict[str, float] = {}
+    published = False
+    for node in nodes:
+        if node.headroom is None or not node.headroom.tenant_service:
+            continue
+        published = True
+        for tenant, service in node.headroom.tenant_service.items():
+            totals[tenant] = totals.get(tenant, 0.0) + service
+    return totals if published else None
 
 
 class FairShare:

@@ -33,6 +33,7 @@ from kvgate.config import FairnessConfig
 from kvgate.errors import HeadroomError, StoreError
 from kvgate.headroom import giveback
 from kvgate.headroom.snapshot import HeadClaim, NodeView, ReleaseOutcome, ReserveOutcome, TenantCharge
+from kvgate.policy.fair_share import agents_totals
 from kvgate.policy.nodes import StalePolicy, choose_nodes
 from kvgate.policy.slot import fits_beside_heads, slot_node
 from kvgate.queue import placement
@@ -202,15 +203,8 @@ class Dispatcher:
     def _observe_service(self, nodes: Sequence[NodeView]) -> None:
         """Each tenant's service as the agents count it, every gate's and queue replica's grants alike
         (kvgate.queue.fairness)."""
-        totals: dict[str, float] = {}
-        published = False
-        for node in nodes:
-            if node.headroom is None or not node.headroom.tenant_service:
-                continue
-            published = True
-            for tenant, service in node.headroom.tenant_service.items():
-                totals[tenant] = totals.get(tenant, 0.0) + service
-        if published:
+        totals = agents_totals(nodes)
+        if totals is not None:
             self._fair.observe(totals)
 
     async def _reload(self) -> None:
