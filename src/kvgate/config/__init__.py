@@ -282,6 +282,10 @@ class FairnessConfig:
         known = self.tenants.get(tenant)
         return known.weight if known is not None else self.default_weight
 
+    def cost(self, prompt_tokens: int, output_tokens: int) -> float:
+        """A request's cost in tokens, before its tenant's weight."""
+        return prompt_tokens + self.output_weight * output_tokens
+
     def max_kv_share(self, tenant: str) -> float | None:
         known = self.tenants.get(tenant)
         own = known.max_kv_share if known is not None else None

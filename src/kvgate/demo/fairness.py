@@ -29,7 +29,7 @@ from typing import Any
 
 from kvgate.agent.sources.engines import promtext
 from kvgate.demo.load import Result
-from kvgate.demo.report import percentile, short_ttfts
+from kvgate.demo.report import milliseconds, percentile, short_ttfts
 from kvgate.demo.scrape import Sample
 
 TENANT_REQUESTS = "kvgate_gate_tenant_requests_total"
@@ -204,7 +204,7 @@ def fairness_figures(
             "weight": weight,
             "long_requests": len(own),
             "long_served": sum(1 for r in own if r.outcome == "ok"),
-            "long_ttft_p99_ms": _ms(percentile(ttfts, 99)),
+            "long_ttft_p99_ms": milliseconds(percentile(ttfts, 99)),
             "share": round(given.get(tenant, 0.0) / total, 4) if total else None,
             "fair_share": round(fair.get(tenant, 0.0), 4) if total else None,
             "refused_429": sum(1 for r in own if r.outcome == "429"),
@@ -217,7 +217,7 @@ def fairness_figures(
         (r.sent_s for r in longs), default=0.0
     )
     return {
-        "chat_ttft_p99_ms": _ms(percentile(short_ttfts(results), 99)),
+        "chat_ttft_p99_ms": milliseconds(percentile(short_ttfts(results), 99)),
         "jain_mean": round(sum(windows) / len(windows), 4) if windows else None,
         "jain_min": round(min(windows), 4) if windows else None,
         "jain_windows": len(windows),
@@ -243,10 +243,6 @@ def _demand_in(results: Sequence[Result], contended: Sequence[int], step_s: floa
         output = r.completion_tokens if served else (r.planned.output_tokens or r.planned.max_tokens)
         asked[r.planned.tenant] += (r.prompt_tokens or r.planned.prompt_tokens) + OUTPUT_WEIGHT * output
     return dict(asked)
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds * 1000, 1)
 
 
 def gate_tenant_requests(page: str) -> dict[str, dict[str, int]]:

@@ -51,7 +51,7 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[rank - 1]
 
 
-def _ms(seconds: float | None) -> float | None:
+def milliseconds(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 1)
 
 
@@ -94,9 +94,9 @@ def summarize_run(
         "requests_total": len(burst),
         "requests_lost": outcomes["lost"],
         "outcomes": {o: outcomes[o] for o in REPORTED_OUTCOMES},
-        "short_ttft_p50_ms": _ms(percentile(ttfts, 50)),
-        "short_ttft_p99_ms": _ms(percentile(ttfts, 99)),
-        "short_ttft_p99_ms_no_burst": _ms(percentile(short_ttfts(no_burst), 99)),
+        "short_ttft_p50_ms": milliseconds(percentile(ttfts, 50)),
+        "short_ttft_p99_ms": milliseconds(percentile(ttfts, 99)),
+        "short_ttft_p99_ms_no_burst": milliseconds(percentile(short_ttfts(no_burst), 99)),
         "peak_kv_fraction": {
             name: None if m is None else round(m.peak_kv_tokens / m.capacity_tokens, 3)
             for name, m in nodes.items()
@@ -114,8 +114,8 @@ def summarize_run(
         "long_refused": sum(1 for r in burst if r.planned.kind == "long" and r.outcome in _REFUSED),
         "short_prompt_tokens": _served_prompt_tokens(burst, "short"),
         "long_prompt_tokens": _served_prompt_tokens(burst, "long"),
-        "long_ttft_p50_ms": _ms(percentile(served_ttfts(burst, "long"), 50)),
-        "long_ttft_p99_ms": _ms(percentile(served_ttfts(burst, "long"), 99)),
+        "long_ttft_p50_ms": milliseconds(percentile(served_ttfts(burst, "long"), 50)),
+        "long_ttft_p99_ms": milliseconds(percentile(served_ttfts(burst, "long"), 99)),
         "prefix_hit_tokens": sum(m.prefix_hit_tokens for m in known),
         "retry_answers": retry.answers if retry else None,
         "retry_checked": retry.checked if retry else None,

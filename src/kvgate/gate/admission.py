@@ -204,7 +204,7 @@ class Admission:
         self._clock = clock
         self._fair = FairShare(fairness) if fairness is not None and fairness.enabled else None
         self._limits = TenantLimits(fairness) if fairness is not None and fairness.limits_tenants else None
-        self._output_weight = (fairness or FairnessConfig()).output_weight
+        self._fairness = fairness or FairnessConfig()
         self._queue = WaitQueue(config.queue_size, clock, self._fair_order if self._fair else arrival)
         self._long_pressure = PoolPressure(PoolKind.LONG, config)
         self._interactive_pressure = PoolPressure(PoolKind.INTERACTIVE, config)
@@ -477,9 +477,7 @@ class Admission:
         """With fair shares, whether `ask` may take room ahead of the line (kvgate.policy.fair_share)."""
         if self._fair is None:
             return True
-        return self._fair.may_pass(
-            ask.tenant, self._fair.cost(ask.tokens - ask.output_tokens, ask.output_tokens)
-        )
+        return self._fair.may_pass(ask.tenant, self._cost(ask))
 
     def _join_line(self, ask: _Ask) -> Place | None:
         """A place in the line (None: it is full); with fair shares its tenant waits from now."""
@@ -562,7 +560,7 @@ class Admission:
         if self._fair is not None:
             # Charged while still in the line: the line is sorted again before this request leaves
             # it, so leaving wakes the new head, not the one that led before the charge.
-            self._fair.charge(ask.tenant, self._fair.cost(ask.tokens - ask.output_tokens, ask.output_tokens))
+            self._fair.charge(ask.tenant, self._cost(ask))
             self._reorder()
         pinned = Route(route.pool, Reason.LONG, route.tokens, node.headroom.endpoint)
         return Admitted(pinned, ticket)
@@ -692,8 +690,10 @@ class Admission:
         held tokens when it grants."""
         if self._fair is None and self._limits is None:
             return None
-        cost = ask.tokens - ask.output_tokens + self._output_weight * ask.output_tokens
-        return TenantCharge(ask.tenant, cost, self._output_weight)
+        return TenantCharge(ask.tenant, self._cost(ask), self._fairness.output_weight)
+
+    def _cost(self, ask: _Ask) -> float:
+        return self._fairness.cost(ask.tokens - ask.output_tokens, ask.output_tokens)
 
     def _release_later(self, agent: str, request_id: str, *, unanswered: bool = False) -> None:
         task = asyncio.create_task(self._release(agent, request_id, unanswered=unanswered))
@@ -711,7 +711,7 @@ class Admission:
                 self._limits.give_back(ticket.tenant, ticket.output_tokens - generated_tokens, self._clock())
         output = generated_tokens if generated_tokens > 0 else ticket.output_tokens
         prompt = ticket.tokens - ticket.output_tokens
-        self._metrics.tenant_served(ticket.tenant, prompt + self._output_weight * output)
+        self._metrics.tenant_served(ticket.tenant, self._fairness.cost(prompt, output))
         await self._release(ticket.agent, ticket.request_id, generated_tokens=generated_tokens)
 
     async def _release(

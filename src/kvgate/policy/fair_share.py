@@ -71,7 +71,7 @@ class FairShare:
 
     def cost(self, prompt_tokens: int, output_tokens: int) -> float:
         """A request's cost in tokens, before its tenant's weight."""
-        return prompt_tokens + self._config.output_weight * output_tokens
+        return self._config.cost(prompt_tokens, output_tokens)
 
     def counter(self, tenant: str) -> float:
         """The weighted service `tenant` attained, lifts included: the fair order's key, least first."""
