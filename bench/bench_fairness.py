@@ -1,13 +1,16 @@
-"""Fair shares between tenants: the fairness scenario through kvgate without and with fair shares.
+"""Fair shares between tenants: the fairness scenario through kvgate without and with fair shares,
+and through what a team would use instead.
 
 Replays src/kvgate/demo/scenarios/fairness.yaml (six tenants, each a verified token's tenant, one
 flooding the long pool, one of weight 3, one on and off, one at low priority, everyone chatting beside)
-on simulated nodes with the real Envoy, gate and agents, and prints each run's figures
-(kvgate.demo.fairness: Jain's index in 60 s windows, the service gap against twice the largest
-request's cost, each tenant's share against its weighted max-min fair share) and the ratios of the run
-with fair shares to the run without, measured in the same session; then B and D each alone on the
-same nodes, their TTFT reference. About fifteen minutes; writes out/bench/fairness/report.json
-({"runs": {name: figures}}, the alone runs as alone_B and alone_D).
+on simulated nodes, through each of its runs: plain Envoy round robin, Envoy holding each tenant to a
+sixth of the nodes' requests a second (its local rate limit), smg and vllm-router (`make peers`), and
+kvgate without and with fair shares. Prints every run's figures side by side (kvgate.demo.fairness:
+Jain's index in 60 s windows, the service gap against twice the largest request's cost, each tenant's
+share against its weighted max-min fair share) and the ratios of the run with fair shares to the run
+without, measured in the same session; then B and D each alone on the same nodes, their TTFT
+reference. About forty minutes; writes out/bench/fairness/report.json ({"runs": {name: figures}}, the
+alone runs as alone_B and alone_D).
 """
 
 from __future__ import annotations

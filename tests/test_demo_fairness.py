@@ -10,8 +10,11 @@ import io
 import json
 from pathlib import Path
 
+import aiohttp
 import pytest
 
+from kvgate.demo.capacity import node_capacity_tokens_per_s
+from kvgate.demo.envoy_config import baseline_bootstrap, rate_limited
 from kvgate.demo.fairness import (
     backlogged_by_step,
     fairness_figures,
@@ -22,8 +25,20 @@ from kvgate.demo.fairness import (
 )
 from kvgate.demo.load import Result, request_body
 from kvgate.demo.runner import run_demo
-from kvgate.demo.scenario import Planned, TenantTraffic, builtin_scenario, load_scenario, parse_scenario, plan
+from kvgate.demo.runs import start_stack
+from kvgate.demo.scenario import (
+    Layout,
+    Planned,
+    TenantTraffic,
+    builtin_scenario,
+    load_scenario,
+    long_shape,
+    parse_scenario,
+    plan,
+)
+from kvgate.demo.tenants import fair_request_rate
 from kvgate.errors import ConfigError
+from kvgate.harness.processes import ProcessGroup
 
 REPO_ENVOY = Path(__file__).resolve().parent.parent / "envoy" / "envoy.yaml"
 
@@ -146,3 +161,61 @@ def test_fair_shares_through_the_real_stack_each_tenant_charged_by_its_verified_
     longs = [row for row in map(json.loads, lines) if row["kind"] == "long"]
     assert set(counted) == {row["tenant"] for row in longs} and len(counted) >= 4, counted
     assert sum(sum(c.values()) for c in counted.values()) == len(longs)
+
+
+# --- Envoy's per-tenant rate limit, the comparison run ----------------------------------------------
+
+
+def test_the_rate_limit_run_needs_tenants() -> None:
+    with pytest.raises(ConfigError, match="envoy_ratelimit run limits the scenario's tenants"):
+        parse_scenario("runs: [baseline, envoy_ratelimit]\n")
+
+
+def test_each_tenant_gets_a_sixth_of_the_requests_the_nodes_serve() -> None:
+    """Six tenants: one sixth of the long requests three nodes fit back to back, plus the chat."""
+    scenario = load_scenario(builtin_scenario("fairness"))
+    prompt, output = long_shape(scenario)
+    long_per_s = 3 * node_capacity_tokens_per_s(scenario.node, prompt, output) / (prompt + output)
+    assert fair_request_rate(scenario) == pytest.approx((long_per_s + scenario.short.rate_per_s) / 6)
+    bucket = rate_limited(baseline_bootstrap(1, 2, [3]), {"A": 0.4, "B": 30.0})
+    (limit, _router) = bucket["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"
+    ]["http_filters"]
+    buckets = {d["entries"][0]["value"]: d["token_bucket"] for d in limit["typed_config"]["descriptors"]}
+    assert buckets["A"] == {"max_tokens": 1, "tokens_per_fill": 1, "fill_interval": "2.500s"}
+    # Envoy refuses a refill faster than every 50 ms: a high rate refills 50 ms apart.
+    assert buckets["B"]["fill_interval"] == "0.050s"
+
+
+@pytest.mark.slow
+def test_envoy_holds_a_tenant_to_its_rate_by_its_verified_token_not_the_others(tmp_path: Path) -> None:
+    """Through the real Envoy with the run's config: tenant A's burst past its bucket gets Envoy's 429;
+    B's request, sent right after, is served; a client's own tenant header does not move A onto
+    another tenant's bucket."""
+    full = load_scenario(builtin_scenario("fairness"))
+    scenario = dataclasses.replace(full, runs=("envoy_ratelimit",), layout=Layout(baseline_nodes=1))
+
+    async def scenario_run() -> tuple[list[int], int, int]:
+        with ProcessGroup(tmp_path / "logs") as group:
+            stack = await start_stack("envoy_ratelimit", group, scenario, tmp_path, REPO_ENVOY)
+            body = json.dumps(
+                {"model": scenario.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+            )
+            async with aiohttp.ClientSession() as client:
+
+                async def send(tenant: str, headers: dict[str, str] | None = None) -> int:
+                    auth = {"authorization": f"Bearer {stack.credentials[tenant]}", **(headers or {})}
+                    async with client.post(stack.url, data=body, headers=auth) as answer:
+                        await answer.read()
+                        return answer.status
+
+                burst = [await send("A") for _ in range(4)]
+                claimed = await send("A", {"x-kvgate-tenant": "B"})
+                other = await send("B")
+                return burst, claimed, other
+
+    burst, claimed, other = asyncio.run(asyncio.wait_for(scenario_run(), 120))
+    # A's bucket holds ceil(rate) requests (about 1 a second at this scenario's rate): the rest are 429.
+    assert burst[0] == 200 and 429 in burst, burst
+    assert claimed == 429
+    assert other == 200

@@ -1,6 +1,8 @@
 """A run of the demo by name: which stack it starts over which nodes, and when that stack is ready.
 
 - `baseline`: a plain round-robin Envoy over one shared pool (kvgate.demo.stacks);
+- `envoy_ratelimit`: the same Envoy verifying the scenario's tenants and holding each to a sixth of
+  what the nodes serve with its local rate limit (the fairness scenario's comparison);
 - `kvgate`, `kvgate_prefix_off`, `kvgate_prefix_on`, `kvgate_no_queue`: kvgate's pools, agents, gate and
   Envoy, prefix-aware placement on only in `kvgate_prefix_on`, the queue unless `kvgate_no_queue`;
 - `kvgate_inferencepool`: kvgate as an InferencePool's endpoint picker (docs/picker.md) behind Envoy
@@ -31,8 +33,8 @@ _FRESH = re.compile(r"^kvgate_node_fresh\{[^}]*\} 1\.0$", re.MULTILINE)
 async def start_stack(
     name: RunName, group: ProcessGroup, scenario: Scenario, work_dir: Path, envoy_config: Path
 ) -> Stack:
-    if name == "baseline":
-        return await start_baseline(group, scenario, work_dir)
+    if name in ("baseline", "envoy_ratelimit"):
+        return await start_baseline(group, scenario, work_dir, tenant_rate_limit=name == "envoy_ratelimit")
     if name.startswith("peer_"):
         return await start_peer(group, scenario, name, group.log_dir)
     if name == "kvgate_inferencepool":

@@ -189,12 +189,14 @@ PeerRunName = Literal[
     "peer_vllm-router_power_of_two",
     "peer_vllm-router_round_robin",
 ]
-# The stacks a run can start: a plain Envoy over one shared pool, or kvgate with prefix-aware
+# The stacks a run can start: a plain Envoy over one shared pool (with the tenants' tokens verified and
+# each tenant rate-limited: envoy_ratelimit), or kvgate with prefix-aware
 # placement off (its default) or on, or kvgate without its queue (long requests that find no room
 # get 429 after the wait), or kvgate as an InferencePool's endpoint picker behind Envoy configured as
 # the pool's gateway (envoy/envoy-inferencepool.yaml), or a peer router.
 RunName = Literal[
     "baseline",
+    "envoy_ratelimit",
     "kvgate",
     "kvgate_prefix_off",
     "kvgate_prefix_on",
@@ -292,13 +294,15 @@ def _check(s: Scenario) -> None:
         s.sessions is not None and (s.sessions.count < 1 or s.sessions.every_s <= 0)
     ):
         problems.append("documents and sessions need a count >= 1 and a rate or period > 0")
-    problems += _tenant_problems(s.tenants)
+    problems += _tenant_problems(s.tenants, s.runs)
     if problems:
         raise ConfigError(f"scenario {s.name}: " + "; ".join(problems))
 
 
-def _tenant_problems(tenants: tuple[TenantTraffic, ...]) -> list[str]:
+def _tenant_problems(tenants: tuple[TenantTraffic, ...], runs: tuple[RunName, ...]) -> list[str]:
     problems = []
+    if "envoy_ratelimit" in runs and not tenants:
+        problems.append("the envoy_ratelimit run limits the scenario's tenants: name some")
     names = [t.name for t in tenants]
     if len(set(names)) != len(names):
         problems.append("tenants must have distinct names")

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from kvgate.demo.envoy_config import baseline_bootstrap, write_yaml
+from kvgate.demo.envoy_config import baseline_bootstrap, rate_limited, write_yaml
 from kvgate.demo.scenario import Scenario, lender_engine_flags
 from kvgate.demo.scrape import Node, NodeMetrics, parse_sim_metrics
-from kvgate.demo.tenants import identities, verifying
+from kvgate.demo.tenants import fair_request_rate, identities, verifying
 from kvgate.demo.tokenizer import tokenizer_file
 from kvgate.harness.envoy import render_envoy
 from kvgate.harness.processes import ProcessGroup, find_envoy, kvgate_command, sim_command
@@ -139,7 +139,12 @@ def node_kind(scenario: Scenario) -> NodeKind:
     return EngineNodes(scenario.engine)
 
 
-async def start_baseline(group: ProcessGroup, scenario: Scenario, work_dir: Path) -> Stack:
+async def start_baseline(
+    group: ProcessGroup, scenario: Scenario, work_dir: Path, *, tenant_rate_limit: bool = False
+) -> Stack:
+    """A plain round-robin Envoy over one shared pool. With `tenant_rate_limit`, Envoy verifies each
+    tenant's token (kvgate.demo.tenants) and holds it to a sixth of what the nodes serve in requests a
+    second (`fair_request_rate`) with its local rate limit."""
     count = scenario.layout.baseline_nodes
     ports = iter(free_ports(count + 2))
     nodes = [Node(f"shared-{i}", next(ports), "shared") for i in range(count)]
@@ -147,7 +152,16 @@ async def start_baseline(group: ProcessGroup, scenario: Scenario, work_dir: Path
     await kind.start(group, scenario, nodes, {"shared": scenario.node.max_model_len})
     listen, admin = next(ports), next(ports)
     bootstrap = baseline_bootstrap(listen, admin, [n.port for n in nodes])
-    _start_envoy(group, write_yaml(bootstrap, work_dir / "envoy-baseline.yaml"))
+    credentials: Mapping[str, str] = {}
+    if tenant_rate_limit:
+        rate = fair_request_rate(scenario)
+        bootstrap = rate_limited(bootstrap, {t.name: rate for t in scenario.tenants})
+    rendered = write_yaml(bootstrap, work_dir / "envoy-baseline.yaml")
+    if tenant_rate_limit:
+        tenants = identities(scenario, work_dir)
+        verifying(rendered, tenants.jwks)
+        credentials = tenants.tokens
+    _start_envoy(group, rendered)
     await wait_all(group, {**{n.name: n.port for n in nodes}, "envoy": listen})
     url = f"http://127.0.0.1:{listen}/v1/chat/completions"
     return Stack(
@@ -157,6 +171,7 @@ async def start_baseline(group: ProcessGroup, scenario: Scenario, work_dir: Path
         frozenset(),
         routing=("envoy",),
         parse_page=kind.parse_page,
+        credentials=credentials,
     )
 
 

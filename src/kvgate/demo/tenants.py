@@ -14,7 +14,8 @@ from typing import Any
 
 import yaml
 
-from kvgate.demo.scenario import Scenario
+from kvgate.demo.capacity import node_capacity_tokens_per_s
+from kvgate.demo.scenario import Scenario, long_shape
 from kvgate.harness.jwt import Signer
 from kvgate.harness.processes import checkout_path
 
@@ -59,3 +60,13 @@ def _http_filters(config: dict[str, Any]) -> list[dict[str, Any]]:
     listener = config["static_resources"]["listeners"][0]
     filters: list[dict[str, Any]] = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
     return filters
+
+
+def fair_request_rate(scenario: Scenario) -> float:
+    """A sixth (one tenant's part) of the requests a second the baseline's nodes serve: the long
+    requests they fit back to back at the tenants' typical size (kvgate.demo.capacity), plus the chat.
+    What a team that caps tenants with Envoy's rate limit would give each, knowing only request counts."""
+    prompt, output = long_shape(scenario)
+    per_node = node_capacity_tokens_per_s(scenario.node, prompt, output) / (prompt + output)
+    served = scenario.layout.baseline_nodes * per_node + scenario.short.rate_per_s
+    return served / len(scenario.tenants)
