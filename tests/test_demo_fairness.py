@@ -33,6 +33,7 @@ from kvgate.demo.scenario import (
     builtin_scenario,
     load_scenario,
     long_shape,
+    lower_priority,
     parse_scenario,
     plan,
 )
@@ -104,7 +105,7 @@ def test_tenants_plan_over_declared_requests_on_and_off_and_everyone_chats() -> 
     longs = [r for r in requests if r.kind == "long"]
     assert {r.tenant for r in longs} == {"A", "B", "C", "D", "E", "F"}
     assert all(r.max_tokens == 4 * r.output_tokens for r in longs)
-    assert all(r.at_s % 60 < 30 for r in longs if r.tenant == "D"), "D is off every other 30 s"
+    assert all(r.at_s % 120 < 60 for r in longs if r.tenant == "D"), "D is off every other 60 s"
     assert {r.tenant for r in requests if r.kind == "short"} == {"A", "B", "C", "D", "E", "F"}
     body = json.loads(request_body(scenario, longs[0]))
     assert (body["max_tokens"], body["kvgate_sim_eos_after"]) == (512, 128)
@@ -126,6 +127,29 @@ def test_bad_tenants_are_refused_naming_the_problem(tenants: str, message: str) 
 
 def test_a_tenant_declares_its_output_times_over_declare() -> None:
     assert TenantTraffic(output_tokens=100, over_declare=2.5).declared_tokens == 250
+
+
+def test_a_lower_priority_tenant_is_owed_no_share_while_the_others_wait() -> None:
+    """a and b wait all through and are served alike; c, of a lower priority, waits as long and gets
+    one request through: counted among equals it would pull Jain's index down, but priority comes first, so
+    it is reported beside them with a fair share of 0."""
+    results = [served(t, 0.0, 10.0, 11.0) for t in ("a", "b", "c")]
+    results += [served(t, 1.0, float(i), float(i)) for t in ("a", "b") for i in range(2, 10)]
+    results.append(served("c", 1.0, 4.0, 4.0))
+    weights = {"a": 1.0, "b": 1.0, "c": 1.0}
+    among_all = fairness_figures(results, {}, (), weights, step_s=1.0, window_s=5.0)
+    assert among_all["jain_min"] < 0.9
+    figures = fairness_figures(results, {}, (), weights, lower_priority={"c"}, step_s=1.0, window_s=5.0)
+    assert figures["jain_min"] == pytest.approx(1.0)
+    assert figures["tenants"]["c"]["fair_share"] == 0.0
+    assert figures["tenants"]["a"]["fair_share"] == pytest.approx(0.5)
+    assert 0 < figures["tenants"]["c"]["share"] < figures["tenants"]["a"]["share"]
+
+
+def test_lower_priority_tenants_are_those_below_the_highest_present() -> None:
+    tenants = (TenantTraffic("A"), TenantTraffic("F", priority="low"), TenantTraffic("G", priority="low"))
+    assert lower_priority(tenants) == {"F", "G"}
+    assert lower_priority(tenants[1:]) == frozenset()
 
 
 # --- end to end ----------------------------------------------------------------------------------

@@ -65,6 +65,7 @@ def test_only_explained_refusals_count_as_refusals() -> None:
     assert classify_response(400, error) == "other"
     assert classify_response(503, b"upstream connect error or disconnect/reset before headers") == "lost"
     assert classify_response(503, b"[1, 2]") == "lost"
+    assert classify_response(429, b"local_rate_limited") == "429"  # Envoy's rate limit: a refusal
 
 
 def test_percentile_is_nearest_rank() -> None:

@@ -9,10 +9,13 @@ import dataclasses
 import random
 
 import pytest
+from fixtures.engines.pages import Vllm
 from test_admission import MODEL, long_route, run, until
 
 from kvgate._proto.headroom.v1 import headroom_pb2 as pb
 from kvgate.agent.in_process import FakeHeadroom, ManualClock
+from kvgate.agent.node import NodeSettings, NodeState
+from kvgate.agent.sources.engines import read_engine_page
 from kvgate.agent.tenant_service import TenantService
 from kvgate.config import AdmissionConfig, FairnessConfig, TenantConfig, parse_config
 from kvgate.errors import ConfigError
@@ -123,14 +126,15 @@ async def ask(admission: Admission, tenant: str, request_id: str) -> Admitted:
 
 
 @pytest.mark.parametrize(
-    ("enabled", "order"), [(True, ["a2", "b0", "a3", "b1"]), (False, ["a2", "a3", "b0", "b1"])]
+    ("enabled", "order"), [(True, ["b0", "a2", "b1", "a3"]), (False, ["a2", "a3", "b0", "b1"])]
 )
 def test_the_gates_line_goes_by_attained_service_with_fair_shares_and_by_arrival_without(
     enabled: bool, order: list[str]
 ) -> None:
     """Room for two requests at a time. Tenant a takes both and queues two more; then b queues two.
-    With fair shares b starts waiting lifted to a's counter (idle time banks nothing), so a's earlier
-    arrival goes first, then b and a alternate as each is charged; without, a's arrivals all go first."""
+    With fair shares b starts waiting lifted to a's counter (idle time banks nothing); level, b was
+    served less in fact, so it goes first, then a and b alternate as each is charged; without, a's
+    arrivals all go first."""
 
     async def scenario() -> list[str]:
         _, _, admission = admission_with(FairnessConfig(enabled=enabled))
@@ -203,6 +207,83 @@ def test_the_agent_keeps_each_tenants_service_and_settles_it_on_what_ran() -> No
     assert service.totals() == {"a": 12_000.0, "b": 3_000.0}
     service.granted("r3", TenantCharge("c", 50_000, 2.0), 0)  # past 2 tenants: the least served goes
     assert service.totals() == {"a": 12_000.0, "c": 50_000.0}
+
+
+def test_an_older_waiter_behind_the_fair_head_cannot_take_the_room_the_head_waits_for() -> None:
+    """The agents order waiters by arrival; a gate with fair shares orders its line by attained
+    service. Tenant a waits first for 10,000 tokens, b next for 15,000; another replica's grant to a
+    puts b at the head. When 14,000 tokens free, a fits and b does not, and a is close enough to b's
+    counter to go ahead of the line (within the largest cost, 12,000). Were a's try to name its
+    arrival, the agent would count it ahead of b's claim and grant it, pushing b back. It names no
+    wait, so it may only backfill beside b's slot: b goes first, then a."""
+
+    async def scenario() -> list[str]:
+        clock = ManualClock()
+        source = FakeHeadroom(clock, stale_after_s=5.0)
+        source.add_node("n", 30_000)
+        source.add_node("small", 100)  # where the other replica's grant lands
+        admission = Admission(
+            AdmissionConfig(max_wait_s=60.0), source, clock=clock, fairness=FairnessConfig(enabled=True)
+        )
+        await admission.start()
+
+        async def admit(tenant: str, request_id: str, tokens: int) -> Admitted:
+            return await admission.admit(long_route(tokens), MODEL, None, request_id, tenant=tenant)
+
+        blockers = [await admit("c", "c1", 12_000), await admit("c", "c2", 16_000)]
+        assert all(b.ticket is not None for b in blockers)
+        admitted: list[str] = []
+        waiting = {}
+        for tenant, request_id, tokens in (("a", "a-big", 10_000), ("b", "b-big", 15_000)):
+            waiting[request_id] = asyncio.create_task(admit(tenant, request_id, tokens))
+            waiting[request_id].add_done_callback(lambda _, rid=request_id: admitted.append(rid))
+            count = len(waiting)
+            await until(lambda count=count: admission.gauges().waiting == count)
+        other = await source.reserve("small", "elsewhere", 1, charge=TenantCharge("a", 1_000.0, 2.0))
+        assert other.granted
+        await source.release("small", "elsewhere")
+        await until(lambda: counters(admission)["a"] > counters(admission)["b"])
+        await until(lambda: ("n", "b-big", True) in source.reserves)  # b holds its place on n
+        woken = admission.waiters_woken
+        await admission.release(blockers[0].ticket)  # 14,000 free: a fits, b does not
+        await until(lambda: admission.waiters_woken > woken)
+        for _ in range(100):  # the loop runs what the wake started; no time passes
+            await asyncio.sleep(0)
+        await admission.release(blockers[1].ticket)
+        await until(lambda: bool(admitted))
+        first = waiting[admitted[0]].result()
+        assert first.ticket is not None
+        await admission.release(first.ticket)
+        await until(lambda: len(admitted) == 2)
+        await admission.stop()
+        return admitted
+
+    assert run(scenario) == ["b-big", "a-big"]
+
+
+def test_an_unread_release_settles_on_what_the_engine_was_measured_to_generate_not_the_budget() -> None:
+    """A gate that does not read answers (the ext_proc gate, not the endpoint picker) releases saying
+    nothing of the output. The tenant declared 2,000 output tokens and was charged them; its request
+    held 4 s on an engine measured at 50 tokens a second per running request: it is settled at 200.
+    A release that read the answer settles on the answer's count."""
+    clock = ManualClock(0.0)
+    settings = NodeSettings("n", "e:1", safety_ratio=1.0, capacity_tokens=100_000)
+    state = NodeState(settings, clock, uses_engine=True, uses_nvml=False)
+
+    def scrape(generated: int) -> None:
+        page = Vllm(blocks=(6250,), usage=(0.01,), running=(1,), generation=(generated,))
+        state.observe_engine(read_engine_page(page.page()))
+
+    for t in range(12):
+        scrape(50 * t)
+        clock.advance(1.0)
+    for request_id, tenant in (("unread", "a"), ("read", "b")):
+        charge = TenantCharge(tenant, 5_000 + 2 * 2_000, 2.0)
+        assert state.reserve(request_id, 7_000, 0, output_tokens=2_000, charge=charge).granted
+    clock.advance(4.0)
+    state.release("unread")
+    state.release("read", generated_tokens=120)
+    assert state.tenant_service.totals() == {"a": 5_000 + 2 * 200, "b": 5_000 + 2 * 120}
 
 
 def test_the_service_totals_travel_in_the_stream_and_a_reserve_carries_its_charge() -> None:

@@ -34,14 +34,15 @@ def test_one_tenant_runs_in_arrival_order() -> None:
 
 
 def test_a_tenant_that_arrives_behind_a_flood_takes_every_other_turn() -> None:
-    """b starts level with a (lifted to its counter): one more flood job, older, then turns."""
+    """b starts level with a (lifted to its counter) and, served less in fact, goes first on the tie;
+    then turns."""
     fair = FairQueue()
     flood = jobs("a", 10)
     fair.load(flood, per_group=100)
     assert dispatch(fair, 1) == ["a1"]  # running when the other tenant arrives
     late = jobs("b", 2)
     fair.load(flood[1:] + late, per_group=100)
-    assert dispatch(fair, 4) == ["a2", "b1", "a3", "b2"]
+    assert dispatch(fair, 4) == ["b1", "a2", "b2", "a3"]
 
 
 def test_shares_are_by_tokens_not_by_count() -> None:
@@ -71,8 +72,8 @@ def test_a_tenant_that_was_idle_does_not_cash_in_credit() -> None:
     assert dispatch(fair, 8) == [f"a{i}" for i in range(2, 10)]  # b idle meanwhile
     back = jobs("b", 5)
     fair.load(a[9:] + back, per_group=100)
-    # b starts level with a: one turn each, not eight b's in a row.
-    assert dispatch(fair, 4) == ["a10", "b1", "a11", "b2"]
+    # b starts level with a: one turn each, not eight b's in a row (b first on the tie).
+    assert dispatch(fair, 4) == ["b1", "a10", "b2", "a11"]
 
 
 def test_a_higher_priority_goes_first_and_ties_go_to_the_older_job() -> None:

@@ -424,21 +424,35 @@ class ReservationLedger:
         return False
 
     def _learn(self, ended: Reservation, generated_tokens: int) -> None:
-        """Learn what a released reservation generated: what its releaser read in the engine's answer,
-        else its hold (from its first token, where told) x the decode rate, within its budget. A hold
-        from the grant counts its prefill and its trip to the engine too, so the output learned from it
-        errs high. An expired one is not learned: its
-        request may have ended long before."""
+        """Learn what a released reservation generated (`output_generated`). An expired one is not
+        learned: its request may have ended long before."""
         if generated_tokens > 0:
             self.outputs.learn(generated_tokens)
             return
+        estimate = self._output_estimate(ended)
+        if estimate is not None:
+            self.outputs.learn(estimate)
+
+    def output_generated(self, request_id: str, holder: str, generated_tokens: int = 0) -> int:
+        """What `holder`'s live reservation generated: what its releaser read in the engine's answer
+        (`generated_tokens`), else its hold (from its first token, where told) x the node's measured
+        decode rate, within its budget; 0 when neither is known or it is not held here. A hold from
+        the grant counts its prefill and its trip to the engine too, so the estimate errs high."""
+        if generated_tokens > 0:
+            return generated_tokens
+        existing = self._live.get(request_id)
+        if existing is None or existing.holder != holder:
+            return 0
+        return self._output_estimate(existing) or 0
+
+    def _output_estimate(self, ended: Reservation) -> int | None:
         rate = self._decode_rate()
         declared = min(ended.output_tokens, ended.own_tokens)
         if rate is None or rate <= 0 or declared == 0:
-            return
+            return None
         decoding_since = ended.first_token_at if ended.first_token_at is not None else ended.granted_at
         held = max(0.0, self._clock() - decoding_since)
-        self.outputs.learn(min(declared, math.floor(held * rate)))
+        return min(declared, math.floor(held * rate))
 
     def release_answer(self, released: bool, budget: Budget) -> ReleaseOutcome:
         """The answer to a Release: whether it ended a reservation, and the node's figures after it

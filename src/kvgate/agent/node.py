@@ -357,11 +357,14 @@ class NodeState:
         unanswered_reserve: bool = False,
         generated_tokens: int = 0,
     ) -> ReleaseOutcome:
+        # The tenant's charge is settled on what ran: the answer's count where the releaser read it,
+        # else the engine's measured rate over the hold, not the output budget the client declared.
+        output = self.ledger.output_generated(request_id, holder, generated_tokens)
         released = self.ledger.release(
             request_id, holder, unanswered_reserve=unanswered_reserve, generated_tokens=generated_tokens
         )
         if released:
-            self.tenant_service.ended(request_id, generated_tokens)
+            self.tenant_service.ended(request_id, output)
         # A waiter that went elsewhere or gave up says so with a Release: its claim goes with it.
         self.claims.drop(Waiter(holder, request_id))
         return self.ledger.release_answer(released, self.budget())

@@ -3,8 +3,9 @@
 Pure. Every long request passes one agent's Reserve, so the agents see all the service every gate
 replica and `kvgate queue` hand out, where each replica alone sees its own. A grant that names its
 tenant and cost (prompt + output_weight x output tokens, the gate's VTC charge) adds the cost to the
-tenant's total; its Release settles the output part on what the request generated, where the gate
-read the answer. The totals go out in the
+tenant's total; its Release settles the output part on what the request generated: what the gate
+read in the answer, else what the node's engine was measured to generate over the request's hold
+(kvgate.agent.ledger `output_generated`). The totals go out in the
 stream (NodeHeadroom.tenant_service), and each gate adds them up over the agents
 (kvgate.policy.fair_share), so every replica orders its line by the same counters.
 
@@ -41,8 +42,8 @@ class TenantService:
             del self._totals[min(self._totals, key=self._totals.__getitem__)]
 
     def ended(self, request_id: str, generated_tokens: int = 0) -> None:
-        """The reservation ended (released, or its lease ran out); `generated_tokens`, where its
-        releaser read the answer, settles its output part (0: as charged)."""
+        """The reservation ended (released, or its lease ran out); `generated_tokens`, what it generated
+        (read or measured), settles its output part (0: unknown, as charged)."""
         live = self._live.pop(request_id, None)
         if live is None:
             return

@@ -55,7 +55,11 @@ class Result:
 
 
 def classify_response(status: int, body: bytes) -> Outcome:
-    """The outcome of a non-200 answer: explicit refusals carry an OpenAI-style JSON error."""
+    """The outcome of a non-200 answer: explicit refusals carry an OpenAI-style JSON error. A 429 is one
+    by its status alone (RFC 6585: too many requests, try later): Envoy's local rate limit answers it
+    with a plain-text body."""
+    if status == 429:
+        return "429"
     try:
         parsed = json.loads(body)
     except ValueError:

@@ -25,7 +25,7 @@ from kvgate.demo.plot import write_plot
 from kvgate.demo.report import RunTrace, format_table, summarize_run
 from kvgate.demo.retry_figures import read_retry_figures
 from kvgate.demo.runs import start_stack
-from kvgate.demo.scenario import Planned, RunName, Scenario, long_shape, plan
+from kvgate.demo.scenario import Planned, RunName, Scenario, long_shape, lower_priority, plan
 from kvgate.demo.scrape import Sampler, fetch_page, final_metrics, with_sampled_peaks
 from kvgate.demo.soft_pools import agent_pages, soft_pool_figures, soft_pool_lines
 from kvgate.demo.stacks import Stack
@@ -146,7 +146,10 @@ async def _run_one(
     if scenario.tenants:
         weights = {t.name: t.weight for t in scenario.tenants}
         window = scenario.timing.fairness_window_s
-        summary |= fairness_figures(burst, sampler.timeline, stack.long_pool, weights, window_s=window)
+        lower = lower_priority(scenario.tenants)
+        summary |= fairness_figures(
+            burst, sampler.timeline, stack.long_pool, weights, lower_priority=lower, window_s=window
+        )
         if gate_page is not None:
             summary["gate_tenant_requests"] = gate_tenant_requests(gate_page)
     return RunTrace(summary, burst, sampler.timeline)

@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
@@ -127,6 +128,16 @@ class TenantTraffic:
     @property
     def declared_tokens(self) -> int:
         return math.ceil(self.output_tokens * self.over_declare)
+
+
+PRIORITIES = ("high", "normal", "low")  # most important first: the gate's default admission.priorities
+
+
+def lower_priority(tenants: Sequence[TenantTraffic]) -> frozenset[str]:
+    """The tenants of a lower priority than the highest among `tenants`: owed no share while the
+    others wait (kvgate.demo.fairness)."""
+    top = min((PRIORITIES.index(t.priority) for t in tenants), default=0)
+    return frozenset(t.name for t in tenants if PRIORITIES.index(t.priority) > top)
 
 
 @dataclass(frozen=True, slots=True)

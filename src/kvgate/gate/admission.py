@@ -389,9 +389,9 @@ class Admission:
             self._limits.give_back(ask.tenant, ask.tokens, self._clock())
 
     def _fair_order(self, place: Place) -> tuple[float, ...]:
-        """Rank first, then the tenant's weighted attained service, then arrival."""
+        """Rank first, then the tenant's place in the fair order (FairShare.order), then arrival."""
         assert self._fair is not None, "the fair order is the queue's only with fair shares"
-        return (place.rank, self._fair.counter(place.tenant), place.waiting_since_unix_ns, place.seq)
+        return (place.rank, *self._fair.order(place.tenant), place.waiting_since_unix_ns, place.seq)
 
     def pick_unreserved(self, route: Route, subset: Subset) -> Decision:
         """An endpoint picker's engines for a request that reserves nothing (kvgate.policy.endpoints):
@@ -487,13 +487,19 @@ class Admission:
         if place is None and self._fair is not None:
             self._fair.done_waiting(ask.tenant)
         ask.place = place
+        self._claim_follows_head()  # a newcomer of a higher priority, or first in the fair order
         return place
 
     def _reorder(self) -> None:
-        """Fair shares moved a tenant: sort the line again. A head that is head no more stops holding
-        its place on its agent, which otherwise keeps the room for it (the agents order the heads they
-        hold room for by arrival) rather than for the new head."""
+        """Fair shares moved a tenant: sort the line again."""
         self._queue.reorder()
+        self._claim_follows_head()
+
+    def _claim_follows_head(self) -> None:
+        """A head that is head no more stops holding its place on its agent, which otherwise keeps the
+        room for it (the agents order the heads they hold room for by arrival) rather than for the new
+        head; and, with fair shares, it no longer names its wait (`_named_wait`), so it could not take
+        that room either."""
         holding = self._holding
         if holding is not None and holding.place is not None and not self._queue.is_head(holding.place):
             self._let_go(holding)
@@ -521,21 +527,26 @@ class Admission:
         prefix = ask.affinity.chain if ask.affinity is not None else None
         slot = slot_node(nodes, ask.tokens, ask.output_tokens, ask.holds_on) if head else None
         asked: set[str] = set()
+        since = self._named_wait(ask, head)
         for node, cached in zip(choice.candidates, choice.cached_tokens, strict=True):
             if not candidates or node.agent in ask.unanswered_by:
                 continue
             if node.fresh and not fits_beside_heads(
-                node, ask.tokens - cached, ask.rank, ask.waiting_since_unix_ns, self._local_claim(node, ask)
+                node, ask.tokens - cached, ask.rank, since, self._local_claim(node, ask)
             ):
                 continue
             asked.add(node.agent)
-            ticket = await self._try_reserve(source, node.agent, ask, prefix, hold=node.agent == slot)
+            ticket = await self._try_reserve(
+                source, node.agent, ask, prefix, hold=node.agent == slot, waiting_since_unix_ns=since
+            )
             if ticket is not None and node.headroom is not None:
                 return self._granted(route, ask, choice, node, ticket)
         renew = ask.holds_on != slot or self._clock() - ask.held_at >= CLAIM_RENEW_S
         if slot is None or slot in asked or slot in ask.unanswered_by or not renew:
             return None
-        ticket = await self._try_reserve(source, slot, ask, prefix, hold=True)
+        ticket = await self._try_reserve(
+            source, slot, ask, prefix, hold=True, waiting_since_unix_ns=ask.waiting_since_unix_ns
+        )
         held = next((n for n in nodes if n.agent == slot), None)
         if ticket is not None and held is not None and held.headroom is not None:
             return self._granted(route, ask, choice, held, ticket)
@@ -594,8 +605,27 @@ class Admission:
             self._release_later(ask.holds_on, ask.request_id)
             ask.holds_on = None
 
+    def _named_wait(self, ask: _Ask, head: bool) -> int:
+        """The waiting time a try names to the agents, its place in their order (rank, then since when
+        it waits). With fair shares this gate's line is in the fair order, not by arrival: only its
+        head names its wait, and every other try names none (0), so the agents let it take only what
+        leaves the heads' slots whole (backfill). Were a tenant's old waiter to name its arrival, the
+        agents would put it ahead of the fair head, whose room it would take: a flooding tenant's
+        requests, the oldest in the line since the fair order keeps them last, took what freed just
+        before their wait ran out."""
+        if self._fair is None or head:
+            return ask.waiting_since_unix_ns
+        return 0
+
     async def _try_reserve(
-        self, source: HeadroomSource, agent: str, ask: _Ask, prefix: PrefixChain | None, *, hold: bool
+        self,
+        source: HeadroomSource,
+        agent: str,
+        ask: _Ask,
+        prefix: PrefixChain | None,
+        *,
+        hold: bool,
+        waiting_since_unix_ns: int,
     ) -> Ticket | None:
         if hold:
             if ask.holds_on is not None and ask.holds_on != agent:
@@ -610,7 +640,7 @@ class Admission:
                 ask.tokens,
                 prefix,
                 output_tokens=ask.output_tokens,
-                waiting_since_unix_ns=ask.waiting_since_unix_ns,
+                waiting_since_unix_ns=waiting_since_unix_ns,
                 rank=ask.rank,
                 hold_slot=hold,
                 charge=self._charge_of(ask),
@@ -755,7 +785,9 @@ class Admission:
         local = {holding.holds_on: holding.claim} if holding is not None and holding.holds_on else {}
 
         def fits(place: Place) -> bool:
-            since = place.waiting_since_unix_ns
+            # Woken behind the head, a waiter tries as `_named_wait` says: by arrival, or with fair
+            # shares as one that names no wait.
+            since = place.waiting_since_unix_ns if self._fair is None else 0
             return any(
                 fits_beside_heads(n, place.tokens, place.rank, since, local.get(n.agent)) for n in nodes
             )

@@ -77,6 +77,14 @@ class FairShare:
         """The weighted service `tenant` attained, lifts included: the fair order's key, least first."""
         return self._attained(tenant) + self._lift.get(tenant, 0.0)
 
+    def order(self, tenant: str) -> tuple[float, float]:
+        """`tenant`'s place in the fair order, least first: its counter, then, among equal counters,
+        the service it attained in fact. A tenant that starts waiting is lifted to the least counter
+        of those waiting, level with the tenant that has it; of the two, the one that was served less
+        (the returning one, whose counter the lift raised) goes first rather than after every waiter
+        of the other, so a light tenant waits for one admission less."""
+        return self.counter(tenant), self._attained(tenant)
+
     def observe(self, totals: Mapping[str, float]) -> None:
         """The service each tenant attained across every replica, summed over the agents' messages
         (raw cost): from now on the counters follow it rather than this process's own charges."""

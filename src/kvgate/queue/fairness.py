@@ -62,15 +62,15 @@ class FairQueue:
     def next(self, passed: Container[str] = frozenset()) -> Waiting | None:
         """The job to dispatch next (it stays waiting until `dispatched` or `drop`), leaving out the
         ids in `passed` (jobs this round found no room for, which later ones may go beside)."""
-        best: tuple[int, float, int, Waiting] | None = None
+        best: tuple[int, float, float, int, Waiting] | None = None
         for (priority, tenant), jobs in self._groups.items():
             head = next((job for job in jobs if job.id not in passed), None)
             if head is None:
                 continue
-            candidate = (priority, self._fair.counter(tenant), head.seq, head)
-            if best is None or candidate[:3] < best[:3]:
+            candidate = (priority, *self._fair.order(tenant), head.seq, head)
+            if best is None or candidate[:4] < best[:4]:
                 best = candidate
-        return best[3] if best is not None else None
+        return best[4] if best is not None else None
 
     def dispatched(self, job: Waiting) -> None:
         """`job` was sent to a node: charge its tenant its tokens."""
