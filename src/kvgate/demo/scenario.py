@@ -207,7 +207,6 @@ PeerRunName = Literal[
 # the pool's gateway (envoy/envoy-inferencepool.yaml), or a peer router.
 RunName = Literal[
     "baseline",
-    "envoy_ratelimit",
     "kvgate",
     "kvgate_prefix_off",
     "kvgate_prefix_on",
@@ -215,6 +214,7 @@ RunName = Literal[
     "kvgate_inferencepool",
     "kvgate_nofair",
     "kvgate_fair",
+    "envoy_ratelimit",
     PeerRunName,
 ]
 RUN_NAMES: tuple[RunName, ...] = get_args(RunName)
