@@ -8,6 +8,7 @@ limit, one token bucket of requests per tenant.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -15,11 +16,11 @@ from typing import Any
 
 import yaml
 
+from kvgate.names import TENANT_HEADER  # where envoy/envoy-jwt.yaml's jwt_authn puts the verified tenant
+
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 _ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
 _LOCAL_RATELIMIT = "type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit"
-# The header envoy/envoy-jwt.yaml's jwt_authn filter copies the verified tenant claim into.
-TENANT_HEADER = "x-kvgate-tenant"
 # Envoy 1.40 refuses a bucket refilled more often: "local rate limit descriptor token bucket fill timer
 # must be >= 50ms" (`envoy --mode validate`).
 _MIN_FILL_INTERVAL_S = 0.05
@@ -72,7 +73,7 @@ def rate_limited(bootstrap: Mapping[str, Any], per_tenant: Mapping[str, float]) 
     """`bootstrap` (baseline_bootstrap's) with Envoy's local rate limit ahead of the router: each tenant
     named in `per_tenant` gets its own bucket of that many requests a second, keyed by the verified
     tenant header; a request over it gets Envoy's own 429. Requests without a tenant are not limited."""
-    config: dict[str, Any] = dict(bootstrap)
+    config: dict[str, Any] = copy.deepcopy(dict(bootstrap))
     manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     unlimited = {"max_tokens": 1_000_000, "tokens_per_fill": 1_000_000, "fill_interval": "1s"}
     always = {"default_value": {"numerator": 100, "denominator": "HUNDRED"}, "runtime_key": "tenant_rate"}

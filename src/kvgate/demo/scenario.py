@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from kvgate.bounds import at_least
-from kvgate.config import parse_yaml_as
+from kvgate.config import AdmissionConfig, parse_yaml_as
 from kvgate.errors import ConfigError
 
 
@@ -130,14 +130,12 @@ class TenantTraffic:
         return math.ceil(self.output_tokens * self.over_declare)
 
 
-PRIORITIES = ("high", "normal", "low")  # most important first: the gate's default admission.priorities
-
-
 def lower_priority(tenants: Sequence[TenantTraffic]) -> frozenset[str]:
     """The tenants of a lower priority than the highest among `tenants`: owed no share while the
     others wait (kvgate.demo.fairness)."""
-    top = min((PRIORITIES.index(t.priority) for t in tenants), default=0)
-    return frozenset(t.name for t in tenants if PRIORITIES.index(t.priority) > top)
+    ranks = AdmissionConfig().priorities  # the demo's gates rank by the default, most important first
+    top = min((ranks.index(t.priority) for t in tenants), default=0)
+    return frozenset(t.name for t in tenants if ranks.index(t.priority) > top)
 
 
 @dataclass(frozen=True, slots=True)

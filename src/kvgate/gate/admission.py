@@ -527,7 +527,7 @@ class Admission:
         prefix = ask.affinity.chain if ask.affinity is not None else None
         slot = slot_node(nodes, ask.tokens, ask.output_tokens, ask.holds_on) if head else None
         asked: set[str] = set()
-        since = self._named_wait(ask, head)
+        since = self._named_wait(ask.waiting_since_unix_ns, head)
         for node, cached in zip(choice.candidates, choice.cached_tokens, strict=True):
             if not candidates or node.agent in ask.unanswered_by:
                 continue
@@ -605,7 +605,7 @@ class Admission:
             self._release_later(ask.holds_on, ask.request_id)
             ask.holds_on = None
 
-    def _named_wait(self, ask: _Ask, head: bool) -> int:
+    def _named_wait(self, waiting_since_unix_ns: int, head: bool) -> int:
         """The waiting time a try names to the agents, its place in their order (rank, then since when
         it waits). With fair shares this gate's line is in the fair order, not by arrival: only its
         head names its wait, and every other try names none (0), so the agents let it take only what
@@ -614,7 +614,7 @@ class Admission:
         requests, the oldest in the line since the fair order keeps them last, took what freed just
         before their wait ran out."""
         if self._fair is None or head:
-            return ask.waiting_since_unix_ns
+            return waiting_since_unix_ns
         return 0
 
     async def _try_reserve(
@@ -785,9 +785,7 @@ class Admission:
         local = {holding.holds_on: holding.claim} if holding is not None and holding.holds_on else {}
 
         def fits(place: Place) -> bool:
-            # Woken behind the head, a waiter tries as `_named_wait` says: by arrival, or with fair
-            # shares as one that names no wait.
-            since = place.waiting_since_unix_ns if self._fair is None else 0
+            since = self._named_wait(place.waiting_since_unix_ns, head=False)  # woken behind the head
             return any(
                 fits_beside_heads(n, place.tokens, place.rank, since, local.get(n.agent)) for n in nodes
             )
