@@ -4,13 +4,14 @@ and through what a team would use instead.
 Replays src/kvgate/demo/scenarios/fairness.yaml (six tenants, each a verified token's tenant, one
 flooding the long pool, one of weight 3, one on and off, one at low priority, everyone chatting beside)
 on simulated nodes, through each of its runs: plain Envoy round robin, Envoy holding each tenant to a
-sixth of the nodes' requests a second (its local rate limit), smg and vllm-router (`make peers`), and
-kvgate without and with fair shares. Prints every run's figures side by side (kvgate.demo.fairness:
-Jain's index in 60 s windows, the service gap against twice the largest request's cost, each tenant's
-share against its weighted max-min fair share) and the ratios of the run with fair shares to the run
-without, measured in the same session; then B and D each alone on the same nodes, their TTFT
-reference. About forty minutes; writes out/bench/fairness/report.json ({"runs": {name: figures}}, the
-alone runs as alone_B and alone_D).
+sixth of the nodes' requests a second (its local rate limit), smg and vllm-router (`make peers`),
+kvgate without and with fair shares, then with fair shares on two gate and two queue replicas (A on
+one gate alone), and the same with one gate and one queue killed halfway. Prints every run's figures
+side by side (kvgate.demo.fairness: Jain's index in 60 s windows, the service gap against twice the
+largest request's cost, each tenant's share against its weighted max-min fair share) and the ratios
+of the run with fair shares to the run without, measured in the same session; then B and D each
+alone on the same nodes, their TTFT reference. About forty-five minutes; writes
+out/bench/fairness/report.json ({"runs": {name: figures}}, the alone runs as alone_B and alone_D).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from kvgate.demo.scenario import builtin_scenario, load_scenario
 
 OUT = Path("out/bench/fairness")
 ALONE = ("B", "D")  # the tenants also run alone, for their TTFT reference
+REPLICATED = ("kvgate_fair_2x", "kvgate_fair_2x_kill")
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> str:
@@ -71,5 +73,14 @@ def main() -> None:
         print(f"tenant {name}: long TTFT p99 beside the others / alone {_ratio(beside, alone)}")
     print(f"preemptions {off['preemptions']} / {on['preemptions']}, "
           f"lost {off['requests_lost']} / {on['requests_lost']} (without / with fair shares)")  # fmt: skip
+    for name in REPLICATED:
+        run = report[name]
+        print(
+            f"{name}: service gap {run['service_gap_max']:,} against 4 x largest cost "
+            f"{4 * run['largest_request_cost']:,}; Jain mean {run['jain_mean']} min {run['jain_min']}; "
+            f"preemptions {run['preemptions']}, lost {run['requests_lost']}"
+            + (f"; killed {', '.join(run['killed']['processes'])} at {run['killed']['after_s']:.0f} s"
+               if "killed" in run else "")
+        )  # fmt: skip
     print(f"load average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     print(f"wrote {OUT / 'report.json'}")

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import yaml
 
 from kvgate.demo.capacity import node_capacity_tokens_per_s
-from kvgate.demo.envoy_config import baseline_bootstrap, rate_limited
+from kvgate.demo.envoy_config import baseline_bootstrap, gate_replicas, rate_limited
 from kvgate.demo.fairness import (
     backlogged_by_step,
     fairness_figures,
@@ -37,9 +38,10 @@ from kvgate.demo.scenario import (
     parse_scenario,
     plan,
 )
-from kvgate.demo.tenants import fair_request_rate
+from kvgate.demo.tenants import fair_request_rate, verifying
 from kvgate.errors import ConfigError
 from kvgate.harness.processes import ProcessGroup
+from kvgate.names import TENANT_HEADER
 
 REPO_ENVOY = Path(__file__).resolve().parent.parent / "envoy" / "envoy.yaml"
 
@@ -187,12 +189,96 @@ def test_fair_shares_through_the_real_stack_each_tenant_charged_by_its_verified_
     assert sum(sum(c.values()) for c in counted.values()) == len(longs)
 
 
+# --- two gate replicas and two queues ----------------------------------------------------------------
+
+
+def test_replicated_envoy_pins_one_tenant_to_the_first_gate_and_health_checks_the_replicas(
+    tmp_path: Path,
+) -> None:
+    config_path = tmp_path / "envoy.yaml"
+    config_path.write_text(REPO_ENVOY.read_text(encoding="utf-8"), encoding="utf-8")
+    verifying(config_path, '{"keys": []}')
+    shipped = yaml.safe_load(config_path.read_text(encoding="utf-8"))
+    edited = gate_replicas(shipped, "A", 4242)
+    resources = edited["static_resources"]
+    manager = resources["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    routes = manager["route_config"]["virtual_hosts"][0]["routes"]
+    shipped_routes = shipped["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"
+    ]["route_config"]["virtual_hosts"][0]["routes"]
+    # Every route, as shipped, behind a copy of itself for A's verified tenant header alone.
+    assert routes[1::2] == shipped_routes
+    for pinned, route in zip(routes[::2], routes[1::2], strict=True):
+        assert pinned["match"]["headers"][-1] == {"name": TENANT_HEADER, "string_match": {"exact": "A"}}
+        assert pinned.get("route", pinned.get("direct_response")) == route.get(
+            "route", route.get("direct_response")
+        )
+        ext_proc = pinned["typed_per_filter_config"]["envoy.filters.http.ext_proc"]
+        if "overrides" in ext_proc:
+            cluster = ext_proc["overrides"]["grpc_service"]["envoy_grpc"]["cluster_name"]
+            assert cluster == "kvgate_gate_pinned"
+    clusters = {c["name"]: c for c in resources["clusters"]}
+    (endpoint,) = clusters["kvgate_gate_pinned"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert endpoint["endpoint"]["address"]["socket_address"]["port_value"] == 4242
+    assert "grpc_health_check" in clusters["kvgate_gate"]["health_checks"][0]
+    assert clusters["async"]["health_checks"][0]["http_health_check"] == {"path": "/health"}
+    filters = {f["name"]: f["typed_config"] for f in manager["http_filters"]}
+    # The route ext_proc reads is chosen again once jwt_authn has set the tenant header.
+    assert filters["envoy.filters.http.jwt_authn"]["providers"]["kvgate"]["clear_route_cache"] is True
+    assert "clear_route_cache" not in str(shipped)
+
+
+def _action(route: dict[str, object]) -> dict[str, object]:
+    """What a route does, apart from what it matches and its per-filter settings."""
+    return {key: value for key, value in route.items() if key not in ("match", "typed_per_filter_config")}
+
+
+def test_the_replicated_runs_need_tenants() -> None:
+    with pytest.raises(ConfigError, match="the kvgate_fair_2x_kill run needs the scenario's tenants"):
+        parse_scenario("runs: [kvgate_fair_2x_kill]\n")
+
+
+@pytest.mark.slow
+def test_two_gates_and_two_queues_on_postgresql_through_the_real_envoy(tmp_path: Path) -> None:
+    """A few seconds of kvgate_fair_2x and kvgate_fair_2x_kill: tenant A's long requests are decided
+    by the first gate alone and the others' by both; the second gate orders its line by A's service
+    too, which it never admitted (the agents' totals); killing the second gate and queue halfway
+    loses nothing: what they held gets an explicit, retryable refusal."""
+    full = load_scenario(builtin_scenario("fairness"))
+    timing = dataclasses.replace(
+        full.timing, burst_phase_s=10, no_burst_phase_s=2, drain_s=45, fairness_window_s=5
+    )
+    tenants = tuple(dataclasses.replace(t, rate_per_s=t.rate_per_s / 4) for t in full.tenants)
+    runs = ("kvgate_fair_2x", "kvgate_fair_2x_kill")
+    gate = dataclasses.replace(full.gate, queue_max_hold_s=5)
+    scenario = dataclasses.replace(full, runs=runs, timing=timing, tenants=tenants, gate=gate)
+    report = asyncio.run(
+        asyncio.wait_for(run_demo(scenario, tmp_path, REPO_ENVOY, stream=io.StringIO()), 420)
+    )
+    both = report["kvgate_fair_2x"]
+    assert (both["requests_lost"], both["preemptions"], both["oom_crashes"]) == (0, 0, 0)
+    replicas = both["gate_replicas"]
+    assert set(replicas) == {"gate", "gate-1"}
+    assert "A" in replicas["gate"]["tenant_requests"]
+    assert "A" not in replicas["gate-1"]["tenant_requests"]
+    assert replicas["gate-1"]["tenant_requests"], "the second gate decided no one's requests"
+    assert replicas["gate-1"]["tenant_attained"]["A"] > 0
+
+    killed = report["kvgate_fair_2x_kill"]
+    assert killed["killed"]["processes"] == ["gate-1", "queue-1"]
+    assert (killed["requests_lost"], killed["preemptions"], killed["oom_crashes"]) == (0, 0, 0)
+    assert set(killed["gate_replicas"]) == {"gate"}
+    lines = (tmp_path / "requests-kvgate_fair_2x_kill.jsonl").read_text().splitlines()
+    refused = [row for row in map(json.loads, lines) if row["status"] not in (200, None)]
+    assert all(row["status"] in (429, 503) for row in refused), refused
+
+
 # --- Envoy's per-tenant rate limit, the comparison run ----------------------------------------------
 
 
 def test_the_rate_limit_run_needs_tenants() -> None:
-    with pytest.raises(ConfigError, match="envoy_ratelimit run limits the scenario's tenants"):
-        parse_scenario("runs: [baseline, envoy_ratelimit]\n")
+    with pytest.raises(ConfigError, match="the ratelimit run needs the scenario's tenants"):
+        parse_scenario("runs: [baseline, ratelimit]\n")
 
 
 def test_each_tenant_gets_a_sixth_of_the_requests_the_nodes_serve() -> None:
@@ -217,11 +303,11 @@ def test_envoy_holds_a_tenant_to_its_rate_by_its_verified_token_not_the_others(t
     B's request, sent right after, is served; a client's own tenant header does not move A onto
     another tenant's bucket."""
     full = load_scenario(builtin_scenario("fairness"))
-    scenario = dataclasses.replace(full, runs=("envoy_ratelimit",), layout=Layout(baseline_nodes=1))
+    scenario = dataclasses.replace(full, runs=("ratelimit",), layout=Layout(baseline_nodes=1))
 
     async def scenario_run() -> tuple[list[int], int, int]:
         with ProcessGroup(tmp_path / "logs") as group:
-            stack = await start_stack("envoy_ratelimit", group, scenario, tmp_path, REPO_ENVOY)
+            stack = await start_stack("ratelimit", group, scenario, tmp_path, REPO_ENVOY)
             body = json.dumps(
                 {"model": scenario.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
             )

@@ -3,7 +3,8 @@
 One shared pool, round-robin, no health checks, no outlier detection, no retries. (The kvgate runs
 use the repository's `envoy/envoy-one-trip.yaml` unchanged but for its ports: kvgate.harness.envoy.)
 `rate_limited` adds what a team without kvgate reaches for to keep tenants apart: Envoy's local rate
-limit, one token bucket of requests per tenant.
+limit, one token bucket of requests per tenant. `gate_replicas` turns a kvgate run's Envoy into the
+front of two gate replicas with one tenant's traffic on one of them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,22 @@ from kvgate.names import TENANT_HEADER  # where envoy/envoy-jwt.yaml's jwt_authn
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 _ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
 _LOCAL_RATELIMIT = "type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit"
+_EXT_PROC = "envoy.filters.http.ext_proc"
+_EXT_PROC_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+_JWT_AUTHN = "envoy.filters.http.jwt_authn"
+_GATE_CLUSTER = "kvgate_gate"
+_PINNED_GATE_CLUSTER = "kvgate_gate_pinned"
+_ASYNC_CLUSTER = "async"  # kvgate queue's replicas, in a kvgate run
+# A replica that stops answering leaves its cluster's rotation at the next check. no_traffic_interval:
+# Envoy checks a cluster it has not yet sent traffic to only every 60 s by default, and the ext_proc
+# streams' cluster counts as such.
+_HEALTH_CHECK = {
+    "timeout": "1s",
+    "interval": "0.5s",
+    "no_traffic_interval": "0.5s",
+    "unhealthy_threshold": 1,
+    "healthy_threshold": 1,
+}
 # Envoy 1.40 refuses a bucket refilled more often: "local rate limit descriptor token bucket fill timer
 # must be >= 50ms" (`envoy --mode validate`).
 _MIN_FILL_INTERVAL_S = 0.05
@@ -108,3 +125,48 @@ def _bucket(requests_per_s: float) -> dict[str, Any]:
 def write_yaml(config: Mapping[str, Any], path: Path) -> Path:
     path.write_text(yaml.safe_dump(dict(config), sort_keys=False), encoding="utf-8")
     return path
+
+
+def gate_replicas(config: Mapping[str, Any], pinned_tenant: str, pinned_port: int) -> dict[str, Any]:
+    """`config` (a rendered kvgate Envoy config whose gate cluster lists every gate replica and whose
+    async cluster every queue replica, with envoy/envoy-jwt.yaml's jwt_authn first) with the replicas
+    health-checked, so that a dead one leaves the rotation within a second, and `pinned_tenant`'s
+    requests processed by the replica on `pinned_port` alone: an uneven split, one tenant's load on one
+    replica. Each route gets a copy
+    ahead of it that matches the tenant's verified header and names a cluster of that replica as its
+    ext_proc service (ExtProcPerRoute overrides.grpc_service). jwt_authn clears the route cache after it
+    sets the header (clear_route_cache), so the copy is the route ext_proc sees."""
+    edited: dict[str, Any] = copy.deepcopy(dict(config))
+    resources = edited["static_resources"]
+    manager = resources["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    filters = {f["name"]: f["typed_config"] for f in manager["http_filters"]}
+    filters[_JWT_AUTHN]["providers"]["kvgate"]["clear_route_cache"] = True
+    clusters = {c["name"]: c for c in resources["clusters"]}
+    gate = clusters[_GATE_CLUSTER]
+    gate["health_checks"] = [{**_HEALTH_CHECK, "grpc_health_check": {}}]
+    if _ASYNC_CLUSTER in clusters:
+        clusters[_ASYNC_CLUSTER]["health_checks"] = [
+            {**_HEALTH_CHECK, "http_health_check": {"path": "/health"}}
+        ]
+    pinned = copy.deepcopy(gate)
+    pinned["name"] = _PINNED_GATE_CLUSTER
+    pinned["load_assignment"] = _load_assignment(_PINNED_GATE_CLUSTER, [pinned_port])
+    resources["clusters"].append(pinned)
+    service = copy.deepcopy(filters[_EXT_PROC]["grpc_service"])
+    service["envoy_grpc"]["cluster_name"] = _PINNED_GATE_CLUSTER
+    host = manager["route_config"]["virtual_hosts"][0]
+    host["routes"] = [r for route in host["routes"] for r in (_pinned(route, pinned_tenant, service), route)]
+    return edited
+
+
+def _pinned(route: Mapping[str, Any], tenant: str, service: Mapping[str, Any]) -> dict[str, Any]:
+    """`route` for `tenant`'s requests alone, processed by `service` (unless the route turns ext_proc off)."""
+    pinned: dict[str, Any] = copy.deepcopy(dict(route))
+    pinned["match"].setdefault("headers", []).append(
+        {"name": TENANT_HEADER, "string_match": {"exact": tenant}}
+    )
+    per_filter = pinned.setdefault("typed_per_filter_config", {})
+    own = per_filter.setdefault(_EXT_PROC, {"@type": _EXT_PROC_PER_ROUTE, "overrides": {}})
+    if "overrides" in own:
+        own["overrides"]["grpc_service"] = copy.deepcopy(dict(service))
+    return pinned

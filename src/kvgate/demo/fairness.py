@@ -38,6 +38,7 @@ from kvgate.demo.report import milliseconds, percentile, short_ttfts
 from kvgate.demo.scrape import Sample
 
 TENANT_REQUESTS = "kvgate_gate_tenant_requests_total"
+TENANT_ATTAINED = "kvgate_gate_tenant_attained"
 OUTPUT_WEIGHT = 2.0  # VTC's charge, as fairness.output_weight defaults
 STEP_S = 0.5
 WINDOW_S = 60.0
@@ -261,3 +262,19 @@ def gate_tenant_requests(page: str) -> dict[str, dict[str, int]]:
         if tenant is not None and outcome is not None:
             counts[tenant][outcome] = int(sample.value)
     return dict(counts)
+
+
+def gate_tenant_attained(page: str) -> dict[str, float]:
+    """Each tenant's weighted attained service as the gate orders its line by it (kvgate_gate_tenant_attained,
+    lifts included): with several replicas, what each one sees of the service they all gave."""
+    attained: dict[str, float] = {}
+    for sample in promtext.samples(page, TENANT_ATTAINED):
+        tenant = promtext.label(sample, "tenant")
+        if tenant is not None:
+            attained[tenant] = sample.value
+    return attained
+
+
+def gate_replica_figures(page: str) -> dict[str, Any]:
+    """One gate replica's own count of each tenant's long requests, and the counters it orders by."""
+    return {"tenant_requests": gate_tenant_requests(page), "tenant_attained": gate_tenant_attained(page)}

@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kvgate.demo.capacity import node_capacity_tokens_per_s
-from kvgate.demo.fairness import fairness_figures, gate_tenant_requests
+from kvgate.demo.fairness import fairness_figures, gate_replica_figures, gate_tenant_requests
 from kvgate.demo.load import LoadGenerator, Result
 from kvgate.demo.plot import write_plot
 from kvgate.demo.report import RunTrace, format_table, summarize_run
 from kvgate.demo.retry_figures import read_retry_figures
-from kvgate.demo.runs import start_stack
+from kvgate.demo.runs import killed_mid_run, start_stack
 from kvgate.demo.scenario import Planned, RunName, Scenario, long_shape, lower_priority, plan
 from kvgate.demo.scrape import Sampler, fetch_page, final_metrics, with_sampled_peaks
 from kvgate.demo.soft_pools import agent_pages, soft_pool_figures, soft_pool_lines
@@ -128,10 +128,14 @@ async def _run_one(
         no_burst = await _phase(f"{name} {quiet}", stack, scenario, False, progress, sampler=None)
         group.check_alive()
         sampler = Sampler(stack.nodes, parse=stack.parse_page)
+        killing = killed_mid_run(name)
+        killer = asyncio.create_task(_kill(group, killing, scenario.timing.burst_phase_s / 2, progress))
         burst = await _phase(f"{name} {busy}", stack, scenario, True, progress, sampler=sampler)
+        killed_after_s = await killer
         final = await final_metrics(stack.nodes, wait_s=scenario.node.restart_s + 2.0, parse=stack.parse_page)
         final = with_sampled_peaks(final, sampler.timeline)
         gate_page = await fetch_page(stack.gate_metrics_url) if stack.gate_metrics_url else None
+        replica_pages = await _replica_pages(stack)
         retry = read_retry_figures(gate_page) if gate_page is not None else None
         pages = await agent_pages(stack.agent_metrics)
     long_capacity = (
@@ -152,7 +156,33 @@ async def _run_one(
         )
         if gate_page is not None:
             summary["gate_tenant_requests"] = gate_tenant_requests(gate_page)
+        if len(stack.gate_replicas) > 1:
+            summary["gate_replicas"] = {
+                name: gate_replica_figures(page) for name, page in replica_pages.items()
+            }
+    if killing:
+        summary["killed"] = {"processes": list(killing), "after_s": killed_after_s}
     return RunTrace(summary, burst, sampler.timeline)
+
+
+async def _replica_pages(stack: Stack) -> dict[str, str]:
+    """Each live gate replica's /metrics, by name (a killed one is left out)."""
+    pages = {name: await fetch_page(url) for name, url in stack.gate_replicas.items()}
+    return {name: page for name, page in pages.items() if page is not None}
+
+
+async def _kill(
+    group: ProcessGroup, names: Sequence[str], after_s: float, progress: Progress
+) -> float | None:
+    """SIGKILL `names` `after_s` from now, for good (a node lost with its pods); when, since now."""
+    if not names:
+        return None
+    start = time.monotonic()
+    await asyncio.sleep(after_s)
+    for name in names:
+        await asyncio.to_thread(group[name].kill)
+    progress.done(f"killed {', '.join(names)}")
+    return time.monotonic() - start
 
 
 async def run_demo(

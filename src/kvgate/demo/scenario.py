@@ -147,6 +147,10 @@ class GateSettings:
     # and 0.05 s). Engines sharing a few busy CPU cores with everything else answer in hundreds of ms.
     headroom_stale_after_s: float | None = None
     reserve_timeout_s: float | None = None
+    # The queue's queue.max_hold_s (None: kvgate's default, 300 s): a held request must be answered
+    # before the client gives up on it (timing.request_timeout_s, and the drain at the run's end), or
+    # it counts as lost where the queue's 429 would have been a refusal.
+    queue_max_hold_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,10 +203,12 @@ PeerRunName = Literal[
     "peer_vllm-router_round_robin",
 ]
 # The stacks a run can start: a plain Envoy over one shared pool (with the tenants' tokens verified and
-# each tenant rate-limited: envoy_ratelimit), or kvgate with prefix-aware
+# each tenant rate-limited: ratelimit), or kvgate with prefix-aware
 # placement off (its default) or on, or kvgate without its queue (long requests that find no room
 # get 429 after the wait), or kvgate as an InferencePool's endpoint picker behind Envoy configured as
-# the pool's gateway (envoy/envoy-inferencepool.yaml), or a peer router.
+# the pool's gateway (envoy/envoy-inferencepool.yaml), or kvgate with the tenants' fair shares off or
+# on, on one gate or two (with two queues on PostgreSQL, one of each killed mid-run in the `_kill` run),
+# or a peer router.
 RunName = Literal[
     "baseline",
     "kvgate",
@@ -212,7 +218,9 @@ RunName = Literal[
     "kvgate_inferencepool",
     "kvgate_nofair",
     "kvgate_fair",
-    "envoy_ratelimit",
+    "kvgate_fair_2x",
+    "kvgate_fair_2x_kill",
+    "ratelimit",
     PeerRunName,
 ]
 RUN_NAMES: tuple[RunName, ...] = get_args(RunName)
@@ -310,8 +318,9 @@ def _check(s: Scenario) -> None:
 
 def _tenant_problems(tenants: tuple[TenantTraffic, ...], runs: tuple[RunName, ...]) -> list[str]:
     problems = []
-    if "envoy_ratelimit" in runs and not tenants:
-        problems.append("the envoy_ratelimit run limits the scenario's tenants: name some")
+    for run in ("ratelimit", "kvgate_fair_2x", "kvgate_fair_2x_kill"):
+        if run in runs and not tenants:
+            problems.append(f"the {run} run needs the scenario's tenants: name some")
     names = [t.name for t in tenants]
     if len(set(names)) != len(names):
         problems.append("tenants must have distinct names")

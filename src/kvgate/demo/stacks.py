@@ -21,11 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from kvgate.demo.envoy_config import baseline_bootstrap, rate_limited, write_yaml
+import yaml
+
+from kvgate.demo.envoy_config import baseline_bootstrap, gate_replicas, rate_limited, write_yaml
 from kvgate.demo.scenario import Scenario, lender_engine_flags
 from kvgate.demo.scrape import Node, NodeMetrics, parse_sim_metrics
 from kvgate.demo.tenants import fair_request_rate, identities, verifying
 from kvgate.demo.tokenizer import tokenizer_file
+from kvgate.harness import postgres
 from kvgate.harness.envoy import render_envoy
 from kvgate.harness.processes import ProcessGroup, find_envoy, kvgate_command, sim_command
 from kvgate.localports import free_ports
@@ -50,6 +53,8 @@ class Stack:
     listens: Mapping[str, int] = field(default_factory=dict)
     # Each tenant's bearer token, where this stack's Envoy verifies them (kvgate.demo.tenants).
     credentials: Mapping[str, str] = field(default_factory=dict)
+    # Every gate replica's /metrics, by its ProcessGroup name (kvgate runs; the first is gate_metrics_url).
+    gate_replicas: Mapping[str, str] = field(default_factory=dict)
 
 
 class NodeKind(Protocol):
@@ -209,7 +214,13 @@ def gate_config(
         **_interactive_headroom(scenario, interactive_agent_ports),
         **placement,
         **({} if fairness is None else {"fairness": _fairness(scenario, fairness)}),
+        **_queue_hold(scenario),
     }
+
+
+def _queue_hold(scenario: Scenario) -> dict[str, Any]:
+    hold = scenario.gate.queue_max_hold_s
+    return {} if hold is None else {"queue": {"max_hold_s": hold}}
 
 
 def _fairness(scenario: Scenario, enabled: bool) -> dict[str, Any]:
@@ -281,19 +292,24 @@ async def start_kvgate(
     queue: bool = False,
     picker: bool = False,
     fairness: bool | None = None,
+    replicas: int = 1,
 ) -> Stack:
     """kvgate's stack; with `queue`, `kvgate queue` is the async pool and runs overflow on the long
     nodes, as soon as one of their agents reserves for it. With `picker`, the gate is the endpoint
     picker of one pool of every node (envoy_config is then envoy-inferencepool.yaml): every
     interactive node has an agent, and there is no async pool. With `fairness` (on or off) the
-    scenario's tenants are identified by tokens Envoy verifies (kvgate.demo.tenants)."""
+    scenario's tenants are identified by tokens Envoy verifies (kvgate.demo.tenants). With `replicas`
+    above 1, as many gates (and queues, on one PostgreSQL) run behind Envoy, the scenario's first
+    tenant on the first gate alone (kvgate.demo.envoy_config.gate_replicas); the first of each keeps
+    its one-replica name (`gate`, `queue`), the others are `gate-1`, `queue-1`, ...."""
     layout = scenario.layout
     async_size = 0 if picker else layout.async_nodes
     sizes = {"interactive": layout.interactive_nodes, "long": layout.long_nodes, "async": async_size}
     lenders = layout.interactive_nodes if layout.interactive_lends else 0
     watched = layout.interactive_nodes if picker else lenders
-    # Nodes, agents (and their metrics), then the gate, its metrics, Envoy's listener and admin, the queue.
-    ports = iter(free_ports(sum(sizes.values()) + 2 * (layout.long_nodes + watched) + 5))
+    # Nodes, agents (and their metrics), then each gate and its metrics, Envoy's listener and admin,
+    # each queue, PostgreSQL.
+    ports = iter(free_ports(sum(sizes.values()) + 2 * (layout.long_nodes + watched) + 3 * replicas + 3))
     nodes = [Node(f"{pool}-{i}", next(ports), pool) for pool, size in sizes.items() for i in range(size)]
     model_len = {
         # A node that lends serves long requests too: the long nodes' engine configuration. The gate's
@@ -311,60 +327,94 @@ async def start_kvgate(
     lending = [n for n in nodes if n.pool == "interactive"] if watched else []
     flags = [*agent_flags, *(("--role", "interactive") if lenders else ())]
     lending_agents = _start_agents(group, lending, ports, flags, agent_metrics)
-    gate_port = next(ports)
-    gate_yaml = write_yaml(
-        gate_config(
-            scenario,
-            gate_port,
-            list(agents.values()),
-            prefix_affinity,
-            queue,
-            interactive_agent_ports=list(lending_agents.values()),
-            picker=picker,
-            fairness=fairness,
-        ),
-        work_dir / "kvgate-gate.yaml",
-    )
-    # A port of its own for the gate's /metrics: the default one may be taken by another gate.
-    gate_metrics = f"127.0.0.1:{next(ports)}"
-    group.start("gate", kvgate_command("gate", "--config", str(gate_yaml), "--metrics-listen", gate_metrics))
+    gates = {_replica("gate", i): next(ports) for i in range(replicas)}
+    gate_metrics: list[str] = []
+    for name, gate_port in gates.items():
+        gate_yaml = write_yaml(
+            gate_config(
+                scenario,
+                gate_port,
+                list(agents.values()),
+                prefix_affinity,
+                queue,
+                interactive_agent_ports=list(lending_agents.values()),
+                picker=picker,
+                fairness=fairness,
+            ),
+            work_dir / f"kvgate-{name}.yaml",
+        )
+        # A port of its own for the gate's /metrics: the default one may be taken by another gate.
+        gate_metrics.append(f"127.0.0.1:{next(ports)}")
+        group.start(
+            name, kvgate_command("gate", "--config", str(gate_yaml), "--metrics-listen", gate_metrics[-1])
+        )
     listen, admin = next(ports), next(ports)
-    envoy_ports: dict[str, int | list[int]] = {"listener": listen, "admin": admin, "gate": gate_port}
+    envoy_ports: dict[str, int | list[int]] = {
+        "listener": listen,
+        "admin": admin,
+        "gate": list(gates.values()),
+    }
     routed = ("interactive", "long") if picker else ("interactive", "long", "async")
     envoy_ports |= {pool: [n.port for n in nodes if n.pool == pool] for pool in routed}
-    queue_port = next(ports)
-    ready = {n.name: n.port for n in nodes} | agents | lending_agents | {"gate": gate_port, "envoy": listen}
-    if queue:
-        store = f"sqlite:///{work_dir / 'queue.db'}"
-        group.start(
-            "queue",
-            kvgate_command(
-                "queue", "--listen", f"127.0.0.1:{queue_port}", "--store", store,
-                "--config", str(gate_yaml), "--metrics-listen", "off",
-            ),
-        )  # fmt: skip
-        envoy_ports["async"] = [queue_port]
-        ready["queue"] = queue_port
+    ready = {n.name: n.port for n in nodes} | agents | lending_agents | gates | {"envoy": listen}
+    queues = {_replica("queue", i): next(ports) for i in range(replicas)} if queue else {}
+    if queues:
+        envoy_ports["async"] = list(queues.values())
+        store = await _queue_store(group, work_dir, next(ports), replicas)
+        await _start_queues(group, queues, store, gate_yaml)
+        ready |= queues
     rendered = render_envoy(envoy_config, work_dir / "envoy-kvgate.yaml", envoy_ports)
     credentials: Mapping[str, str] = {}
     if fairness is not None:
         tenants = identities(scenario, work_dir)
         verifying(rendered, tenants.jwks)
         credentials = tenants.tokens
+    if replicas > 1:
+        first_tenant, first_gate = scenario.tenants[0].name, gates["gate"]
+        config = yaml.safe_load(rendered.read_text(encoding="utf-8"))
+        write_yaml(gate_replicas(config, first_tenant, first_gate), rendered)
     _start_envoy(group, rendered)
     await wait_all(group, ready)
     url = f"http://127.0.0.1:{listen}/v1/chat/completions"
     async_nodes = frozenset(n.name for n in nodes if n.pool == "async")
-    routing = ("envoy", "gate", *agents, *lending_agents, *(("queue",) if queue else ()))
+    routing = ("envoy", *gates, *agents, *lending_agents, *queues)
     return Stack(
         url,
         tuple(nodes),
         tuple(n.name for n in long_nodes),
         async_nodes,
-        f"http://{gate_metrics}/metrics",
+        f"http://{gate_metrics[0]}/metrics",
         routing,
         kind.parse_page,
         agent_metrics,
         ready,
         credentials,
+        {name: f"http://{listen_at}/metrics" for name, listen_at in zip(gates, gate_metrics, strict=True)},
     )
+
+
+def _replica(name: str, index: int) -> str:
+    return name if index == 0 else f"{name}-{index}"
+
+
+async def _queue_store(group: ProcessGroup, work_dir: Path, port: int, replicas: int) -> str:
+    """One queue's SQLite file, or, for several replicas, a PostgreSQL server they share."""
+    if replicas == 1:
+        return f"sqlite:///{work_dir / 'queue.db'}"
+    command = await asyncio.to_thread(postgres.foreground_server, work_dir, port)
+    server = group.start("postgres", command)
+    await server.listening(port)
+    return postgres.url(port)
+
+
+async def _start_queues(group: ProcessGroup, queues: Mapping[str, int], store: str, gate_yaml: Path) -> None:
+    """Each queue replica, one after the other: the first creates the store's tables."""
+    for name, port in queues.items():
+        group.start(
+            name,
+            kvgate_command(
+                "queue", "--listen", f"127.0.0.1:{port}", "--store", store,
+                "--config", str(gate_yaml), "--metrics-listen", "off",
+            ),
+        )  # fmt: skip
+        await group[name].listening(port)
