@@ -372,6 +372,7 @@ class SlowAgentView:
         output_tokens: int = 0,
         waiting_since_unix_ns: int = 0,
         rank: int = 0,
+        fair_service: float = 0.0,
         hold_slot: bool = False,
         charge: TenantCharge | None = None,
         reports_first_token: bool = False,

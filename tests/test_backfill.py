@@ -16,7 +16,7 @@ from kvgate.agent.in_process import FakeHeadroom, ManualClock
 from kvgate.agent.node import NodeSettings, NodeState
 from kvgate.config import AdmissionConfig, ModelConfig
 from kvgate.gate.admission import Admission, Admitted
-from kvgate.headroom.shadow import room_behind, slot_after_s
+from kvgate.headroom.shadow import ahead_of, room_behind, slot_after_s
 from kvgate.headroom.snapshot import ExpectedRelease, HeadClaim, ReserveReason
 from kvgate.policy import Reason
 from kvgate.queue.dispatcher import Dispatcher
@@ -125,6 +125,56 @@ def test_claims_expire_unless_renewed_and_stay_within_their_bounds() -> None:
     assert len(claims) == 1, "the others were not renewed"
     clock.advance(CLAIM_TTL_S / 2)
     assert claims.head() is None
+
+
+def test_among_one_rank_the_waiter_whose_tenant_was_served_least_is_the_head_whatever_its_arrival() -> None:
+    """Fair shares across replicas: each gate and queue names its waiter's fair service (its tenant's
+    weighted attained service), and the agent orders waiters of one rank by it before arrival, so the
+    heads of different replicas meet in the one fair order. Rank still comes first; without fair
+    shares (0 for every waiter) the order is by arrival, as before."""
+    clock = ManualClock()
+    claims = WaitingClaims(clock)
+    flood = Waiter("gate-0", "flood", 1, 10 * S, fair_service=90_000.0)
+    light = Waiter("gate-1", "light", 1, 30 * S, fair_service=20_000.0)
+    assert claims.claim(flood, 1000) and claims.claim(light, 1000)
+    head = claims.head()
+    assert head is not None and head.waiter.request_id == "light", "served less, though it came later"
+    published = claims.published(50_000, ())
+    assert published is not None and published.fair_service == 20_000.0
+    assert ahead_of(1, 40 * S, published, fair_service=10_000.0), "a waiter served even less goes first"
+    assert not ahead_of(1, 5 * S, published, fair_service=30_000.0), "an earlier one served more does not"
+    assert ahead_of(0, 50 * S, published, fair_service=1e9), "a higher priority before any service"
+    urgent = Waiter("gate-0", "urgent", 0, 50 * S, fair_service=1e9)
+    assert claims.claim(urgent, 1000)
+    head = claims.head()
+    assert head is not None and head.waiter.request_id == "urgent"
+    plain = WaitingClaims(clock)
+    assert plain.claim(Waiter("g", "late", 1, 30 * S), 1000) and plain.claim(
+        Waiter("g", "early", 1, 10 * S), 1000
+    )
+    first = plain.head()
+    assert first is not None and first.waiter.request_id == "early"
+
+
+def test_a_gate_and_the_queue_name_their_tenants_fair_service_to_the_agents() -> None:
+    """The fair service a gate's try and the queue's dispatch send reaches the agent's claim: a gate
+    head of a tenant served less holds the node's room against an older queued job of a tenant served
+    more."""
+    clock = ManualClock()
+    state = NodeState(
+        NodeSettings("n", "n.engine:8000", capacity_tokens=100_000, safety_ratio=1.0),
+        clock,
+        uses_engine=False,
+        uses_nvml=False,
+    )
+    assert state.reserve("r1", 80_000, 60.0, "gate", output_tokens=50).granted
+    queued = {"waiting_since_unix_ns": 5 * S, "rank": 1, "hold_slot": True, "fair_service": 50_000.0}
+    fair_head = {"waiting_since_unix_ns": 9 * S, "rank": 1, "hold_slot": True, "fair_service": 1_000.0}
+    assert not state.reserve("job", 30_000, 60.0, "queue", **queued).granted  # type: ignore[arg-type]
+    assert not state.reserve("b", 30_000, 60.0, "gate", **fair_head).granted  # type: ignore[arg-type]
+    published = state.snapshot(0).head
+    assert published is not None and published.fair_service == 1_000.0
+    assert published.waiting_since_unix_ns == 9 * S, "the gate's head, not the older job"
 
 
 def test_a_head_that_stops_asking_stops_holding_room() -> None:

@@ -20,7 +20,7 @@ from kvgate.agent.tenant_service import TenantService
 from kvgate.config import AdmissionConfig, FairnessConfig, TenantConfig, parse_config
 from kvgate.errors import ConfigError
 from kvgate.gate.admission import Admission, Admitted
-from kvgate.headroom.snapshot import TenantCharge
+from kvgate.headroom.snapshot import HeadClaim, TenantCharge
 from kvgate.headroom.wire import HeadroomEncoder, charge_from_proto, headroom_from_proto, reserve_request
 from kvgate.names import OTHER_TENANTS
 from kvgate.policy.fair_share import FairShare
@@ -291,12 +291,16 @@ def test_the_service_totals_travel_in_the_stream_and_a_reserve_carries_its_charg
     source.add_node("n", 1_000)
     plain = source.snapshot()[0].headroom
     assert plain is not None
-    headroom = dataclasses.replace(plain, tenant_service={"a": 1.5})
+    head = HeadClaim(500, 7, 1, 2.0, fair_service=3_000.5)
+    headroom = dataclasses.replace(plain, tenant_service={"a": 1.5}, head=head)
     wired = headroom_from_proto(pb.NodeHeadroom.FromString(HeadroomEncoder().encode(headroom)))
     assert wired.tenant_service == {"a": 1.5}
-    request = reserve_request("r", 100, 30.0, "gate", None, charge=TenantCharge("a", 180.0, 2.0))
+    assert wired.head == head, "the head's place in the fair order travels with it"
+    charge = TenantCharge("a", 180.0, 2.0)
+    request = reserve_request("r", 100, 30.0, "gate", None, charge=charge, fair_service=42.5)
     wire = pb.ReserveRequest.FromString(request.SerializeToString())
     assert charge_from_proto(wire) == TenantCharge("a", 180.0, 2.0)
+    assert wire.fair_service == 42.5
     assert charge_from_proto(reserve_request("r", 100, 30.0, "gate", None)) is None
 
 

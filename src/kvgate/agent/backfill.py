@@ -3,7 +3,9 @@
 Pure: the node's state asks it for each Reserve's cap and tells it each refusal and grant.
 
 Every caller's waiters (each gate replica's, `kvgate queue`'s jobs) send their place in one order with
-each Reserve: rank (0 most important), then since when they wait, by their wall clock. A waiter that
+each Reserve: rank (0 most important), then, under fair shares, the weighted service their tenant
+has attained (least first, as every gate and queue orders its own line: kvgate.policy.fair_share),
+then since when they wait, by their wall clock. A waiter that
 finds no room on the node it chose to hold its place on (ReserveRequest.hold_slot) leaves a *claim*
 here; the first claim in the order is the *head*. The head's slot is when the node's expected
 releases first fit it (kvgate.headroom.shadow, EASY backfilling), and every Reserve behind the head,
@@ -47,21 +49,24 @@ NO_ROOM = frozenset({ReserveReason.INSUFFICIENT_HEADROOM, ReserveReason.HELD_FOR
 
 @dataclass(frozen=True, slots=True)
 class Waiter:
-    """Who asks, and its place in the order: rank, then since when it waits (0: it names none)."""
+    """Who asks, and its place in the order: rank, then its tenant's fair service (0 without fair
+    shares), then since when it waits (0: it names none)."""
 
     holder: str
     request_id: str
     rank: int = 0
     waiting_since_unix_ns: int = 0
+    fair_service: float = 0.0
 
     @property
     def key(self) -> _Key:
         return (self.holder, self.request_id)
 
     @property
-    def order(self) -> tuple[int, int, str, str]:
-        """Rank, then waiting since; holder and id only break ties, so the order is total."""
-        return (self.rank, self.waiting_since_unix_ns, self.holder, self.request_id)
+    def order(self) -> tuple[int, float, int, str, str]:
+        """Rank, then fair service, then waiting since; holder and id only break ties, so the order is
+        total."""
+        return (self.rank, self.fair_service, self.waiting_since_unix_ns, self.holder, self.request_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +163,8 @@ class WaitingClaims:
         if head is None:
             return None
         slot = slot_after_s(headroom, releases, head.tokens)
-        return HeadClaim(head.tokens, head.waiter.waiting_since_unix_ns, head.waiter.rank, slot)
+        waiter = head.waiter
+        return HeadClaim(head.tokens, waiter.waiting_since_unix_ns, waiter.rank, slot, waiter.fair_service)
 
     def _make_room(self, among: Iterable[Claim], new: Claim) -> bool:
         """Drop the latest claim of `among` when `new` comes before it; False when it does not."""

@@ -247,6 +247,7 @@ class FakeHeadroom:
         output_tokens: int = 0,
         waiting_since_unix_ns: int = 0,
         rank: int = 0,
+        fair_service: float = 0.0,
         hold_slot: bool = False,
         charge: TenantCharge | None = None,
         reports_first_token: bool = False,
@@ -261,7 +262,7 @@ class FakeHeadroom:
                 self._notify()
             raise AgentCallError(f"agent {node}: Reserve failed: DEADLINE_EXCEEDED: no answer in time")
         budget = state.budget()
-        waiter = Waiter("", request_id, rank, waiting_since_unix_ns)
+        waiter = Waiter("", request_id, rank, waiting_since_unix_ns, fair_service)
         caps = state.claims.caps(waiter, state.ledger.headroom(budget), lambda: self._releases(state))
         outcome = state.ledger.reserve(
             request_id,

@@ -279,19 +279,20 @@ class NodeState:
         output_tokens: int = 0,
         waiting_since_unix_ns: int = 0,
         rank: int = 0,
+        fair_service: float = 0.0,
         hold_slot: bool = False,
         charge: TenantCharge | None = None,
         reports_first_token: bool = False,
     ) -> ReserveOutcome:
-        """`waiting_since_unix_ns` and `rank`: the request's place in the one waiting order (0: a try
-        that names none, behind every waiter); `hold_slot`: a waiter that finds no room here keeps its
-        claim on the node (kvgate.agent.backfill); `charge`: its tenant's cost, for fair shares
-        (kvgate.agent.tenant_service); `reports_first_token`: its holder will say when the engine
-        starts answering it (first_token)."""
+        """`waiting_since_unix_ns`, `rank` and `fair_service`: the request's place in the one waiting
+        order (a waiting time of 0: a try that names none, behind every waiter); `hold_slot`: a waiter
+        that finds no room here keeps its claim on the node (kvgate.agent.backfill); `charge`: its
+        tenant's cost, for fair shares (kvgate.agent.tenant_service); `reports_first_token`: its
+        holder will say when the engine starts answering it (first_token)."""
         shares = self._engine.reading is not None and self._engine.reading.prefix_caching is True
         chain = prefix if shares else None
         budget = self.budget()
-        waiter = Waiter(holder, request_id, rank, waiting_since_unix_ns)
+        waiter = Waiter(holder, request_id, rank, waiting_since_unix_ns, fair_service)
         head_cap = self.claims.caps(waiter, self.ledger.headroom(budget), self._releases)
         result = self.ledger.reserve(
             request_id,

@@ -120,6 +120,8 @@ def _late(was: float, now: float, elapsed_s: float) -> bool:
 
 
 def _head_moved(before: HeadClaim | None, after: HeadClaim | None, elapsed_s: float) -> bool:
+    """A new head, or its slot moved. A head's fair service drifts as its tenant is served: that goes
+    out with the next message, not as a change of its own."""
     if before is None or after is None:
         return before is not after
     if (before.tokens, before.waiting_since_unix_ns, before.rank) != (

@@ -303,6 +303,7 @@ class _AgentServicer(pb_grpc.AgentServicer):
                 output_tokens=request.output_tokens,
                 waiting_since_unix_ns=request.waiting_since_unix_ns,
                 rank=request.rank,
+                fair_service=request.fair_service,
                 hold_slot=request.hold_slot,
                 charge=charge_from_proto(request),
                 reports_first_token=request.reports_first_token,

@@ -80,6 +80,7 @@ class HeadroomSource(Protocol):
         output_tokens: int = 0,
         waiting_since_unix_ns: int = 0,
         rank: int = 0,
+        fair_service: float = 0.0,
         hold_slot: bool = False,
         charge: TenantCharge | None = None,
         reports_first_token: bool = False,
@@ -154,10 +155,9 @@ class _Ask:
     held_at: float = float("-inf")  # when it last told that agent so (admission's clock)
     place: Place | None = None  # its place in this gate's line while it waits
 
-    @property
-    def claim(self) -> HeadClaim:
+    def claim(self, fair_service: float) -> HeadClaim:
         """Its place as a head claim (the slot is the agent's to work out)."""
-        return HeadClaim(self.tokens, self.waiting_since_unix_ns, self.rank, None)
+        return HeadClaim(self.tokens, self.waiting_since_unix_ns, self.rank, None, fair_service)
 
 
 @dataclass(frozen=True, slots=True)
@@ -497,7 +497,7 @@ class Admission:
 
     def _claim_follows_head(self) -> None:
         """A head that is head no more stops holding its place on its agent, which otherwise keeps the
-        room for it (the agents order the heads they hold room for by arrival) rather than for the new
+        room for it (the agents know nothing of this gate's line) rather than for the new
         head; and, with fair shares, it no longer names its wait (`_named_wait`), so it could not take
         that room either."""
         holding = self._holding
@@ -528,11 +528,13 @@ class Admission:
         slot = slot_node(nodes, ask.tokens, ask.output_tokens, ask.holds_on) if head else None
         asked: set[str] = set()
         since = self._named_wait(ask.waiting_since_unix_ns, head)
+        service = self._fair_service(ask)
         for node, cached in zip(choice.candidates, choice.cached_tokens, strict=True):
             if not candidates or node.agent in ask.unanswered_by:
                 continue
+            local = self._local_claim(node, ask)
             if node.fresh and not fits_beside_heads(
-                node, ask.tokens - cached, ask.rank, since, self._local_claim(node, ask)
+                node, ask.tokens - cached, ask.rank, since, local, fair_service=service
             ):
                 continue
             asked.add(node.agent)
@@ -587,7 +589,13 @@ class Admission:
         holding = self._holding
         if holding is None or holding is ask or holding.holds_on != node.agent:
             return None
-        return holding.claim
+        return holding.claim(self._fair_service(holding))
+
+    def _fair_service(self, ask: _Ask) -> float:
+        """Its tenant's place in the fair order, named to the agents with each try: they order the
+        waiters of one rank by it before their arrival, so every replica's heads and the queue's meet
+        in the one fair order (0 without fair shares: by arrival alone)."""
+        return self._fair.counter(ask.tenant) if self._fair is not None else 0.0
 
     @staticmethod
     def _wake_at(ask: _Ask, deadline: float) -> float:
@@ -606,13 +614,10 @@ class Admission:
             ask.holds_on = None
 
     def _named_wait(self, waiting_since_unix_ns: int, head: bool) -> int:
-        """The waiting time a try names to the agents, its place in their order (rank, then since when
-        it waits). With fair shares this gate's line is in the fair order, not by arrival: only its
-        head names its wait, and every other try names none (0), so the agents let it take only what
-        leaves the heads' slots whole (backfill). Were a tenant's old waiter to name its arrival, the
-        agents would put it ahead of the fair head, whose room it would take: a flooding tenant's
-        requests, the oldest in the line since the fair order keeps them last, took what freed just
-        before their wait ran out."""
+        """The waiting time a try names to the agents, its place in their order (rank, then its tenant's
+        fair service, then since when it waits). With fair shares only this gate's head names its
+        wait, and every other try names none (0), so the agents let it take only what leaves the heads'
+        slots whole (backfill): its own head is the one this gate holds room for."""
         if self._fair is None or head:
             return waiting_since_unix_ns
         return 0
@@ -642,6 +647,7 @@ class Admission:
                 output_tokens=ask.output_tokens,
                 waiting_since_unix_ns=waiting_since_unix_ns,
                 rank=ask.rank,
+                fair_service=self._fair_service(ask),
                 hold_slot=hold,
                 charge=self._charge_of(ask),
                 reports_first_token=self._reports_first_token,
@@ -782,7 +788,11 @@ class Admission:
             return
         nodes = self._long.snapshot()
         holding = self._holding
-        local = {holding.holds_on: holding.claim} if holding is not None and holding.holds_on else {}
+        local = (
+            {holding.holds_on: holding.claim(self._fair_service(holding))}
+            if holding is not None and holding.holds_on
+            else {}
+        )
 
         def fits(place: Place) -> bool:
             since = self._named_wait(place.waiting_since_unix_ns, head=False)  # woken behind the head

@@ -19,6 +19,7 @@ to choose whom to wake and where to ask (kvgate.gate.admission), so the agent's 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from kvgate.headroom.snapshot import ExpectedRelease, HeadClaim, NodeHeadroom
@@ -53,16 +54,23 @@ def room_behind(
     return max(0, min(headroom, headroom + freed - head_tokens))
 
 
-def ahead_of(rank: int, waiting_since_unix_ns: int, head: HeadClaim) -> bool:
+def ahead_of(rank: int, waiting_since_unix_ns: int, head: HeadClaim, fair_service: float = 0.0) -> bool:
     """Whether a Reserve of this rank, waiting since then, comes before `head` in the one order (rank,
-    then waiting since). A Reserve that names no waiting time (0) is behind every waiter."""
+    then its tenant's fair service, then waiting since). A Reserve that names no waiting time (0) is
+    behind every waiter."""
     if waiting_since_unix_ns <= 0:
         return False
-    return (rank, waiting_since_unix_ns) < (head.rank, head.waiting_since_unix_ns)
+    place = (rank, fair_service, waiting_since_unix_ns)
+    return place < (head.rank, head.fair_service, head.waiting_since_unix_ns)
 
 
 def room_for(
-    headroom: NodeHeadroom, rank: int, waiting_since_unix_ns: int, local: HeadClaim | None = None
+    headroom: NodeHeadroom,
+    rank: int,
+    waiting_since_unix_ns: int,
+    local: HeadClaim | None = None,
+    *,
+    fair_service: float = 0.0,
 ) -> int:
     """What a request at this place in the order may take on the node now, by its latest message: all
     its headroom when it is ahead of the node's head, else only the room behind the head.
@@ -72,10 +80,12 @@ def room_for(
     A head at this very place is the caller's own claim (a waiting time in nanoseconds names one
     waiter), which does not hold room against itself."""
     head = headroom.head
-    if local is not None and (head is None or ahead_of(local.rank, local.waiting_since_unix_ns, head)):
+    if local is not None and (
+        head is None or ahead_of(local.rank, local.waiting_since_unix_ns, head, local.fair_service)
+    ):
         slot = slot_after_s(headroom.headroom_tokens, headroom.releases, local.tokens)
-        head = HeadClaim(local.tokens, local.waiting_since_unix_ns, local.rank, slot)
+        head = dataclasses.replace(local, slot_after_s=slot)
     own = (rank, waiting_since_unix_ns) == (head.rank, head.waiting_since_unix_ns) if head else False
-    if head is None or own or ahead_of(rank, waiting_since_unix_ns, head):
+    if head is None or own or ahead_of(rank, waiting_since_unix_ns, head, fair_service):
         return headroom.headroom_tokens
     return room_behind(headroom.headroom_tokens, headroom.releases, head.tokens, head.slot_after_s)

@@ -88,13 +88,16 @@ class NodeRole(StrEnum):
 @dataclass(frozen=True, slots=True)
 class HeadClaim:
     """The waiter a node's agent holds room for: the first, in the one waiting order every gate and
-    queue shares (rank, then waiting since), that found no room on the node (kvgate.agent.backfill).
-    `slot_after_s`: when the node's expected releases first fit it (None: not within the forecast)."""
+    queue shares (rank, then its tenant's fair service, then waiting since), that found no room on the
+    node (kvgate.agent.backfill). `slot_after_s`: when the node's expected releases first fit it (None:
+    not within the forecast). `fair_service`: its tenant's weighted attained service as its caller
+    ordered it (0 without fair shares)."""
 
     tokens: int
     waiting_since_unix_ns: int
     rank: int
     slot_after_s: float | None
+    fair_service: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -97,13 +97,17 @@ def _scalars_to_proto(h: NodeHeadroom) -> pb.NodeHeadroom:
 def _head_to_proto(c: HeadClaim) -> pb.HeadClaim:
     slot_ms = 0 if c.slot_after_s is None else max(1, round(c.slot_after_s * 1000))
     return pb.HeadClaim(
-        tokens=c.tokens, waiting_since_unix_ns=c.waiting_since_unix_ns, rank=c.rank, slot_after_ms=slot_ms
+        tokens=c.tokens,
+        waiting_since_unix_ns=c.waiting_since_unix_ns,
+        rank=c.rank,
+        slot_after_ms=slot_ms,
+        fair_service=c.fair_service,
     )
 
 
 def _head_from_proto(m: pb.HeadClaim) -> HeadClaim:
     slot = m.slot_after_ms / 1000 if m.slot_after_ms else None
-    return HeadClaim(m.tokens, m.waiting_since_unix_ns, m.rank, slot)
+    return HeadClaim(m.tokens, m.waiting_since_unix_ns, m.rank, slot, m.fair_service)
 
 
 def _prefix_to_proto(p: PrefixSummary) -> pb.PrefixSummary:
@@ -132,6 +136,7 @@ def reserve_request(
     output_tokens: int = 0,
     waiting_since_unix_ns: int = 0,
     rank: int = 0,
+    fair_service: float = 0.0,
     hold_slot: bool = False,
     charge: TenantCharge | None = None,
     reports_first_token: bool = False,
@@ -144,6 +149,7 @@ def reserve_request(
         output_tokens=output_tokens,
         waiting_since_unix_ns=waiting_since_unix_ns,
         rank=rank,
+        fair_service=fair_service,
         hold_slot=hold_slot,
         reports_first_token=reports_first_token,
     )

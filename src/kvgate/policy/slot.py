@@ -39,7 +39,13 @@ def slot_node(
 
 
 def fits_beside_heads(
-    node: NodeView, tokens: int, rank: int, waiting_since_unix_ns: int, local: HeadClaim | None = None
+    node: NodeView,
+    tokens: int,
+    rank: int,
+    waiting_since_unix_ns: int,
+    local: HeadClaim | None = None,
+    *,
+    fair_service: float = 0.0,
 ) -> bool:
     """Whether a request at this place in the order fits on a fresh node now by its latest message,
     beside the room the node holds for its head (and for `local`, the caller's own head holding
@@ -47,4 +53,4 @@ def fits_beside_heads(
     h = node.headroom
     if h is None or not node.usable or not node.fresh:
         return False
-    return room_for(h, rank, waiting_since_unix_ns, local) >= tokens
+    return room_for(h, rank, waiting_since_unix_ns, local, fair_service=fair_service) >= tokens

@@ -75,6 +75,7 @@ class HeadroomSource(Protocol):
         *,
         waiting_since_unix_ns: int = 0,
         rank: int = 0,
+        fair_service: float = 0.0,
         hold_slot: bool = False,
         charge: TenantCharge | None = None,
     ) -> ReserveOutcome: ...
@@ -131,6 +132,8 @@ class Dispatcher:
         self._clock = clock
         self._demand = demand
         self._fair = FairQueue(fairness)
+        # With fair shares on, each try names its tenant's fair service to the agents, as the gates do.
+        self._fair_shares = fairness is not None and fairness.enabled
         self._wake = asyncio.Event()
         # The next job fits no node now: headroom updates are worth a round.
         self._blocked = False
@@ -229,6 +232,8 @@ class Dispatcher:
             await self._let_go()  # it holds its place on one node only
             hold = None
 
+        service = self._fair.fair_service(job.tenant) if self._fair_shares else 0.0
+
         def local(node: NodeView) -> HeadClaim | None:
             """The head's claim where it holds, for the jobs behind it (the messages may not show it yet)."""
             return hold.claim if hold is not None and not head and node.agent == hold.agent else None
@@ -236,7 +241,8 @@ class Dispatcher:
         tries = [
             n
             for n in choose_nodes(nodes, job.tokens, self._stale).candidates
-            if not n.fresh or fits_beside_heads(n, job.tokens, job.priority, since, local(n))
+            if not n.fresh
+            or fits_beside_heads(n, job.tokens, job.priority, since, local(n), fair_service=service)
         ]
         renew = hold is None or self._clock() - hold.at >= CLAIM_RENEW_S
         if slot is not None and renew and all(n.agent != slot for n in tries):
@@ -244,10 +250,10 @@ class Dispatcher:
         for node in tries:
             holds = node.agent == slot
             if holds:
-                claim = HeadClaim(job.tokens, since, job.priority, None)
+                claim = HeadClaim(job.tokens, since, job.priority, None, service)
                 self._hold = _Hold(job.id, node.agent, reservation, claim, self._clock())
             granted = node.headroom is not None and await self._reserve(
-                node.agent, reservation, job, since, hold=holds
+                node.agent, reservation, job, since, service, hold=holds
             )
             if not granted:
                 continue
@@ -276,7 +282,9 @@ class Dispatcher:
             return True
         return False
 
-    async def _reserve(self, agent: str, reservation: str, job: Waiting, since: int, *, hold: bool) -> bool:
+    async def _reserve(
+        self, agent: str, reservation: str, job: Waiting, since: int, service: float, *, hold: bool
+    ) -> bool:
         try:
             outcome = await self._source.reserve(
                 agent,
@@ -284,6 +292,7 @@ class Dispatcher:
                 job.tokens,
                 waiting_since_unix_ns=since,
                 rank=job.priority,
+                fair_service=service,
                 hold_slot=hold,
                 charge=TenantCharge(job.tenant, float(job.tokens), QUEUE_OUTPUT_WEIGHT),
             )

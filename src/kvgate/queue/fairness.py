@@ -59,6 +59,11 @@ class FairQueue:
     def __len__(self) -> int:
         return sum(len(jobs) for jobs in self._groups.values())
 
+    def fair_service(self, tenant: str) -> float:
+        """`tenant`'s place in the fair order (its weighted attained service, lifts included), as the
+        agents order waiters of one rank by it (ReserveRequest.fair_service)."""
+        return self._fair.counter(tenant)
+
     def next(self, passed: Container[str] = frozenset()) -> Waiting | None:
         """The job to dispatch next (it stays waiting until `dispatched` or `drop`), leaving out the
         ids in `passed` (jobs this round found no room for, which later ones may go beside)."""

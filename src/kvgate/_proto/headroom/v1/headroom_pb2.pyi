@@ -134,16 +134,18 @@ class NodeHeadroom(_message.Message):
     def __init__(self, node: _Optional[str] = ..., endpoint: _Optional[str] = ..., seq: _Optional[int] = ..., sample_time_unix_ns: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., safety_ratio: _Optional[float] = ..., used_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., reservations: _Optional[int] = ..., headroom_tokens: _Optional[int] = ..., healthy: _Optional[bool] = ..., reason: _Optional[str] = ..., capacity_source: _Optional[str] = ..., kv_usage: _Optional[float] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., period_ms: _Optional[int] = ..., engine_kind: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., capacity_rule: _Optional[str] = ..., usage_source: _Optional[str] = ..., unreserved_tokens: _Optional[int] = ..., engine_sample_age_ms: _Optional[int] = ..., prefix: _Optional[_Union[PrefixSummary, _Mapping]] = ..., decode_tokens_per_s: _Optional[float] = ..., releases: _Optional[_Iterable[_Union[ExpectedRelease, _Mapping]]] = ..., freed_tokens_total: _Optional[int] = ..., prefix_source: _Optional[str] = ..., heartbeat_ms: _Optional[int] = ..., role: _Optional[str] = ..., lend_tokens: _Optional[int] = ..., lend_max_prompt_tokens: _Optional[int] = ..., head: _Optional[_Union[HeadClaim, _Mapping]] = ..., max_model_len: _Optional[int] = ..., prefill_backlog_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., tenant_service: _Optional[_Mapping[str, float]] = ..., tenant_held: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class HeadClaim(_message.Message):
-    __slots__ = ("tokens", "waiting_since_unix_ns", "rank", "slot_after_ms")
+    __slots__ = ("tokens", "waiting_since_unix_ns", "rank", "slot_after_ms", "fair_service")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     WAITING_SINCE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     SLOT_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    FAIR_SERVICE_FIELD_NUMBER: _ClassVar[int]
     tokens: int
     waiting_since_unix_ns: int
     rank: int
     slot_after_ms: int
-    def __init__(self, tokens: _Optional[int] = ..., waiting_since_unix_ns: _Optional[int] = ..., rank: _Optional[int] = ..., slot_after_ms: _Optional[int] = ...) -> None: ...
+    fair_service: float
+    def __init__(self, tokens: _Optional[int] = ..., waiting_since_unix_ns: _Optional[int] = ..., rank: _Optional[int] = ..., slot_after_ms: _Optional[int] = ..., fair_service: _Optional[float] = ...) -> None: ...
 
 class ExpectedRelease(_message.Message):
     __slots__ = ("after_ms", "tokens")
@@ -166,7 +168,7 @@ class PrefixSummary(_message.Message):
     def __init__(self, blocks: _Optional[_Iterable[int]] = ..., indexed_tokens: _Optional[int] = ..., saved_tokens: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "tokens", "lease_s", "holder", "prefix_blocks", "prefix_block_tokens", "output_tokens", "waiting_since_unix_ns", "rank", "hold_slot", "tenant", "cost", "output_weight", "reports_first_token")
+    __slots__ = ("request_id", "tokens", "lease_s", "holder", "prefix_blocks", "prefix_block_tokens", "output_tokens", "waiting_since_unix_ns", "rank", "hold_slot", "tenant", "cost", "output_weight", "reports_first_token", "fair_service")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +183,7 @@ class ReserveRequest(_message.Message):
     COST_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     REPORTS_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FAIR_SERVICE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tokens: int
     lease_s: float
@@ -195,7 +198,8 @@ class ReserveRequest(_message.Message):
     cost: float
     output_weight: float
     reports_first_token: bool
-    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[int] = ..., lease_s: _Optional[float] = ..., holder: _Optional[str] = ..., prefix_blocks: _Optional[_Iterable[int]] = ..., prefix_block_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., waiting_since_unix_ns: _Optional[int] = ..., rank: _Optional[int] = ..., hold_slot: _Optional[bool] = ..., tenant: _Optional[str] = ..., cost: _Optional[float] = ..., output_weight: _Optional[float] = ..., reports_first_token: _Optional[bool] = ...) -> None: ...
+    fair_service: float
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[int] = ..., lease_s: _Optional[float] = ..., holder: _Optional[str] = ..., prefix_blocks: _Optional[_Iterable[int]] = ..., prefix_block_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., waiting_since_unix_ns: _Optional[int] = ..., rank: _Optional[int] = ..., hold_slot: _Optional[bool] = ..., tenant: _Optional[str] = ..., cost: _Optional[float] = ..., output_weight: _Optional[float] = ..., reports_first_token: _Optional[bool] = ..., fair_service: _Optional[float] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("granted", "reason", "headroom_tokens", "reserved_tokens", "lease_s", "charged_tokens", "cached_tokens", "reservations")
