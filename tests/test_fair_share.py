@@ -24,6 +24,7 @@ from kvgate.headroom.snapshot import HeadClaim, TenantCharge
 from kvgate.headroom.wire import HeadroomEncoder, charge_from_proto, headroom_from_proto, reserve_request
 from kvgate.names import OTHER_TENANTS
 from kvgate.policy.fair_share import FairShare
+from kvgate.queue.dispatcher import NOTHING_TO_SETTLE
 from kvgate.telemetry import GateMetrics, TenantLabels
 
 
@@ -284,6 +285,31 @@ def test_an_unread_release_settles_on_what_the_engine_was_measured_to_generate_n
     state.release("unread")
     state.release("read", generated_tokens=120)
     assert state.tenant_service.totals() == {"a": 5_000 + 2 * 200, "b": 5_000 + 2 * 120}
+
+
+def test_a_grant_that_ran_nothing_is_taken_back_and_a_queued_job_is_charged_its_estimate_once() -> None:
+    """A grant whose Reserve went unanswered, or that the queue gives back because another replica won
+    the job, ran nothing: the agent takes its tenant's charge back whole. Two queue replicas reserving
+    for the same job would otherwise charge its tenant twice. A queued job's charge is its whole
+    estimate, output budget included, and settles nothing on top of it however long it held."""
+    clock = ManualClock(0.0)
+    settings = NodeSettings("n", "e:1", safety_ratio=1.0, capacity_tokens=100_000)
+    state = NodeState(settings, clock, uses_engine=True, uses_nvml=False)
+    for t in range(12):
+        page = Vllm(blocks=(6250,), usage=(0.01,), running=(1,), generation=(50 * t,))
+        state.observe_engine(read_engine_page(page.page()))
+        clock.advance(1.0)
+    assert state.reserve(
+        "won", 3_512, 0, "queue-0", charge=TenantCharge("c", 3_512.0, NOTHING_TO_SETTLE)
+    ).granted
+    assert state.reserve(
+        "lost", 3_512, 0, "queue-1", charge=TenantCharge("c", 3_512.0, NOTHING_TO_SETTLE)
+    ).granted
+    assert state.tenant_service.totals() == {"c": 2 * 3_512.0}
+    state.release("lost", "queue-1", unanswered_reserve=True)
+    clock.advance(4.0)
+    state.release("won", "queue-0")
+    assert state.tenant_service.totals() == {"c": 3_512.0}
 
 
 def test_the_service_totals_travel_in_the_stream_and_a_reserve_carries_its_charge() -> None:

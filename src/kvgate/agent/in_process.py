@@ -299,7 +299,7 @@ class FakeHeadroom:
             request_id, unanswered_reserve=unanswered, generated_tokens=generated_tokens
         )
         if released:
-            state.tenant_service.ended(request_id, generated_tokens)
+            state.tenant_service.ended(request_id, generated_tokens, ran=not unanswered)
         state.claims.drop(Waiter("", request_id))
         self.released.append((node, request_id))
         self._notify()

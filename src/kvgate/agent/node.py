@@ -365,7 +365,8 @@ class NodeState:
             request_id, holder, unanswered_reserve=unanswered_reserve, generated_tokens=generated_tokens
         )
         if released:
-            self.tenant_service.ended(request_id, output)
+            # An unanswered Reserve's grant ran nothing: its caller never sent the request there.
+            self.tenant_service.ended(request_id, output, ran=not unanswered_reserve)
         # A waiter that went elsewhere or gave up says so with a Release: its claim goes with it.
         self.claims.drop(Waiter(holder, request_id))
         return self.ledger.release_answer(released, self.budget())

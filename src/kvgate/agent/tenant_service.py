@@ -41,9 +41,11 @@ class TenantService:
         if len(self._totals) > self._max_tenants:
             del self._totals[min(self._totals, key=self._totals.__getitem__)]
 
-    def ended(self, request_id: str, generated_tokens: int = 0) -> None:
+    def ended(self, request_id: str, generated_tokens: int = 0, *, ran: bool = True) -> None:
         """The reservation ended (released, or its lease ran out); `generated_tokens`, what it generated
-        (read or measured), settles its output part (0: unknown, as charged)."""
+        (read or measured), settles its output part (0: unknown, as charged). `ran` False: nothing ran
+        under it (its Reserve's answer was lost, or its holder lost the job to another replica), so
+        its whole charge is taken back."""
         live = self._live.pop(request_id, None)
         if live is None:
             return
@@ -53,6 +55,9 @@ class TenantService:
             self._held[charge.tenant] = held
         else:
             self._held.pop(charge.tenant, None)
+        if not ran and charge.tenant in self._totals:
+            self._totals[charge.tenant] = max(0.0, self._totals[charge.tenant] - charge.cost)
+            return
         if generated_tokens <= 0:
             return
         if charge.tenant in self._totals:
