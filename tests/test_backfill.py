@@ -127,6 +127,18 @@ def test_claims_expire_unless_renewed_and_stay_within_their_bounds() -> None:
     assert claims.head() is None
 
 
+def node_nearly_full() -> NodeState:
+    """An agent's node of 100,000 tokens, 80,000 of them reserved until a release."""
+    state = NodeState(
+        NodeSettings("n", "n.engine:8000", capacity_tokens=100_000, safety_ratio=1.0),
+        ManualClock(),
+        uses_engine=False,
+        uses_nvml=False,
+    )
+    assert state.reserve("r1", 80_000, 60.0, "gate", output_tokens=50).granted
+    return state
+
+
 def test_among_one_rank_the_waiter_whose_tenant_was_served_least_is_the_head_whatever_its_arrival() -> None:
     """Fair shares across replicas: each gate and queue names its waiter's fair service (its tenant's
     weighted attained service), and the agent orders waiters of one rank by it before arrival, so the
@@ -160,14 +172,7 @@ def test_a_gate_and_the_queue_name_their_tenants_fair_service_to_the_agents() ->
     """The fair service a gate's try and the queue's dispatch send reaches the agent's claim: a gate
     head of a tenant served less holds the node's room against an older queued job of a tenant served
     more."""
-    clock = ManualClock()
-    state = NodeState(
-        NodeSettings("n", "n.engine:8000", capacity_tokens=100_000, safety_ratio=1.0),
-        clock,
-        uses_engine=False,
-        uses_nvml=False,
-    )
-    assert state.reserve("r1", 80_000, 60.0, "gate", output_tokens=50).granted
+    state = node_nearly_full()
     queued = {"waiting_since_unix_ns": 5 * S, "rank": 1, "hold_slot": True, "fair_service": 50_000.0}
     fair_head = {"waiting_since_unix_ns": 9 * S, "rank": 1, "hold_slot": True, "fair_service": 1_000.0}
     assert not state.reserve("job", 30_000, 60.0, "queue", **queued).granted  # type: ignore[arg-type]
@@ -193,14 +198,7 @@ def test_a_head_that_stops_asking_stops_holding_room() -> None:
 
 
 def test_the_agent_publishes_its_head_and_the_head_is_not_held_back_by_itself() -> None:
-    clock = ManualClock()
-    state = NodeState(
-        NodeSettings("n", "n.engine:8000", capacity_tokens=100_000, safety_ratio=1.0),
-        clock,
-        uses_engine=False,
-        uses_nvml=False,
-    )
-    assert state.reserve("r1", 80_000, 60.0, "gate", output_tokens=50).granted
+    state = node_nearly_full()
     head = {"waiting_since_unix_ns": 7 * S, "rank": 1, "hold_slot": True}
     refusal = state.reserve("head", 30_000, 60.0, "gate", **head)  # type: ignore[arg-type]
     assert refusal.reason == ReserveReason.INSUFFICIENT_HEADROOM
