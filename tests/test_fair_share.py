@@ -77,26 +77,6 @@ def test_a_tenant_back_from_idle_is_lifted_and_takes_no_burst_of_credit() -> Non
     assert fair.counter("idle") == 50_000.0
 
 
-def test_a_tenant_whose_waiter_left_unserved_is_still_backlogged_and_not_lifted_when_it_returns() -> None:
-    """A waiter that leaves without being served (refused after the wait, or handed to the queue)
-    leaves its tenant backlogged elsewhere: coming back within backlog_s it keeps its counter, below
-    the others', and goes first. Past backlog_s, or after being served, it is lifted as any returning
-    tenant."""
-    fair = FairShare(FAIR, backlog_s=30.0)
-    serve(fair, {"a": [1_000.0] * 100, "c": [1_000.0] * 100}, 100)  # 50,000 each, both waiting
-    fair.charge("a", 30_000.0)
-    fair.done_waiting("c", served=False, now=100.0)  # c's waiter refused after its wait
-    fair.waits("c", now=110.0)
-    assert fair.counter("c") == 50_000.0, "not lifted to a's 80,000: it never stopped asking"
-    assert fair.order("c") < fair.order("a")
-    fair.done_waiting("c", served=False, now=111.0)
-    fair.waits("c", now=141.0)
-    assert fair.counter("c") == fair.counter("a"), "gone for backlog_s: lifted as a returning tenant"
-    fair.done_waiting("c", now=142.0)  # served: its line emptied by service
-    fair.waits("c", now=143.0)
-    assert fair.counter("c") == fair.counter("a")
-
-
 def test_weights_divide_the_contended_service() -> None:
     fair = FairShare(FAIR)
     history = serve(fair, {"a": [3_000.0] * 400, "heavy": [3_000.0] * 400}, 400)

@@ -202,11 +202,7 @@ class Admission:
         self._long = long
         self._interactive = interactive
         self._clock = clock
-        self._fair = (
-            FairShare(fairness, backlog_s=config.longest_wait_s)
-            if fairness is not None and fairness.enabled
-            else None
-        )
+        self._fair = FairShare(fairness) if fairness is not None and fairness.enabled else None
         self._limits = TenantLimits(fairness) if fairness is not None and fairness.limits_tenants else None
         self._fairness = fairness or FairnessConfig()
         self._queue = WaitQueue(config.queue_size, clock, self._fair_order if self._fair else arrival)
@@ -451,7 +447,6 @@ class Admission:
             return Admitted(self._come_back(full, source, ask.output_tokens))
         deadline = self._clock() + ask.max_wait_s
         just_tried = True  # the nodes it fits on were asked a moment ago: the head only holds its place
-        served = False
         try:
             while True:
                 if self._queue.is_head(place):
@@ -459,7 +454,6 @@ class Admission:
                         source, route, ask, nodes, choice, head=True, candidates=not just_tried
                     )
                     if admitted is not None:
-                        served = True
                         return admitted
                 if self._clock() >= deadline:
                     return self._no_room(source, route, model, ask)
@@ -473,11 +467,10 @@ class Admission:
                     # Woken behind the head: it fits beside the heads' slots by the latest messages.
                     admitted = await self._attempt(source, route, ask, nodes, choice)
                     if admitted is not None:
-                        served = True
                         return admitted
                     just_tried = True
         finally:
-            self._leave_line(place, ask, served=served)
+            self._leave_line(place, ask)
             self._let_go(ask)
 
     def _may_pass(self, ask: _Ask) -> bool:
@@ -489,10 +482,10 @@ class Admission:
     def _join_line(self, ask: _Ask) -> Place | None:
         """A place in the line (None: it is full); with fair shares its tenant waits from now."""
         if self._fair is not None:
-            self._fair.waits(ask.tenant, self._clock())
+            self._fair.waits(ask.tenant)
         place = self._queue.join(ask.rank, ask.waiting_since_unix_ns, ask.tokens, ask.tenant)
         if place is None and self._fair is not None:
-            self._fair.done_waiting(ask.tenant, served=False, now=self._clock())
+            self._fair.done_waiting(ask.tenant)
         ask.place = place
         self._claim_follows_head()  # a newcomer of a higher priority, or first in the fair order
         return place
@@ -511,10 +504,10 @@ class Admission:
         if holding is not None and holding.place is not None and not self._queue.is_head(holding.place):
             self._let_go(holding)
 
-    def _leave_line(self, place: Place, ask: _Ask, *, served: bool) -> None:
+    def _leave_line(self, place: Place, ask: _Ask) -> None:
         self._queue.leave(place)
         if self._fair is not None:
-            self._fair.done_waiting(ask.tenant, served=served, now=self._clock())
+            self._fair.done_waiting(ask.tenant)
 
     async def _attempt(
         self,

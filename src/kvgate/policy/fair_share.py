@@ -30,7 +30,6 @@ loses nothing of anyone's share; an agent restart forgets what its node served (
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
@@ -57,16 +56,9 @@ def agents_totals(nodes: Sequence[NodeView]) -> dict[str, float] | None:
 
 
 class FairShare:
-    def __init__(
-        self, config: FairnessConfig, max_tenants: int = MAX_TENANTS, backlog_s: float = 0.0
-    ) -> None:
-        """`backlog_s`: how long after a tenant's waiter left unserved (refused, or handed to the async
-        tier) the tenant still counts as backlogged, so that it is not lifted when it comes back."""
+    def __init__(self, config: FairnessConfig, max_tenants: int = MAX_TENANTS) -> None:
         self._config = config
         self._max_tenants = max_tenants
-        self._backlog_s = backlog_s
-        # When each tenant's latest waiter left without being served (the caller's clock).
-        self._unserved_at: dict[str, float] = {}
         # Each tenant's attained service: what this process charged (weighted), or, once the agents
         # publish it, their summed totals (raw cost: weighted when read).
         self._charged: dict[str, float] = {}
@@ -98,14 +90,9 @@ class FairShare:
         (raw cost): from now on the counters follow it rather than this process's own charges."""
         self._shared = dict(totals)
 
-    def waits(self, tenant: str, now: float = 0.0) -> None:
-        """A request of `tenant` starts waiting; the first of them lifts the tenant's counter, unless a
-        waiter of its left unserved less than `backlog_s` ago: then it was not idle but waiting
-        where this process cannot see it (the async tier, its client's retry), and a lift would
-        charge it for service it never had. Handing waiters to the queue after the gate's hold
-        emptied a light tenant's line again and again, and each return lifted it: with the queue as
-        the async tier, C's small requests got 0.7x their fair share."""
-        if self._waiting[tenant] == 0 and now - self._unserved_at.get(tenant, -math.inf) >= self._backlog_s:
+    def waits(self, tenant: str) -> None:
+        """A request of `tenant` starts waiting; the first of them lifts the tenant's counter."""
+        if self._waiting[tenant] == 0:
             others = [self.counter(t) for t, n in self._waiting.items() if n > 0]
             floor = min(others) if others else self._last_served
             lift = floor - self._attained(tenant)
@@ -114,12 +101,8 @@ class FairShare:
             self._forget_beyond_bound()
         self._waiting[tenant] += 1
 
-    def done_waiting(self, tenant: str, *, served: bool = True, now: float = 0.0) -> None:
-        """A waiter of `tenant` left the line: admitted (`served`), or refused, handed on or gone."""
-        if not served:
-            self._unserved_at[tenant] = now
-            if len(self._unserved_at) > self._max_tenants:
-                del self._unserved_at[min(self._unserved_at, key=self._unserved_at.__getitem__)]
+    def done_waiting(self, tenant: str) -> None:
+        """A waiter of `tenant` left the line: admitted, timed out or gone."""
         left = self._waiting[tenant] - 1
         if left > 0:
             self._waiting[tenant] = left
