@@ -370,9 +370,7 @@ async def start_kvgate(
         verifying(rendered, tenants.jwks)
         credentials = tenants.tokens
     if replicas > 1:
-        first_tenant, first_gate = scenario.tenants[0].name, gates["gate"]
-        config = yaml.safe_load(rendered.read_text(encoding="utf-8"))
-        write_yaml(gate_replicas(config, first_tenant, first_gate), rendered)
+        _pin_first_tenant(rendered, scenario, gates["gate"], verified=fairness is not None)
     _start_envoy(group, rendered)
     await wait_all(group, ready)
     url = f"http://127.0.0.1:{listen}/v1/chat/completions"
@@ -391,6 +389,15 @@ async def start_kvgate(
         credentials,
         {name: f"http://{listen_at}/metrics" for name, listen_at in zip(gates, gate_metrics, strict=True)},
     )
+
+
+def _pin_first_tenant(rendered: Path, scenario: Scenario, gate_port: int, *, verified: bool) -> None:
+    """The rendered Envoy config in front of several gate replicas, the scenario's first tenant's
+    requests all on the gate at `gate_port` (kvgate.demo.envoy_config.gate_replicas)."""
+    if not verified or not scenario.tenants:
+        raise ValueError("gate replicas pin a verified tenant to one gate: they need tenants and fairness")
+    config = yaml.safe_load(rendered.read_text(encoding="utf-8"))
+    write_yaml(gate_replicas(config, scenario.tenants[0].name, gate_port), rendered)
 
 
 def _replica(name: str, index: int) -> str:
