@@ -46,6 +46,14 @@ def missing_postgres() -> str | None:
     return None
 
 
+def _installed_bin_dir() -> Path:
+    """Where the server's programs are; ChildError saying why when no server can start here."""
+    bin_dir, reason = _bin_dir(), missing_postgres()
+    if reason is not None or bin_dir is None:
+        raise ChildError(reason or "PostgreSQL is not installed")
+    return bin_dir
+
+
 def url(port: int, database: str = "postgres") -> str:
     return f"postgresql://postgres@127.0.0.1:{port}/{database}"
 
@@ -54,10 +62,7 @@ def foreground_server(root: Path, port: int) -> list[str]:
     """Initialise a data directory under `root` and return the command that serves it in the
     foreground on 127.0.0.1:`port` (SIGTERM stops it). `root` is made traversable, not readable, by the
     server user; the directory itself is theirs."""
-    bin_dir = _bin_dir()
-    reason = missing_postgres()
-    if reason is not None or bin_dir is None:
-        raise ChildError(reason or "PostgreSQL is not installed")
+    bin_dir = _installed_bin_dir()
     data = root / "postgres"
     data.mkdir()
     if os.geteuid() == 0:
@@ -127,10 +132,7 @@ class PostgresServer:
 @contextlib.contextmanager
 def running_postgres() -> Iterator[PostgresServer]:
     """A running server, stopped and removed at the end; ChildError when none can start here."""
-    reason = missing_postgres()
-    bin_dir = _bin_dir()
-    if reason is not None or bin_dir is None:
-        raise ChildError(reason or "PostgreSQL is not installed")
+    bin_dir = _installed_bin_dir()
     root = Path(tempfile.mkdtemp(prefix="kvgate-pg-"))
     if os.geteuid() == 0:
         shutil.chown(root, "postgres")
