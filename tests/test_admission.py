@@ -146,18 +146,40 @@ def test_a_wait_that_times_out_is_refused_with_429_and_no_reservation() -> None:
     run(scenario)
 
 
-def test_a_full_queue_refuses_at_once() -> None:
+def test_a_full_queue_refuses_at_once_what_would_stand_last() -> None:
     async def scenario() -> None:
         source, clock, admission = setup(("a", 20000), max_wait_s=5.0, queue_size=2)
         source.update("a", used_tokens=15000)
         waiters = [asyncio.create_task(admit(admission, 10000, f"w{i}")) for i in range(2)]
         await until(lambda: clock.sleeping == 2)
-        # A full line sheds nobody: each request that finds it full overflows on its own.
         assert refused(await admit(admission, 10000, "third", "normal")) is Reason.QUEUE_FULL
-        assert refused(await admit(admission, 10000, "fourth", "high")) is Reason.QUEUE_FULL
+        assert admission.gauges().waiting == 2 and not any(task.done() for task in waiters)
         for task in waiters:
             task.cancel()
         await asyncio.gather(*waiters, return_exceptions=True)
+
+    run(scenario)
+
+
+def test_a_higher_priority_pushes_the_last_waiter_out_of_a_full_queue() -> None:
+    async def scenario() -> None:
+        source, clock, admission = setup(("a", 20000), max_wait_s=5.0, queue_size=2)
+        await admission.start()
+        source.update("a", used_tokens=15000)
+        first = asyncio.create_task(admit(admission, 10000, "w0"))
+        await until(lambda: clock.sleeping == 1)
+        last = asyncio.create_task(admit(admission, 10000, "w1"))
+        await until(lambda: clock.sleeping == 2)
+        urgent = asyncio.create_task(admit(admission, 10000, "urgent", "high"))
+        assert refused(await last) is Reason.QUEUE_FULL, "the newest normal waiter gave up its place"
+        await until(lambda: clock.sleeping == 2)
+        assert not first.done() and admission.gauges().waiting == 2
+        source.update("a", used_tokens=5000)  # room for one
+        assert (await urgent).ticket is not None, "the high-priority request took the room"
+        assert not first.done()
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        await admission.stop()
 
     run(scenario)
 

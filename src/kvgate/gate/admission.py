@@ -63,6 +63,9 @@ log = logging.getLogger(__name__)
 # agent's claim lifetime (kvgate.agent.backfill.CLAIM_TTL_S, 2 s), so a late or lost Reserve or two
 # does not drop its place.
 CLAIM_RENEW_S = 0.5
+# Why a waiter left a full line early: a newcomer ahead of it in the order took its place
+# (kvgate.gate.waitqueue).
+PUSHED_OUT = "the admission queue is full and requests ahead of this one in the waiting order took its place"
 
 
 class HeadroomSource(Protocol):
@@ -202,7 +205,7 @@ class Admission:
         self._long = long
         self._interactive = interactive
         self._clock = clock
-        self._fair = FairShare(fairness) if fairness is not None and fairness.enabled else None
+        self._fair = FairShare(fairness, clock=clock) if fairness is not None and fairness.enabled else None
         self._limits = TenantLimits(fairness) if fairness is not None and fairness.limits_tenants else None
         self._fairness = fairness or FairnessConfig()
         self._queue = WaitQueue(config.queue_size, clock, self._fair_order if self._fair else arrival)
@@ -442,13 +445,29 @@ class Admission:
         ask.waited = True
         place = self._join_line(ask)
         if place is None:
-            why = "the admission queue is full"
-            full = overflow(route, model, Reason.QUEUE_FULL, why, self._config.async_fallback)
-            return Admitted(self._come_back(full, source, ask.output_tokens))
+            return self._line_full(source, route, model, ask, "the admission queue is full")
+        return await self._wait_in_line(source, route, model, ask, place=place, nodes=nodes, choice=choice)
+
+    async def _wait_in_line(
+        self,
+        source: HeadroomSource,
+        route: Route,
+        model: ModelConfig,
+        ask: _Ask,
+        *,
+        place: Place,
+        nodes: tuple[NodeView, ...],
+        choice: NodeChoice,
+    ) -> Admitted:
+        """`ask` waits in its `place` until it is admitted, its wait ends, or it is pushed out."""
         deadline = self._clock() + ask.max_wait_s
         just_tried = True  # the nodes it fits on were asked a moment ago: the head only holds its place
         try:
             while True:
+                if self._queue.pushed_out(place):
+                    # A newcomer ahead of it in the order took its place (once woken, it may first
+                    # have tried beside the heads, as any newcomer may).
+                    return self._line_full(source, route, model, ask, PUSHED_OUT)
                 if self._queue.is_head(place):
                     admitted = await self._attempt(
                         source, route, ask, nodes, choice, head=True, candidates=not just_tried
@@ -472,6 +491,12 @@ class Admission:
         finally:
             self._leave_line(place, ask)
             self._let_go(ask)
+
+    def _line_full(
+        self, source: HeadroomSource, route: Route, model: ModelConfig, ask: _Ask, why: str
+    ) -> Admitted:
+        full = overflow(route, model, Reason.QUEUE_FULL, why, self._config.async_fallback)
+        return Admitted(self._come_back(full, source, ask.output_tokens))
 
     def _may_pass(self, ask: _Ask) -> bool:
         """With fair shares, whether `ask` may take room ahead of the line (kvgate.policy.fair_share)."""

@@ -11,6 +11,14 @@ With fair shares (kvgate.policy.fair_share) the line is ordered by `order`: rank
 waiter's tenant's weighted attained service, then since when it waits. That changes as requests are
 admitted, so the caller `reorder`s the line after each, and a new head is woken.
 
+A full line turns away a newcomer only when it would stand last. One that goes ahead of the last
+waiter takes that waiter's place, and the last is pushed out (woken, to be answered as the full line
+would have answered it): a higher priority pushes out a lower, and with fair shares the least-served
+tenant's request pushes out the most-served one's. Otherwise a tenant that floods fills the line, and
+every other tenant's requests are turned away at once while its own wait their turn, as fair
+queueing's buffer management drops from the longest flow, not the arriving packet (Demers, Keshav and
+Shenker, SIGCOMM'89).
+
 A wake is never lost: a waiter woken while it is busy trying finds its wake on its next wait.
 Waits end on the queue's injected clock: `MONOTONIC` in the gate, a test's manual clock in tests,
 which then drive time instead of sleeping.
@@ -75,6 +83,7 @@ class WaitQueue:
         self._order_of = order
         self._line: list[Place] = []  # in order: the head first
         self._woken: dict[Place, asyncio.Event] = {}
+        self._pushed_out: set[Place] = set()  # out of the line, until their waiter leaves
         self._order = itertools.count()
         self.wakeups = 0  # wakes sent to waiters, in all: what pulses cost
 
@@ -82,10 +91,12 @@ class WaitQueue:
         return len(self._line)
 
     def join(self, rank: int, waiting_since_unix_ns: int, tokens: int, tenant: str = "") -> Place | None:
-        """A place in the line, or None when the line is full."""
-        if len(self._line) >= self._size:
-            return None
+        """A place in the line, or None when the line is full and this one would stand last."""
         place = Place(rank, waiting_since_unix_ns, next(self._order), tokens, tenant)
+        if len(self._line) >= self._size:
+            if not self._line or self._order_of(place) >= self._order_of(self._line[-1]):
+                return None
+            self._push_out(self._line[-1])
         bisect.insort(self._line, place, key=self._order_of)
         self._woken[place] = asyncio.Event()
         return place
@@ -106,7 +117,15 @@ class WaitQueue:
     def is_head(self, place: Place) -> bool:
         return bool(self._line) and self._line[0] == place
 
+    def pushed_out(self, place: Place) -> bool:
+        """Whether a newcomer ahead of `place` in the order took its place in the full line."""
+        return place in self._pushed_out
+
     def leave(self, place: Place) -> None:
+        if place in self._pushed_out:
+            self._pushed_out.discard(place)
+            del self._woken[place]
+            return
         was_head = self.is_head(place)
         self._line.remove(place)
         del self._woken[place]
@@ -118,6 +137,11 @@ class WaitQueue:
         for index, place in enumerate(self._line):
             if index == 0 or fits(place):
                 self._wake(place)
+
+    def _push_out(self, place: Place) -> None:
+        self._line.remove(place)
+        self._pushed_out.add(place)
+        self._wake(place)
 
     def _wake(self, place: Place) -> None:
         # Counted per wake sent: a waiter woken twice before it runs tries once.
