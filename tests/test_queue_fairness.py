@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 
 from kvgate.config import parse_config
+from kvgate.policy.fair_share import ACTIVE_S
 from kvgate.queue.fairness import FairQueue
 from kvgate.queue.jobs import Waiting
 
@@ -65,11 +66,13 @@ def test_a_tenant_of_weight_three_gets_three_times_the_tokens_while_both_wait() 
 
 
 def test_a_tenant_that_was_idle_does_not_cash_in_credit() -> None:
-    fair = FairQueue()
+    now = [0.0]
+    fair = FairQueue(clock=lambda: now[0])
     a, b = jobs("a", 20), jobs("b", 1)
     fair.load(a + b, per_group=100)
     assert dispatch(fair, 2) == ["a1", "b1"]
     assert dispatch(fair, 8) == [f"a{i}" for i in range(2, 10)]  # b idle meanwhile
+    now[0] += ACTIVE_S + 1  # long enough that no replica served b either
     back = jobs("b", 5)
     fair.load(a[9:] + back, per_group=100)
     # b starts level with a: one turn each, not eight b's in a row (b first on the tie).

@@ -16,6 +16,17 @@ stays within the largest weighted cost of the least counter of the other tenants
 (`may_pass`). Otherwise it waits its turn: a tenant's small requests cannot take what frees around a
 big head until their tenant is far ahead.
 
+With several replicas (gates, and `kvgate queue`'s), a tenant's requests wait in several lines, and
+one line emptying does not make the tenant idle. VTC lifts a tenant whose one queue went from empty to
+waiting; a replica that lifted a tenant missing from its own line took away the lead its requests
+waiting elsewhere had earned: measured with two gates, A's flood always waiting on the first, that
+gate lifted every other tenant to A's counter each time one of them came back to its line, so A's
+requests led its line while the others were served 0.7-0.9x their share. So a replica reads idleness
+from the service every replica gave: a tenant the agents' totals show served within `ACTIVE_S` is
+active. A lift counts the tenants waiting here and the active ones; an active tenant is lifted only to
+within the largest weighted cost of them (it keeps a lead of up to one request), an idle one all the
+way, as VTC does.
+
 A request is charged its estimate when admitted (the output budget it reserved) and settled on what
 its engine's answer says it generated, where the gate reads the answer (an endpoint picker,
 kvgate.gate.picker): the counter then holds what ran, not what was guessed.
@@ -30,8 +41,9 @@ loses nothing of anyone's share; an agent restart forgets what its node served (
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvgate.config import FairnessConfig
 from kvgate.headroom.snapshot import NodeView
@@ -39,6 +51,11 @@ from kvgate.headroom.snapshot import NodeView
 # Tenants remembered. Past this, the tenant with the least counter that waits for nothing is
 # forgotten: were it to come back, it is lifted to the others' least counter anyway.
 MAX_TENANTS = 10_000
+# A tenant served (by any replica, as the agents' totals show) within this long is active. Each tenant
+# that waits is served every few seconds under the fair order, one that is far ahead within a few
+# tens of seconds; a tenant ahead of the others is not lifted anyway, so only a tenant behind that went
+# unserved this long counts as idle.
+ACTIVE_S = 10.0
 
 
 def agents_totals(nodes: Sequence[NodeView]) -> dict[str, float] | None:
@@ -56,9 +73,16 @@ def agents_totals(nodes: Sequence[NodeView]) -> dict[str, float] | None:
 
 
 class FairShare:
-    def __init__(self, config: FairnessConfig, max_tenants: int = MAX_TENANTS) -> None:
+    def __init__(
+        self,
+        config: FairnessConfig,
+        max_tenants: int = MAX_TENANTS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._config = config
         self._max_tenants = max_tenants
+        self._clock = clock
+        self._served_at: dict[str, float] = {}  # when each tenant's service last rose, any replica's
         # Each tenant's attained service: what this process charged (weighted), or, once the agents
         # publish it, their summed totals (raw cost: weighted when read).
         self._charged: dict[str, float] = {}
@@ -88,13 +112,25 @@ class FairShare:
     def observe(self, totals: Mapping[str, float]) -> None:
         """The service each tenant attained across every replica, summed over the agents' messages
         (raw cost): from now on the counters follow it rather than this process's own charges."""
+        now = self._clock()
+        before = self._shared or {}
+        for tenant, total in totals.items():
+            if total > before.get(tenant, 0.0):
+                self._served_at[tenant] = now
         self._shared = dict(totals)
 
     def waits(self, tenant: str) -> None:
-        """A request of `tenant` starts waiting; the first of them lifts the tenant's counter."""
+        """A request of `tenant` starts waiting; the first of them lifts the tenant's counter: to the
+        least counter of the others that wait here or are active, to within the largest cost of it
+        where the tenant is active itself (its requests wait in another replica's line)."""
         if self._waiting[tenant] == 0:
-            others = [self.counter(t) for t, n in self._waiting.items() if n > 0]
-            floor = min(others) if others else self._last_served
+            now = self._clock()
+            busy = {t for t, n in self._waiting.items() if n > 0}
+            busy |= {t for t, at in self._served_at.items() if now - at <= ACTIVE_S}
+            busy.discard(tenant)
+            floor = min(map(self.counter, busy)) if busy else self._last_served
+            if self._active(tenant, now):
+                floor -= self._largest
             lift = floor - self._attained(tenant)
             if lift > self._lift.get(tenant, 0.0):
                 self._lift[tenant] = lift
@@ -126,6 +162,7 @@ class FairShare:
             # Counted at once; the agents' next totals include it.
             self._shared[tenant] = self._shared.get(tenant, 0.0) + cost
         self._last_served = self.counter(tenant)
+        self._served_at[tenant] = self._clock()
         self._forget_beyond_bound()
 
     def settle(self, tenant: str, charged_output_tokens: int, generated_tokens: int) -> None:
@@ -141,16 +178,21 @@ class FairShare:
         known = {*self._charged, *self._lift, *(self._shared or ())}
         return [(tenant, self.counter(tenant), self._waiting[tenant]) for tenant in known]
 
+    def _active(self, tenant: str, now: float) -> bool:
+        served_at = self._served_at.get(tenant)
+        return served_at is not None and now - served_at <= ACTIVE_S
+
     def _attained(self, tenant: str) -> float:
         if self._shared is not None:
             return self._shared.get(tenant, 0.0) / self._config.weight(tenant)
         return self._charged.get(tenant, 0.0)
 
     def _forget_beyond_bound(self) -> None:
-        while len(self._charged) > self._max_tenants or len(self._lift) > self._max_tenants:
-            idle = [t for t in {*self._charged, *self._lift} if self._waiting[t] == 0]
+        while max(map(len, (self._charged, self._lift, self._served_at))) > self._max_tenants:
+            idle = [t for t in {*self._charged, *self._lift, *self._served_at} if self._waiting[t] == 0]
             if not idle:
                 return
             gone = min(idle, key=self.counter)
             self._charged.pop(gone, None)
             self._lift.pop(gone, None)
+            self._served_at.pop(gone, None)

@@ -133,7 +133,7 @@ class Dispatcher:
         self._on_dispatch = on_dispatch
         self._clock = clock
         self._demand = demand
-        self._fair = FairQueue(fairness)
+        self._fair = FairQueue(fairness, clock)
         # With fair shares on, each try names its tenant's fair service to the agents, as the gates do.
         self._fair_shares = fairness is not None and fairness.enabled
         self._wake = asyncio.Event()

@@ -23,8 +23,9 @@ store, the agents' totals, and tells it what it dispatched.
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import Container, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 
 from kvgate.config import FairnessConfig
 from kvgate.policy.fair_share import FairShare
@@ -34,8 +35,10 @@ _Group = tuple[int, str]
 
 
 class FairQueue:
-    def __init__(self, fairness: FairnessConfig | None = None) -> None:
-        self._fair = FairShare(fairness or FairnessConfig())
+    def __init__(
+        self, fairness: FairnessConfig | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._fair = FairShare(fairness or FairnessConfig(), clock=clock)
         self._groups: dict[_Group, deque[Waiting]] = {}
         # Groups the store may hold more of than it handed over: once one empties, read again.
         self._truncated: set[_Group] = set()
