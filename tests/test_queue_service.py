@@ -341,6 +341,24 @@ def test_a_held_request_past_max_hold_gets_429_and_its_job_is_cancelled(tmp_path
     run(scenario)
 
 
+def test_a_held_job_that_started_within_the_hold_is_answered_however_long_it_runs(tmp_path: Path) -> None:
+    """The hold bounds the wait for a node. A job cancelled at the deadline while its engine ran
+    answered 429 for work the engine then threw away, charged to its tenant all the same."""
+
+    async def scenario() -> None:
+        async with queue(tmp_path, "max_hold_s: 1") as q:
+            held = asyncio.ensure_future(q.post(8000, x_request_id="req-slow"))
+            call = await next_call(q, 0)
+            await asyncio.sleep(1.2)  # past the hold's deadline while the engine works
+            assert not held.done()
+            q.engines.answer(call)
+            response = await held
+            assert response.status == 200
+            assert (await q.job("req-slow"))["status"] == "succeeded"
+
+    run(scenario)
+
+
 def test_delete_cancels_a_waiting_job_and_cuts_a_running_one(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with queue(tmp_path) as q:

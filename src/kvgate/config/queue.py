@@ -12,9 +12,10 @@ MiB = 1024 * 1024
 
 @dataclass(frozen=True, slots=True)
 class QueueSettings:
-    # A held request is answered on its own connection up to this long after it arrived; then 429
-    # with Retry-After and the job is cancelled. Under common SDK timeouts (openai: 600 s), and
-    # Envoy's route must wait longer than this (its stream idle timeout defaults to 300 s).
+    # A held request whose job has not started this long after it arrived gets 429 with Retry-After
+    # and the job is cancelled; one that started is answered when it ends. Under common SDK timeouts
+    # (openai: 600 s), and Envoy's route must wait longer than this (its stream idle timeout
+    # defaults to 300 s).
     max_hold_s: float = field(default=300.0, metadata=at_least(1))
     # Finished jobs (their engine response) are kept this long for GET /v1/kvgate/jobs/{id}.
     result_ttl_s: float = field(default=3600.0, metadata=at_least(1))

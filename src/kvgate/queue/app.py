@@ -12,8 +12,9 @@ own; only a job of the same tenant with that request id is attached to.
 
 Every request is committed to the store before anything is answered. A held request is answered
 with the engine's own status, headers and body (streamed as the engine streams, when the job runs on
-this replica) up to `queue.max_hold_s` after it arrived; then 429 and the job is cancelled, unless the
-client has gone: its job stays, and the client finds the answer by its x-request-id.
+this replica). A job that has not started within `queue.max_hold_s` of its arrival is cancelled and
+answered 429, unless the client has gone: its job stays, and the client finds the answer by its
+x-request-id. A job that started is answered when it ends, however long the run.
 
 No 500 for anything a client sent: `error_boundary`, the whole app's middleware, answers what a
 handler raised from the one refusal table (kvgate.policy.refusals).
@@ -64,7 +65,9 @@ class JobsStore(Protocol):
 
     async def position(self, job: Job) -> int: ...
 
-    async def cancel(self, key: str, tenant: str, error: JobError) -> Job | None: ...
+    async def cancel(
+        self, key: str, tenant: str, error: JobError, *, queued_only: bool = False
+    ) -> Job | None: ...
 
 
 def prefers_async(values: Iterable[str]) -> bool:
@@ -259,7 +262,7 @@ class JobsApp:
                 live = self._live.get(job.id)
                 # An attempt that already ended is in the store (its result is written before it ends).
                 if live is not None and not live.ended:
-                    answered = await self._follow(request, job, live, deadline, api)
+                    answered = await self._follow(request, job, live)
                     if answered is not None:
                         return answered
                     continue
@@ -272,27 +275,30 @@ class JobsApp:
                 if current.terminal:
                     return self._final(current, api)
                 remaining = deadline - asyncio.get_running_loop().time()
+                if current.state is not JobState.QUEUED:
+                    # Running on another replica: its answer comes, whatever the hold's deadline.
+                    await watch.wait(POLL_S)
+                    continue
                 if remaining <= 0:
-                    return await self._give_up(request, job, api)
+                    refused = await self._give_up(request, job, api)
+                    if refused is not None:
+                        return refused
+                    continue  # it started meanwhile
                 await watch.wait(min(remaining, POLL_S))
 
-    async def _follow(
-        self, request: web.Request, job: Job, live: LiveRun, deadline: float, api: Api
-    ) -> web.StreamResponse | None:
+    async def _follow(self, request: web.Request, job: Job, live: LiveRun) -> web.StreamResponse | None:
         """The answer of the attempt running here; None when the store has the rest to say (it went back
-        to the queue unseen, or ended without an answer)."""
-        loop = asyncio.get_running_loop()
+        to the queue unseen, or ended without an answer). The hold's deadline bounds the wait for a
+        node, not the run: a job that started is the engine's work under way (and charged to its
+        tenant), and cancelling it at the deadline answered 429 for work the engine then threw away.
+        The run is bounded by queue.engine_timeout_s."""
         while live.head is None and not live.ended:
-            if loop.time() >= deadline:
-                return await self._give_up(request, job, api)
-            await live.wait(deadline - loop.time())
+            await live.wait(POLL_S)
         head = live.head
         if head is not None and job.stream and head.ok and not live.requeued:
             return await self._relay(request, job, live)
         while not live.ended:
-            if loop.time() >= deadline:
-                return await self._give_up(request, job, api)
-            await live.wait(deadline - loop.time())
+            await live.wait(POLL_S)
         if head is None or live.error is not None or live.requeued:
             return None
         headers = {"content-type": head.content_type, JOB_ID_HEADER: job.id}
@@ -317,16 +323,19 @@ class JobsApp:
             pass  # the client left; the job's answer is kept for GET by request id
         return response
 
-    async def _give_up(self, request: web.Request, job: Job, api: Api) -> web.StreamResponse:
-        """The hold ran out: cancel the job and answer 429 (unless it ended meanwhile)."""
+    async def _give_up(self, request: web.Request, job: Job, api: Api) -> web.StreamResponse | None:
+        """The hold ran out: cancel the job and answer 429 (unless it ended meanwhile); None when it
+        started meanwhile (its answer comes)."""
         if request.transport is None or request.transport.is_closing():
             # Nobody to answer: the job stays, for the client to find by its request id.
             return web.Response(status=499)
         error = JobError(HOLD_TIMEOUT, f"Held for {self._settings.max_hold_s:g} s without a node free.")
         try:
-            current = await self._store.cancel(job.id, job.tenant, error)
+            current = await self._store.cancel(job.id, job.tenant, error, queued_only=True)
         except StoreError:
             return respond(self._refusals.store_unavailable(), job.id)
+        if current is not None and current.state is JobState.RUNNING:
+            return None
         self._abort(job.id)
         if current is not None and current.terminal:
             return self._final(current, api)

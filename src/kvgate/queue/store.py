@@ -264,14 +264,17 @@ class JobStore:
                 await tx.notify(DONE + job_id)
         return bool(rows)
 
-    async def cancel(self, key: str, tenant: str, error: JobError) -> Job | None:
-        """Cancel `tenant`'s queued or running job by id or request id; the job as it is now (None:
-        unknown to this tenant)."""
+    async def cancel(
+        self, key: str, tenant: str, error: JobError, *, queued_only: bool = False
+    ) -> Job | None:
+        """Cancel `tenant`'s queued or running job (`queued_only`: only a queued one) by id or request id;
+        the job as it is now (None: unknown to this tenant)."""
+        states = f"= {_QUEUED}" if queued_only else f"IN {_ACTIVE}"
         async with self.database.transaction() as tx:
             rows = await tx.execute(
                 f"UPDATE kvgate_jobs SET state = {literal(JobState.CANCELLED)}, finished_at = {self._now}, "
                 "lease_until = NULL, error_code = ?, error_message = ? WHERE tenant = ? AND "
-                f"(id = ? OR request_id = ?) AND state IN {_ACTIVE} RETURNING {JOB_COLUMNS}",
+                f"(id = ? OR request_id = ?) AND state {states} RETURNING {JOB_COLUMNS}",
                 (error.code, error.message, tenant, key, key),
             )
             for row in rows:
