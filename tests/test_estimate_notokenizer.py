@@ -106,6 +106,9 @@ def test_a_request_near_the_interactive_limit_goes_long_and_says_it_was_rounded(
     estimate = estimator.estimate_sync(shape, LIMITS)
     assert estimate.rounded
     assert classify(estimate.total, MODEL) is TokenClass.LONG
+    # A tenant's fair-share charge counts the likeliest count, not the distance to the threshold.
+    assert estimate.likely_prompt_tokens < estimate.prompt_tokens
+    assert abs(estimate.likely_prompt_tokens - counted.count_sync(shape).prompt_tokens) < 300
     far = parse_body(Api.CHAT, json.dumps({"messages": [{"role": "user", "content": prose[:2000]}]}).encode())
     assert not estimator.estimate_sync(far, LIMITS).rounded
 

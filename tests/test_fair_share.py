@@ -246,6 +246,23 @@ def test_each_tenants_long_requests_are_counted_by_outcome_and_service() -> None
     assert metrics._tenant_service.counts == {("acme",): 10_000 + 2 * 500}
 
 
+def test_a_request_reserved_on_the_safe_side_of_a_threshold_is_charged_its_likeliest_prompt() -> None:
+    """Without a tokenizer a prompt near a threshold is reserved as past it (kvgate.estimate); its
+    tenant is charged the estimate itself, here 3,000 where 3,585 was reserved."""
+
+    async def scenario() -> float:
+        _, _, admission = admission_with(FairnessConfig(enabled=True))
+        await admission.start()
+        admitted = await admission.admit(
+            long_route(4_097), MODEL, None, "r1", output_tokens=512, tenant="c", charged_prompt_tokens=3_000
+        )
+        assert admitted.ticket is not None
+        await admission.stop()
+        return counters(admission)["c"]
+
+    assert run(scenario) == 3_000 + 2 * 512
+
+
 def test_the_agent_keeps_each_tenants_service_and_settles_it_on_what_ran() -> None:
     service = TenantService(max_tenants=2)
     service.granted("r1", TenantCharge("a", 10_000 + 2 * 4_000, 2.0), 4_000)

@@ -150,6 +150,7 @@ class _Ask:
     tokens: int
     waiting_since_unix_ns: int  # the wall clock when it arrived: its place in the one waiting order
     tenant: str = ANONYMOUS_TENANT
+    charged_prompt_tokens: int | None = None  # the prompt its tenant's charge counts (None: tokens')
     # Agents whose Reserve went unanswered: their give-back is in flight, so this request does not
     # ask them again (the give-back could release the new grant).
     unanswered_by: set[str] = dataclasses.field(default_factory=set)
@@ -290,6 +291,7 @@ class Admission:
         output_tokens: int = 0,
         subset: Subset = None,
         tenant: str = ANONYMOUS_TENANT,
+        charged_prompt_tokens: int | None = None,
     ) -> Admitted:
         """A long request reserves under `reservation_id`, which the gate made for it: an id a client
         chose could name another request's reservation (kvgate.gate.reservation_ids).
@@ -299,7 +301,9 @@ class Admission:
         `affinity`, nodes that hold the prompt's prefix are tried first (kvgate.policy.nodes).
         `output_tokens` is the request's output budget within route.tokens (0 when unknown). `subset`:
         an endpoint picker's gateway allows only these engines (kvgate.policy.endpoints). `tenant`:
-        whose share it is charged to, with fair shares (kvgate.policy.fair_share)."""
+        whose share it is charged to, with fair shares (kvgate.policy.fair_share), for
+        `charged_prompt_tokens` of prompt (the likeliest count, where route.tokens took the safe side
+        of a threshold; None: route.tokens less the output budget)."""
         rank = self.rank(priority)
         if route.reason is Reason.SHORT:
             return Admitted(self._admit_interactive(route, rank))
@@ -307,7 +311,15 @@ class Admission:
             return Admitted(route)
         max_wait_s = self._config.max_wait_s if wait_s is None else min(wait_s, self._config.longest_wait_s)
         ask = _Ask(
-            reservation_id, rank, max_wait_s, affinity, output_tokens, route.tokens, self._wall_ns(), tenant
+            reservation_id,
+            rank,
+            max_wait_s,
+            affinity,
+            output_tokens,
+            route.tokens,
+            self._wall_ns(),
+            tenant,
+            charged_prompt_tokens,
         )
         source = self._long if subset is None else _Within(self._long, subset)
         capped = self._over_limits(source, route, ask) if self._limits is not None else None
@@ -754,7 +766,10 @@ class Admission:
         return TenantCharge(ask.tenant, self._cost(ask), self._fairness.output_weight)
 
     def _cost(self, ask: _Ask) -> float:
-        return self._fairness.cost(ask.tokens - ask.output_tokens, ask.output_tokens)
+        prompt = ask.charged_prompt_tokens
+        return self._fairness.cost(
+            ask.tokens - ask.output_tokens if prompt is None else prompt, ask.output_tokens
+        )
 
     def _release_later(self, agent: str, request_id: str, *, unanswered: bool = False) -> None:
         task = asyncio.create_task(self._release(agent, request_id, unanswered=unanswered))

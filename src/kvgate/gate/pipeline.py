@@ -380,6 +380,7 @@ class Pipeline:
             output_tokens=estimate.output_tokens,
             subset=head.subset,
             tenant=head.tenant,
+            charged_prompt_tokens=estimate.likely_prompt_tokens,
         )
         ticket = admitted.ticket
         if ticket is None:
