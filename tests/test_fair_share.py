@@ -25,7 +25,7 @@ from kvgate.headroom.wire import HeadroomEncoder, charge_from_proto, headroom_fr
 from kvgate.names import OTHER_TENANTS
 from kvgate.policy import Reason, Refusal
 from kvgate.policy.fair_share import ACTIVE_S, FairShare
-from kvgate.queue.dispatcher import NOTHING_TO_SETTLE
+from kvgate.queue.fairness import NOTHING_TO_SETTLE
 from kvgate.telemetry import GateMetrics, TenantLabels
 
 
@@ -354,8 +354,9 @@ def test_an_unread_release_settles_on_what_the_engine_was_measured_to_generate_n
 def test_a_grant_that_ran_nothing_is_taken_back_and_a_queued_job_is_charged_its_estimate_once() -> None:
     """A grant whose Reserve went unanswered, or that the queue gives back because another replica won
     the job, ran nothing: the agent takes its tenant's charge back whole. Two queue replicas reserving
-    for the same job would otherwise charge its tenant twice. A queued job's charge is its whole
-    estimate, output budget included, and settles nothing on top of it however long it held."""
+    for the same job would otherwise charge its tenant twice. A job stored without its charge (schema 2)
+    is charged its whole estimate, output budget included, and settles nothing on top of it however
+    long it held."""
     clock = ManualClock(0.0)
     settings = NodeSettings("n", "e:1", safety_ratio=1.0, capacity_tokens=100_000)
     state = NodeState(settings, clock, uses_engine=True, uses_nvml=False)

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 from kvgate.config import parse_config
+from kvgate.headroom.snapshot import TenantCharge
 from kvgate.policy.fair_share import ACTIVE_S
-from kvgate.queue.fairness import FairQueue
-from kvgate.queue.jobs import Waiting
+from kvgate.queue.fairness import NOTHING_TO_SETTLE, FairQueue
+from kvgate.queue.jobs import JobCharge, Waiting
 
 _seq = itertools.count(1)
 
@@ -115,3 +117,19 @@ def test_the_order_follows_the_service_the_agents_saw_from_every_replica_and_gat
         replica.observe({"a": 50_000.0, "b": 0.0})
         order = dispatch(replica, 8)
         assert order[:7] == ["b1", "b2", "b3", "b4", "b5", "b6", "b7"], order
+
+
+def test_a_job_is_charged_as_the_gate_charges_and_one_stored_without_a_charge_its_tokens_once() -> None:
+    """Its likeliest prompt + output_weight x its output budget, settled by the agent on what ran (the
+    output weight travels with the charge); a job stored by a kvgate that kept no charge: its tokens,
+    nothing to settle."""
+    fair = FairQueue(parse_config("fairness: {enabled: true}").fairness)
+    (charged,) = (
+        dataclasses.replace(job, charge=JobCharge(3_000, 512)) for job in jobs("c", 1, tokens=4_097)
+    )
+    (legacy,) = jobs("c", 1, tokens=4_097)
+    assert fair.charge_of(charged) == TenantCharge("c", 3_000 + 2 * 512, 2.0)
+    assert fair.charge_of(legacy) == TenantCharge("c", 4_097, NOTHING_TO_SETTLE)
+    fair.load([charged], per_group=10)
+    fair.dispatched(charged)
+    assert fair.fair_service("c") == 3_000 + 2 * 512

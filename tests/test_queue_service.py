@@ -23,12 +23,14 @@ from kvgate.agent.in_process import FakeHeadroom
 from kvgate.config import parse_config
 from kvgate.headroom.snapshot import TenantCharge
 from kvgate.queue.engines import EngineFailure
+from kvgate.queue.intake import Assessed, Intake
 from kvgate.queue.jobs import JobRequest
 from kvgate.queue.live import Head
 from kvgate.queue.service import QueueService
 
 T = TypeVar("T")
 CHAT = "/v1/chat/completions"
+QUEUE_CONFIG = "headroom: {agents: ['fake:1']}\n"
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello"}]}).encode()
 
 
@@ -125,7 +127,7 @@ class Queue:
 
 @asynccontextmanager
 async def queue(tmp_path: Path, queue_yaml: str = "", capacity: int = 10_000) -> AsyncIterator[Queue]:
-    config = parse_config(f"headroom: {{agents: ['fake:1']}}\nqueue: {{{queue_yaml}}}\n")
+    config = parse_config(f"{QUEUE_CONFIG}queue: {{{queue_yaml}}}\n")
     source = FakeHeadroom(time.monotonic, stale_after_s=3600)
     source.add_node("node-a", capacity)
     engines = ScriptedEngines()
@@ -269,7 +271,11 @@ def test_the_queue_orders_tenants_by_the_service_the_agents_count_from_the_gates
                 q.engines.answer(running)
             assert tenants == ["other", "idle", "idle", "busy", "busy"], blocker
             (node_a,) = [n.headroom for n in q.source.snapshot() if n.agent == "node-a"]
-            assert node_a is not None and node_a.tenant_service["idle"] == 16_000
+            # Charged as the gate charges (prompt + 2 x output budget), not the 8,000 tokens reserved.
+            assessed = Intake(parse_config(QUEUE_CONFIG)).assess(CHAT, BODY, "8000")
+            assert isinstance(assessed, Assessed) and assessed.charge is not None
+            one = assessed.charge.prompt_tokens + 2 * assessed.charge.output_tokens
+            assert node_a is not None and node_a.tenant_service["idle"] == 2 * one
 
     run(scenario)
 

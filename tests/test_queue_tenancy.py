@@ -9,6 +9,7 @@ Stores made before tenancy (schema version 1) are brought up to date on both dat
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sqlite3
 import time
@@ -26,7 +27,7 @@ from waiting import until_async
 
 from kvgate.queue import schema
 from kvgate.queue.filestore import FileStore
-from kvgate.queue.jobs import JobRequest, NewJob, new_id
+from kvgate.queue.jobs import JobCharge, JobRequest, NewJob, new_id
 from kvgate.queue.store import JobStore, Limits, QueueFull
 from kvgate.queue.stores import open_database
 
@@ -165,7 +166,7 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return url
 
 
-def new_job(tenant: str, request_id: str) -> NewJob:
+def new_job(tenant: str, request_id: str | None) -> NewJob:
     request = JobRequest(CHAT, (("content-type", "application/json"),), b"{}")
     return NewJob(new_id("job_"), request, 1000, 1, tenant, request_id=request_id)
 
@@ -259,11 +260,16 @@ def test_a_store_made_before_tenancy_is_brought_up_to_date(store_url: str) -> No
             assert old is not None and old.id == "job_old"
             other = await store.add(new_job("mallory", "req-old"), ROOMY)
             assert not isinstance(other, QueueFull) and other.id != "job_old"
+            charged = await store.add(
+                dataclasses.replace(new_job("alice", None), charge=JobCharge(700, 300)), ROOMY
+            )
+            assert not isinstance(charged, QueueFull)
             heads = sorted(await store.waiting(8), key=lambda w: w.seq)
-            assert [w.id for w in heads] == ["job_old", other.id], "a new job is younger than the old one"
+            assert [w.id for w in heads] == ["job_old", other.id, charged.id], "new jobs are younger"
+            assert [w.charge for w in heads] == [None, None, JobCharge(700, 300)], "old rows keep no charge"
         finally:
             await store.close()
-        again = JobStore(open_database(store_url))  # a second start finds version 2: nothing to do
+        again = JobStore(open_database(store_url))  # a second start finds version 3: nothing to do
         await again.start()
         await again.close()
 

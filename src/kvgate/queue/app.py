@@ -209,6 +209,7 @@ class JobsApp:
             model=assessed.model,
             stream=assessed.stream,
             request_id=text_header(request.headers, "x-request-id") or None,
+            charge=assessed.charge,
         )
 
     async def _accepted(self, job: Job) -> web.Response:

@@ -211,6 +211,7 @@ class BatchApi:
                 custom_id=line.custom_id,
                 line=line.line,
                 expires_at=batch.expires_at,
+                charge=None if isinstance(assessed, Refusal) else assessed.charge,
             )
             if isinstance(assessed, Refusal):
                 job = dataclasses.replace(

@@ -56,11 +56,6 @@ MAX_PASSED = 16
 # agent's claim lifetime (kvgate.agent.backfill.CLAIM_TTL_S, 2 s); rounds come at least every
 # refresh_s (1 s) while it waits.
 CLAIM_RENEW_S = 0.5
-# A job's charge counts its whole estimate once, its output budget included (the store keeps no
-# prompt/output split), so the agent must settle nothing on top of it: at weight 0 it adds nothing for
-# the output it measures over the hold. At 1, every queued job was charged its budget and its output
-# again, small jobs' tenants over-charged the most (a 3k job by 12 %, a 12k one by 3 %).
-NOTHING_TO_SETTLE = 0.0
 
 
 class HeadroomSource(Protocol):
@@ -79,6 +74,7 @@ class HeadroomSource(Protocol):
         rank: int = 0,
         fair_service: float = 0.0,
         hold_slot: bool = False,
+        output_tokens: int = 0,
         charge: TenantCharge | None = None,
     ) -> ReserveOutcome: ...
 
@@ -298,7 +294,8 @@ class Dispatcher:
                 rank=job.priority,
                 fair_service=service,
                 hold_slot=hold,
-                charge=TenantCharge(job.tenant, float(job.tokens), NOTHING_TO_SETTLE),
+                output_tokens=job.charge.output_tokens if job.charge is not None else 0,
+                charge=self._fair.charge_of(job),
             )
         except HeadroomError as error:
             log.warning("reserve on %s failed: %s", agent, error)

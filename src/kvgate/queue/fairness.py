@@ -10,9 +10,11 @@ the others instead of cashing in credit. One tenant's thirty 30k-token prompts t
 another's 1k-token ones by tokens, not by count, and a tenant of weight 3 gets three times the tokens
 of a tenant of weight 1 while both wait.
 
-A dispatched job is charged its tokens (the store keeps the estimate whole, prompt and output budget
-together, so output counts once here where the gate counts it `output_weight` times). Each Reserve
-carries that charge to the agent (kvgate.agent.tenant_service), and once the agents publish their
+A dispatched job is charged as the gate charges a request: its likeliest prompt count + `output_weight`
+x its output budget (the JobCharge the store keeps), and the agent settles the output part on what the
+engine generated when the job's reservation is released. A job stored by a kvgate that kept no charge
+(schema 2) is charged its tokens, once, with nothing to settle. Each Reserve carries that charge to the
+agent (kvgate.agent.tenant_service), and once the agents publish their
 totals (`observe`) the counters are their sum over the agents: the gates' grants and every queue
 replica's count alike, so the gates' lines and every queue replica order tenants by the same service,
 and a queue restart loses nobody's share.
@@ -28,17 +30,24 @@ from collections import deque
 from collections.abc import Callable, Container, Iterable, Mapping
 
 from kvgate.config import FairnessConfig
+from kvgate.headroom.snapshot import TenantCharge
 from kvgate.policy.fair_share import FairShare
 from kvgate.queue.jobs import Waiting
 
 _Group = tuple[int, str]
+# A job whose charge the store does not keep (schema 2) is charged its whole estimate once, its output
+# budget included, so the agent must settle nothing on top of it: at weight 0 it adds nothing for the
+# output it measures over the hold.
+NOTHING_TO_SETTLE = 0.0
 
 
 class FairQueue:
     def __init__(
         self, fairness: FairnessConfig | None = None, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        self._fair = FairShare(fairness or FairnessConfig(), clock=clock)
+        config = fairness or FairnessConfig()
+        self._fair = FairShare(config, clock=clock)
+        self._output_weight = config.output_weight
         self._groups: dict[_Group, deque[Waiting]] = {}
         # Groups the store may hold more of than it handed over: once one empties, read again.
         self._truncated: set[_Group] = set()
@@ -80,9 +89,16 @@ class FairQueue:
                 best = candidate
         return best[4] if best is not None else None
 
+    def charge_of(self, job: Waiting) -> TenantCharge:
+        """What `job`'s tenant is charged when it is dispatched, as its Reserve carries it."""
+        if job.charge is None:
+            return TenantCharge(job.tenant, float(job.tokens), NOTHING_TO_SETTLE)
+        cost = self._fair.cost(job.charge.prompt_tokens, job.charge.output_tokens)
+        return TenantCharge(job.tenant, cost, self._output_weight)
+
     def dispatched(self, job: Waiting) -> None:
-        """`job` was sent to a node: charge its tenant its tokens."""
-        self._fair.charge(job.tenant, job.tokens)
+        """`job` was sent to a node: charge its tenant."""
+        self._fair.charge(job.tenant, self.charge_of(job).cost)
         self._remove(job)
 
     def drop(self, job: Waiting) -> None:

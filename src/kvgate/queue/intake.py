@@ -30,6 +30,7 @@ from kvgate.policy import Reason, Refusal, decide, thresholds
 from kvgate.policy.identity import Priorities, read_priority, read_tenant
 from kvgate.policy.models import ModelMatcher
 from kvgate.policy.refusals import refusal_for
+from kvgate.queue.jobs import JobCharge
 from kvgate.request import Api, ParseLimits, api_for_path, decompress, parse_body
 
 # A tenant name longer than this is refused (400): it is stored with every job and file, and is a
@@ -44,6 +45,7 @@ class Assessed:
     model: str | None
     stream: bool
     body: bytes  # as the engine must get it (inflated when the client compressed it)
+    charge: JobCharge | None = None
 
 
 class Intake:
@@ -94,7 +96,8 @@ class Intake:
         # The gate's header can only add (its route may allow more output); one that does not read as
         # a count is ignored.
         tokens = max(decision.tokens, whole_number(gate_tokens, minimum=1, maximum=MAX_TOKENS) or 0)
-        return Assessed(api, tokens, shape.model, shape.stream, data)
+        charge = JobCharge(estimate.likely_prompt_tokens, estimate.output_tokens)
+        return Assessed(api, tokens, shape.model, shape.stream, data, charge)
 
     def _estimator(self, model: ModelConfig) -> Estimator:
         costs = PromptCosts(model.image_tokens, model.message_overhead_tokens, model.default_output_tokens)

@@ -69,6 +69,16 @@ class JobError:
 
 
 @dataclass(frozen=True, slots=True)
+class JobCharge:
+    """What a job's tenant is charged for it with fair shares (kvgate.queue.fairness): its likeliest
+    prompt count and its output budget, the gate's charge; the agent settles the output part on what
+    the engine generated. `tokens` may be more (the safe side of a threshold, the gate's estimate)."""
+
+    prompt_tokens: int
+    output_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class NewJob:
     id: str
     request: JobRequest
@@ -84,6 +94,7 @@ class NewJob:
     expires_at: float | None = None
     # Set for a batch line refused at admission: it is stored already failed, for the error file.
     error: JobError | None = None
+    charge: JobCharge | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +140,7 @@ class Waiting:
     # When it was queued, by the store's wall clock (Unix seconds): its place in the one waiting order
     # the agents keep across the queue and the gates (kvgate.agent.backfill).
     created_at: float = 0.0
+    charge: JobCharge | None = None  # None: stored by a kvgate that kept no charge (schema 2)
 
 
 def body_json(result: JobResult) -> Any:

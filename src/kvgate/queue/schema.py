@@ -6,6 +6,8 @@ Versions (the one row of `kvgate_schema`; a store without that table is version 
        unique across all tenants
     2  files, batches and jobs carry their tenant; request ids unique per tenant
        (UNIQUE(tenant, request_id)); file content in 1 MiB chunks (kvgate_file_chunks); files expire
+    3  a job keeps its tenant's charge apart from the tokens it reserves: its likeliest prompt count
+       and its output budget (charge_prompt_tokens, charge_output_tokens; NULL in older rows)
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from kvgate.errors import StoreError
 from kvgate.queue.database import literal
 
-VERSION = 2
+VERSION = 3
 # A version-1 file had no expiry: it expires this long after its upload (OpenAI's default for
 # purpose=batch, `expires_after` in openai 3.57.0 types/file_create_params.py).
 LEGACY_FILE_TTL_S = 30 * 24 * 3600
@@ -70,6 +72,10 @@ def plan(dialect: Dialect, version: int | None, tables: set[str]) -> list[str]:
     if version is None and "kvgate_jobs" in tables:
         steps += _upgrade_to_2(dialect)
     steps += statements(dialect)
+    if version is None or version < 3:
+        # After the CREATEs, so that a new store gets them too: the table is created as version 2 had
+        # it, which the version-1 upgrade's SQLite rebuild copies rows into.
+        steps += _upgrade_to_3()
     if version != VERSION:
         steps += ["DELETE FROM kvgate_schema", f"INSERT INTO kvgate_schema (version) VALUES ({VERSION})"]
     return steps
@@ -168,6 +174,13 @@ def _jobs_table(name: str, dialect: Dialect) -> str:
             error_code TEXT,
             error_message TEXT
         )"""
+
+
+def _upgrade_to_3() -> list[str]:
+    return [
+        "ALTER TABLE kvgate_jobs ADD COLUMN charge_prompt_tokens BIGINT",
+        "ALTER TABLE kvgate_jobs ADD COLUMN charge_output_tokens BIGINT",
+    ]
 
 
 def _upgrade_to_2(dialect: Dialect) -> list[str]:

@@ -27,6 +27,7 @@ from kvgate.queue.jobs import (
     ACTIVE,
     TERMINAL,
     Job,
+    JobCharge,
     JobError,
     JobRequest,
     JobResult,
@@ -48,7 +49,8 @@ _REQUEST_COLUMNS = "path, headers, body"
 _INSERT = (
     "INSERT INTO kvgate_jobs (id, request_id, state, priority, tenant, tokens, model, stream, path, "
     "headers, body, created_at, expires_at, batch_id, custom_id, line, finished_at, error_code, "
-    "error_message) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, {now}, ?, ?, ?, ?, {finished}, ?, ?)"
+    "error_message, charge_prompt_tokens, charge_output_tokens) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, {now}, ?, ?, ?, ?, {finished}, ?, ?, ?, ?)"
 )
 # The states as the SQL below names them (kvgate.queue.database.literal): never spelled by hand.
 _QUEUED = literal(JobState.QUEUED)
@@ -179,12 +181,25 @@ class JobStore:
         """The oldest `per_group` queued jobs of every (priority, tenant)."""
         async with self.database.transaction() as tx:
             rows = await tx.execute(
-                "SELECT id, priority, tenant, tokens, seq, attempts, created_at FROM (SELECT id, priority, "
-                "tenant, tokens, seq, attempts, created_at, row_number() OVER (PARTITION BY priority, "
+                "SELECT id, priority, tenant, tokens, seq, attempts, created_at, charge_prompt_tokens, "
+                "charge_output_tokens FROM (SELECT id, priority, tenant, tokens, seq, attempts, created_at, "
+                "charge_prompt_tokens, charge_output_tokens, row_number() OVER (PARTITION BY priority, "
                 f"tenant ORDER BY seq) AS n FROM kvgate_jobs WHERE state = {_QUEUED}) AS heads WHERE n <= ?",
                 (per_group,),
             )
-        return [Waiting(r[0], int(r[1]), r[2], int(r[3]), int(r[4]), int(r[5]), float(r[6])) for r in rows]
+        return [
+            Waiting(
+                r[0],
+                int(r[1]),
+                r[2],
+                int(r[3]),
+                int(r[4]),
+                int(r[5]),
+                float(r[6]),
+                None if r[7] is None else JobCharge(int(r[7]), int(r[8] or 0)),
+            )
+            for r in rows
+        ]
 
     async def claim(self, job_id: str, owner: str, node: str, reservation: str, lease_s: float) -> Job | None:
         """Mark a queued job running for `owner`; None when it is no longer queued (or another replica
@@ -372,6 +387,8 @@ def _insert_row(job: NewJob) -> tuple[object, ...]:
         job.line,
         job.error.code if job.error else None,
         job.error.message if job.error else None,
+        job.charge.prompt_tokens if job.charge else None,
+        job.charge.output_tokens if job.charge else None,
     )
 
 
