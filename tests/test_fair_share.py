@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+from typing import Any, cast
 
 import pytest
 from fixtures.engines.pages import Vllm
@@ -20,7 +21,7 @@ from kvgate.agent.tenant_service import TenantService
 from kvgate.config import AdmissionConfig, FairnessConfig, TenantConfig, parse_config
 from kvgate.errors import ConfigError
 from kvgate.gate.admission import Admission, Admitted
-from kvgate.headroom.snapshot import HeadClaim, TenantCharge
+from kvgate.headroom.snapshot import HeadClaim, ReserveOutcome, TenantCharge
 from kvgate.headroom.wire import HeadroomEncoder, charge_from_proto, headroom_from_proto, reserve_request
 from kvgate.names import OTHER_TENANTS
 from kvgate.policy import Reason, Refusal
@@ -203,6 +204,68 @@ def test_a_full_line_turns_away_the_flooding_tenants_newest_waiter_not_the_least
         for task in (first, light):
             task.cancel()
         await asyncio.gather(first, light, return_exceptions=True)
+        await admission.stop()
+
+    run(scenario)
+
+
+class SlowAnswers:
+    """The agents as they are, but the answers to Reserves wait until `answer` is set: the agent has
+    granted, and the grant is on its way back to the gate."""
+
+    def __init__(self, inner: FakeHeadroom) -> None:
+        self.inner = inner
+        self.answer = asyncio.Event()
+        self.answer.set()
+        self.answered = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    async def reserve(self, *args: Any, **kwargs: Any) -> ReserveOutcome:
+        outcome = await self.inner.reserve(*args, **kwargs)
+        await self.answer.wait()
+        self.answered += 1
+        return outcome
+
+
+def test_a_head_that_loses_its_place_while_its_reserve_is_granted_keeps_the_grant() -> None:
+    """The head (a) holds its place on the node and asks again as room frees; while the grant is on
+    its way back, b's request goes ahead of it in the fair order. Letting a's claim go then with a
+    Release of its id ended the grant the Reserve had just made: the gate sent a's request to a node
+    that held nothing for it (an OOM crash on the fairness benchmark, two runs of four). The claim is
+    let go once the answer is in, and only if it was no grant."""
+
+    async def scenario() -> None:
+        clock = ManualClock()
+        inner = FakeHeadroom(clock, stale_after_s=5.0)
+        inner.add_node("a", 20_000)
+        source = SlowAnswers(inner)
+        admission = Admission(
+            AdmissionConfig(max_wait_s=60.0),
+            cast(FakeHeadroom, source),
+            clock=clock,
+            fairness=FairnessConfig(enabled=True),
+        )
+        await admission.start()
+        blocker = await admission.admit(long_route(15_000), MODEL, None, "a0", tenant="a")
+        assert blocker.ticket is not None
+        head = asyncio.create_task(admission.admit(long_route(10_000), MODEL, None, "a1", tenant="a"))
+        await until(lambda: admission.gauges().waiting == 1 and source.answered == 2)  # it holds its place
+        source.answer.clear()
+        await admission.release(blocker.ticket)  # room: the head's next Reserve is granted
+        await until(lambda: inner.reserved_tokens("a") == 10_000)
+        newcomer = asyncio.create_task(admission.admit(long_route(15_000), MODEL, None, "b0", tenant="b"))
+        await until(lambda: admission.gauges().waiting == 2)
+        source.answer.set()
+        admitted = await head
+        assert admitted.ticket is not None
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert inner.reserved_tokens("a") == 10_000, "the head's grant was given back behind its back"
+        assert not newcomer.done()
+        newcomer.cancel()
+        await asyncio.gather(newcomer, return_exceptions=True)
         await admission.stop()
 
     run(scenario)

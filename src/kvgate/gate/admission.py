@@ -155,6 +155,10 @@ class _Ask:
     # ask them again (the give-back could release the new grant).
     unanswered_by: set[str] = dataclasses.field(default_factory=set)
     holds_on: str | None = None  # the agent it holds its place on (hold_slot), once it is the head
+    # The agent its Reserve is in flight to, and whether its claim there was let go meanwhile: a
+    # Release of the id now could end the grant that Reserve brings back (`_let_go`).
+    asking: str | None = None
+    let_go_late: bool = False
     waited: bool = False  # it found no room at once and joined the waiting order
     held_at: float = float("-inf")  # when it last told that agent so (admission's clock)
     place: Place | None = None  # its place in this gate's line while it waits
@@ -647,8 +651,21 @@ class Admission:
         if self._holding is ask:
             self._holding = None
         if ask.holds_on is not None:
-            self._release_later(ask.holds_on, ask.request_id)
+            if ask.holds_on == ask.asking:
+                # Its Reserve there is in flight: if granted, the grant ended the claim, and a Release
+                # would end the grant behind its back (the gate would send the request to a node that
+                # holds nothing for it). The claim goes once the answer says it was no grant.
+                ask.let_go_late = True
+            else:
+                self._release_later(ask.holds_on, ask.request_id)
             ask.holds_on = None
+
+    @staticmethod
+    def _let_go_after(ask: _Ask, *, granted: bool) -> bool:
+        """Whether the claim let go while `ask`'s Reserve was in flight is to be released now: only when
+        the answer was no grant."""
+        late, ask.let_go_late = ask.let_go_late, False
+        return late and not granted
 
     def _named_wait(self, waiting_since_unix_ns: int, head: bool) -> int:
         """The waiting time a try names to the agents, its place in their order (rank, then its tenant's
@@ -675,6 +692,7 @@ class Admission:
             ask.holds_on, ask.held_at = agent, self._clock()
             self._holding = ask
         request_id = ask.request_id
+        ask.asking = agent
         try:
             outcome = await source.reserve(
                 agent,
@@ -697,12 +715,19 @@ class Admission:
         except HeadroomError as error:
             log.warning("reserve on %s failed: %s", agent, error)
             self._metrics.reservation("error")
+            let_go = self._let_go_after(ask, granted=False)
             if unanswered(error):
                 # The agent may have granted it all the same: nothing else would ever release it.
                 ask.unanswered_by.add(agent)
                 self._release_later(agent, request_id, unanswered=True)
+            elif let_go:
+                self._release_later(agent, request_id)
             return None
+        finally:
+            ask.asking = None
         self._metrics.reservation("granted" if outcome.granted else "refused")
+        if self._let_go_after(ask, granted=outcome.granted):
+            self._release_later(agent, request_id)
         if not outcome.granted:
             return None
         if self.leases is not None:
