@@ -150,7 +150,8 @@ class _Ask:
     tokens: int
     waiting_since_unix_ns: int  # the wall clock when it arrived: its place in the one waiting order
     tenant: str = ANONYMOUS_TENANT
-    charged_prompt_tokens: int | None = None  # the prompt its tenant's charge counts (None: tokens')
+    # The prompt its tenant's charge counts (None: `tokens` less `output_tokens`).
+    charged_prompt_tokens: int | None = None
     # Agents whose Reserve went unanswered: their give-back is in flight, so this request does not
     # ask them again (the give-back could release the new grant).
     unanswered_by: set[str] = dataclasses.field(default_factory=set)

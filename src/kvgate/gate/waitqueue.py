@@ -15,9 +15,9 @@ A full line turns away a newcomer only when it would stand last. One that goes a
 waiter takes that waiter's place, and the last is pushed out (woken, to be answered as the full line
 would have answered it): a higher priority pushes out a lower, and with fair shares the least-served
 tenant's request pushes out the most-served one's. Otherwise a tenant that floods fills the line, and
-every other tenant's requests are turned away at once while its own wait their turn, as fair
-queueing's buffer management drops from the longest flow, not the arriving packet (Demers, Keshav and
-Shenker, SIGCOMM'89).
+every other tenant's requests are turned away at once while its own wait their turn. (Fair queueing's
+buffer policy makes the same choice, dropping from the flow that holds the most buffer rather than the
+arriving packet: Demers, Keshav and Shenker, SIGCOMM'89.)
 
 A wake is never lost: a waiter woken while it is busy trying finds its wake on its next wait.
 Waits end on the queue's injected clock: `MONOTONIC` in the gate, a test's manual clock in tests,
