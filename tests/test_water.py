@@ -172,7 +172,7 @@ def test_wait_queue_orders_by_priority_then_arrival() -> None:
         low = queue.join(2, 100, 1000)
         normal = queue.join(1, 300, 1000)
         older = queue.join(1, 200, 1000)
-        assert queue.join(0, 50, 1000) is None, "bounded"
+        assert queue.join(2, 150, 1000) is None, "bounded: one that would stand last is turned away"
         assert low is not None and normal is not None and older is not None
         assert queue.is_head(older), "a rank, then since when it waits"
         queue.leave(older)
@@ -182,6 +182,25 @@ def test_wait_queue_orders_by_priority_then_arrival() -> None:
         queue.leave(normal)
         await asyncio.wait_for(woke, 1)  # the head left: the new head is woken
         assert queue.is_head(low)
+
+    asyncio.run(scenario())
+
+
+def test_a_full_queue_gives_a_newcomer_ahead_of_the_last_waiter_its_place() -> None:
+    async def scenario() -> None:
+        clock = ManualClock()
+        queue = WaitQueue(size=2, clock=clock)
+        low = queue.join(2, 100, 1000)
+        normal = queue.join(1, 300, 1000)
+        assert low is not None and normal is not None
+        woke = asyncio.create_task(queue.wait_change(low, clock() + 5))
+        await asyncio.sleep(0)
+        urgent = queue.join(0, 400, 1000)
+        assert urgent is not None and queue.is_head(urgent) and len(queue) == 2
+        await asyncio.wait_for(woke, 1)  # the one pushed out is woken to leave
+        assert queue.pushed_out(low) and not queue.pushed_out(normal)
+        queue.leave(low)
+        assert len(queue) == 2 and not queue.pushed_out(low)
 
     asyncio.run(scenario())
 
