@@ -229,6 +229,7 @@ def test_the_charts_template_and_schema_agree_with_the_table() -> None:
             Kind.POLICY: {"type": "string", "minLength": 1},
             Kind.PRIORITY: {"type": "string", "minLength": 1},
             Kind.ASYNC: {"enum": list(ASYNC_MODES)},
+            Kind.TENANT_CLASS: {"type": "string", "minLength": 1},
         }[row.kind]
         assert entry["properties"][row.chart] == expected, row.chart
     (sets_something,) = entry["allOf"]

@@ -20,13 +20,15 @@ from kvgate.headroom.snapshot import TenantCharge
 from kvgate.headroom.wire import HeadroomEncoder, headroom_from_proto
 from kvgate.policy import Reason, Refusal
 from kvgate.policy.refusals import RULES
+from kvgate.policy.tenant_book import TenantBook
 from kvgate.policy.tenant_limits import TenantLimits
 
 QUOTA = TokenQuotaConfig(tokens=30_000, window_s=60.0)  # 500 tokens a second
 
 
 def limits(**tenant: object) -> TenantLimits:
-    return TenantLimits(FairnessConfig(tenants={"acme": TenantConfig(**tenant)}))  # type: ignore[arg-type]
+    config = FairnessConfig(tenants={"acme": TenantConfig(**tenant)})  # type: ignore[arg-type]
+    return TenantLimits(TenantBook(config))
 
 
 # --- the quota -----------------------------------------------------------------------------------

@@ -51,6 +51,7 @@ ROUTE_DEFAULT_OUTPUT_TOKENS = "x-kvgate-default-output-tokens"
 ROUTE_MODEL_POLICY = "x-kvgate-model-policy"
 ROUTE_ASYNC = "x-kvgate-async"
 ROUTE_MAX_PRIORITY = "x-kvgate-max-priority"
+ROUTE_TENANT_CLASS = "x-kvgate-tenant-class"
 
 # The dynamic-metadata namespace of the gate's decision, and its keys. Envoy routes on `pool` and
 # `endpoint` in the one-round-trip set-up and access logs read the rest.

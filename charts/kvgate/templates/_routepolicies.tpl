@@ -17,7 +17,7 @@ meshes where the chart can only reach routes.
 {{/* chartKey:metadataKey, in metadata order: the route-policy table of kvgate.config.routekeys (a test
 keeps this line, and the schema's envoy.routePolicies properties, equal to it). */}}
 {{- define "kvgate.routePolicies.keys" -}}
-interactiveMaxTokens:x-kvgate-interactive-max-tokens,maxTotalTokens:x-kvgate-max-total-tokens,defaultOutputTokens:x-kvgate-default-output-tokens,modelPolicy:x-kvgate-model-policy,async:x-kvgate-async,maxPriority:x-kvgate-max-priority
+interactiveMaxTokens:x-kvgate-interactive-max-tokens,maxTotalTokens:x-kvgate-max-total-tokens,defaultOutputTokens:x-kvgate-default-output-tokens,modelPolicy:x-kvgate-model-policy,async:x-kvgate-async,maxPriority:x-kvgate-max-priority,tenantClass:x-kvgate-tenant-class
 {{- end -}}
 
 {{/* A values dict (x-kvgate-* key -> value) as the ordered {key, value} list. */}}
@@ -69,6 +69,10 @@ interactiveMaxTokens:x-kvgate-interactive-max-tokens,maxTotalTokens:x-kvgate-max
 {{- end -}}
 {{- if and $entry.modelPolicy (not (hasKey $policies $entry.modelPolicy)) -}}
 {{- fail (printf "%s: modelPolicy %q is not an entry of gate.config.policies (known: %s)" $where $entry.modelPolicy (keys $policies | sortAlpha | join ", " | default "none")) -}}
+{{- end -}}
+{{- $classes := dig "fairness" "classes" dict ($.Values.gate.config | default dict) -}}
+{{- if and $entry.tenantClass (not (hasKey $classes $entry.tenantClass)) -}}
+{{- fail (printf "%s: tenantClass %q is not an entry of gate.config.fairness.classes (known: %s)" $where $entry.tenantClass (keys $classes | sortAlpha | join ", " | default "none")) -}}
 {{- end -}}
 {{- if and $entry.interactiveMaxTokens $entry.maxTotalTokens (gt (int $entry.interactiveMaxTokens) (int $entry.maxTotalTokens)) -}}
 {{- fail (printf "%s: interactiveMaxTokens (%d) must not exceed maxTotalTokens (%d)" $where (int $entry.interactiveMaxTokens) (int $entry.maxTotalTokens)) -}}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -33,6 +33,7 @@ from kvgate.names import METADATA_NAMESPACE, PRIORITY_HEADER
 from kvgate.tls import TlsConfig
 
 MiB = 1024 * 1024
+_V = typing.TypeVar("_V")
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,12 +253,15 @@ class TokenQuotaConfig:
 
 @dataclass(frozen=True, slots=True)
 class TenantConfig:
+    """One tenant's settings (`fairness.tenants.NAME`), or a class of tenants that an Envoy route names
+    (`fairness.classes.NAME`, the route's `tenant_class`). A field left out takes the next layer's:
+    the tenant's own entry, then its route's class, then the `fairness.default_*` values."""
+
     # The tenant's share of contended long-pool service against the others' weights.
-    weight: float = field(default=1.0, metadata={"min": 0.01})
+    weight: float | None = field(default=None, metadata={"min": 0.01})
     # The most of the long pool's admissible KV this tenant's reservations may hold while another
-    # tenant's long requests wait; None: fairness.default_max_kv_share.
+    # tenant's long requests wait.
     max_kv_share: float | None = field(default=None, metadata={"min": 0.01, "max": 1.0})
-    # None: fairness.default_quota.
     quota: TokenQuotaConfig | None = None
 
 
@@ -277,32 +281,45 @@ class FairnessConfig:
     default_max_kv_share: float | None = field(default=None, metadata={"min": 0.01, "max": 1.0})
     default_quota: TokenQuotaConfig | None = None
     tenants: Mapping[str, TenantConfig] = field(default_factory=dict)
+    # Settings an Envoy route or virtual host gives the tenants whose requests it carries, by name
+    # (route key `tenant_class`, kvgate.config.routekeys): e.g. every tenant of a partner's virtual
+    # host weighs 3. A tenant's own entry in `tenants` wins over its route's class, field by field.
+    classes: Mapping[str, TenantConfig] = field(default_factory=dict)
 
-    def weight(self, tenant: str) -> float:
-        known = self.tenants.get(tenant)
-        return known.weight if known is not None else self.default_weight
+    def weight(self, tenant: str, tenant_class: str | None = None) -> float:
+        return self._layered(tenant, tenant_class, lambda t: t.weight, self.default_weight)
 
     def cost(self, prompt_tokens: int, output_tokens: int) -> float:
         """A request's cost in tokens, before its tenant's weight."""
         return prompt_tokens + self.output_weight * output_tokens
 
-    def max_kv_share(self, tenant: str) -> float | None:
-        known = self.tenants.get(tenant)
-        own = known.max_kv_share if known is not None else None
-        return own if own is not None else self.default_max_kv_share
+    def max_kv_share(self, tenant: str, tenant_class: str | None = None) -> float | None:
+        return self._layered(tenant, tenant_class, lambda t: t.max_kv_share, self.default_max_kv_share)
 
-    def quota(self, tenant: str) -> TokenQuotaConfig | None:
-        known = self.tenants.get(tenant)
-        own = known.quota if known is not None else None
-        return own if own is not None else self.default_quota
+    def quota(self, tenant: str, tenant_class: str | None = None) -> TokenQuotaConfig | None:
+        return self._layered(tenant, tenant_class, lambda t: t.quota, self.default_quota)
+
+    def _layered(
+        self,
+        tenant: str,
+        tenant_class: str | None,
+        field_of: Callable[[TenantConfig], _V | None],
+        default: _V,
+    ) -> _V:
+        """The tenant's own value, else its class's, else `default`."""
+        for layer in (self.tenants.get(tenant), self.classes.get(tenant_class) if tenant_class else None):
+            if layer is not None and (value := field_of(layer)) is not None:
+                return value
+        return default
 
     @property
     def limits_tenants(self) -> bool:
         """Whether any tenant has a cap: a quota or a most share of KV."""
+        entries = (*self.tenants.values(), *self.classes.values())
         return (
             self.default_max_kv_share is not None
             or self.default_quota is not None
-            or any(t.max_kv_share is not None or t.quota is not None for t in self.tenants.values())
+            or any(t.max_kv_share is not None or t.quota is not None for t in entries)
         )
 
 

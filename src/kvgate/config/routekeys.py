@@ -22,6 +22,7 @@ from kvgate.names import (
     ROUTE_MAX_PRIORITY,
     ROUTE_MAX_TOTAL_TOKENS,
     ROUTE_MODEL_POLICY,
+    ROUTE_TENANT_CLASS,
 )
 
 AsyncMode = Literal["prefer", "allow", "never"]
@@ -36,6 +37,7 @@ class Kind(enum.Enum):
     POLICY = "policy"  # the name of an entry of kvgate.yaml's `policies:`
     ASYNC = "async"  # one of ASYNC_MODES
     PRIORITY = "priority"  # the name of one of kvgate.yaml's admission.priorities
+    TENANT_CLASS = "tenant_class"  # the name of an entry of kvgate.yaml's fairness.classes
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +46,8 @@ class RouteKey:
     name: str  # the key in route_policies: (snake_case); the chart's is `chart`
     kind: Kind
     # The ModelPolicy field it sets; None for the keys that are not a model's limits (model_policy
-    # names a whole policy, max_priority caps the request's priority: kvgate.policy.identity).
+    # names a whole policy, max_priority caps the request's priority: kvgate.policy.identity,
+    # tenant_class names the settings of the tenants the route carries: kvgate.policy.tenant_book).
     policy_field: str | None
     minimum: int = 0
 
@@ -63,7 +66,7 @@ class RouteKey:
         return {"min": self.minimum, "max": self.maximum}
 
 
-_T, _P, _A, _R = Kind.TOKENS, Kind.POLICY, Kind.ASYNC, Kind.PRIORITY
+_T, _P, _A, _R, _C = Kind.TOKENS, Kind.POLICY, Kind.ASYNC, Kind.PRIORITY, Kind.TENANT_CLASS
 
 # In the order Envoy metadata is written (kvgate envoy-config, the chart).
 # fmt: off
@@ -74,6 +77,7 @@ ROUTE_POLICY_KEYS: tuple[RouteKey, ...] = (
     RouteKey(ROUTE_MODEL_POLICY,           "model_policy",           _P, None),
     RouteKey(ROUTE_ASYNC,                  "async",                  _A, "async_mode"),
     RouteKey(ROUTE_MAX_PRIORITY,           "max_priority",           _R, None),
+    RouteKey(ROUTE_TENANT_CLASS,           "tenant_class",           _C, None),
 )
 # fmt: on
 BY_METADATA = MappingProxyType({key.metadata: key for key in ROUTE_POLICY_KEYS})

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import keyword
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,6 +63,9 @@ class RoutePolicy:
     # The highest priority requests on these routes get: a name of kvgate.yaml's admission.priorities,
     # which the gate checks (it reports and ignores a name it does not know).
     max_priority: str | None = None
+    # The name of an entry of kvgate.yaml's fairness.classes: the weight and caps of the tenants whose
+    # requests these routes carry, where their own entry does not set them (kvgate.policy.tenant_book).
+    tenant_class: str | None = None
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -80,6 +83,11 @@ class RoutePolicy:
             raise ConfigError(
                 f"max_priority: {self.max_priority!r} must be a priority name (a-z, 0-9, '-', '_'), "
                 "one of kvgate.yaml's admission.priorities"
+            )
+        if self.tenant_class is not None and not _PRIORITY.match(self.tenant_class):
+            raise ConfigError(
+                f"tenant_class: {self.tenant_class!r} must be a class name (a-z, 0-9, '-', '_'), "
+                "an entry of kvgate.yaml's fairness.classes"
             )
         if not self.values():
             raise ConfigError(
@@ -149,8 +157,14 @@ class _Group:
     paths: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
-def layout(entries: Iterable[RoutePolicy], policies: Mapping[str, ModelPolicy], source: str) -> RouteLayout:
-    """Group `entries` into virtual hosts and route sets; ConfigError naming the entry on a conflict."""
+def layout(
+    entries: Iterable[RoutePolicy],
+    policies: Mapping[str, ModelPolicy],
+    source: str,
+    tenant_classes: Collection[str] = (),
+) -> RouteLayout:
+    """Group `entries` into virtual hosts and route sets; ConfigError naming the entry on a conflict or
+    on a policy or tenant class the config does not have."""
     groups: list[_Group] = []
     every_host: dict[str, dict[str, str]] = {}
     names: set[str] = set()
@@ -164,6 +178,12 @@ def layout(entries: Iterable[RoutePolicy], policies: Mapping[str, ModelPolicy], 
             raise ConfigError(
                 f"{where}: model_policy {entry.model_policy!r} is not an entry of the config's "
                 f"policies: (known: {known})"
+            )
+        if entry.tenant_class is not None and entry.tenant_class not in tenant_classes:
+            known = ", ".join(sorted(tenant_classes)) or "none"
+            raise ConfigError(
+                f"{where}: tenant_class {entry.tenant_class!r} is not an entry of the config's "
+                f"fairness.classes (known: {known})"
             )
         if not entry.hosts:
             assert entry.path_prefix is not None

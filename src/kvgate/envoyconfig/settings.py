@@ -187,7 +187,7 @@ def envoy_settings(
         gate_tls=gate_tls,
         queue_pool=queue_pool,
         queue_idle_timeout_s=math.ceil(config.queue.max_hold_s) + QUEUE_IDLE_MARGIN_S,
-        route_layout=layout(route_policies, config.policies, route_policies_source),
+        route_layout=layout(route_policies, config.policies, route_policies_source, config.fairness.classes),
         identity=identity,
         limits=limits or Limits(),
     )

@@ -53,6 +53,7 @@ from kvgate.policy.pressure import PoolPressure
 from kvgate.policy.retry_forecast import RetryPlanner, RetrySettings
 from kvgate.policy.shedding import PoolKind, Verdict
 from kvgate.policy.slot import fits_beside_heads, slot_node
+from kvgate.policy.tenant_book import TenantBook
 from kvgate.policy.tenant_limits import TenantLimits
 from kvgate.policy.water import pool_signals
 from kvgate.telemetry import AdmissionGauges, GateMetrics, NodeGauges, PoolGauges
@@ -211,9 +212,11 @@ class Admission:
         self._long = long
         self._interactive = interactive
         self._clock = clock
-        self._fair = FairShare(fairness, clock=clock) if fairness is not None and fairness.enabled else None
-        self._limits = TenantLimits(fairness) if fairness is not None and fairness.limits_tenants else None
         self._fairness = fairness or FairnessConfig()
+        self._book = TenantBook(self._fairness)
+        enabled = fairness is not None and fairness.enabled
+        self._fair = FairShare(self._fairness, clock=clock, book=self._book) if enabled else None
+        self._limits = TenantLimits(self._book) if self._fairness.limits_tenants else None
         self._queue = WaitQueue(config.queue_size, clock, self._fair_order if self._fair else arrival)
         self._long_pressure = PoolPressure(PoolKind.LONG, config)
         self._interactive_pressure = PoolPressure(PoolKind.INTERACTIVE, config)
@@ -296,6 +299,7 @@ class Admission:
         output_tokens: int = 0,
         subset: Subset = None,
         tenant: str = ANONYMOUS_TENANT,
+        tenant_class: str | None = None,
         charged_prompt_tokens: int | None = None,
     ) -> Admitted:
         """A long request reserves under `reservation_id`, which the gate made for it: an id a client
@@ -306,7 +310,8 @@ class Admission:
         `affinity`, nodes that hold the prompt's prefix are tried first (kvgate.policy.nodes).
         `output_tokens` is the request's output budget within route.tokens (0 when unknown). `subset`:
         an endpoint picker's gateway allows only these engines (kvgate.policy.endpoints). `tenant`:
-        whose share it is charged to, with fair shares (kvgate.policy.fair_share), for
+        whose share it is charged to, with fair shares (kvgate.policy.fair_share), weighed and capped
+        by its own settings or its route's `tenant_class` (kvgate.policy.tenant_book), for
         `charged_prompt_tokens` of prompt (the likeliest count, where route.tokens took the safe side
         of a threshold; None: route.tokens less the output budget)."""
         rank = self.rank(priority)
@@ -314,6 +319,7 @@ class Admission:
             return Admitted(self._admit_interactive(route, rank))
         if route.reason is not Reason.LONG or self._long is None:
             return Admitted(route)
+        self._book.learn(tenant, tenant_class)
         max_wait_s = self._config.max_wait_s if wait_s is None else min(wait_s, self._config.longest_wait_s)
         ask = _Ask(
             reservation_id,

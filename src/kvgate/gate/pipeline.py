@@ -270,7 +270,9 @@ class Pipeline:
             return NO_ROUTE_POLICY
         policy = self._routes.get(pairs)
         if policy is None:
-            read = read_route_policy(pairs, self._config.policies, self._config.admission.priorities)
+            read = read_route_policy(
+                pairs, self._config.policies, self._config.admission.priorities, self._config.fairness.classes
+            )
             for problem in read.problems:
                 log.warning("Envoy route policy: ignored %s", problem)
                 self._metrics.route_policy_ignored(problem.split(":", 1)[0])
@@ -380,6 +382,7 @@ class Pipeline:
             output_tokens=estimate.output_tokens,
             subset=head.subset,
             tenant=head.tenant,
+            tenant_class=head.route.tenant_class,
             charged_prompt_tokens=estimate.likely_prompt_tokens,
         )
         ticket = admitted.ticket

@@ -47,6 +47,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from kvgate.config import FairnessConfig
 from kvgate.headroom.snapshot import NodeView
+from kvgate.policy.tenant_book import TenantBook
 
 # Tenants remembered. Past this, the tenant with the least counter that waits for nothing is
 # forgotten: were it to come back, it is lifted to the others' least counter anyway.
@@ -78,8 +79,11 @@ class FairShare:
         config: FairnessConfig,
         max_tenants: int = MAX_TENANTS,
         clock: Callable[[], float] = time.monotonic,
+        book: TenantBook | None = None,
     ) -> None:
+        """`book`: each tenant's weight, where a route's class sets it (kvgate.policy.tenant_book)."""
         self._config = config
+        self._book = book if book is not None else TenantBook(config)
         self._max_tenants = max_tenants
         self._clock = clock
         self._served_at: dict[str, float] = {}  # when each tenant's service last rose, any replica's
@@ -151,13 +155,13 @@ class FairShare:
         others = [self.counter(t) for t, n in self._waiting.items() if n > 0 and t != tenant]
         if not others:
             return True
-        weighted = cost / self._config.weight(tenant)
+        weighted = cost / self._book.weight(tenant)
         return self.counter(tenant) + weighted <= min(others) + max(self._largest, weighted)
 
     def charge(self, tenant: str, cost: float) -> None:
         """A request of `tenant` was admitted at `cost` (its estimate)."""
-        self._largest = max(self._largest, cost / self._config.weight(tenant))
-        self._charged[tenant] = self._charged.get(tenant, 0.0) + cost / self._config.weight(tenant)
+        self._largest = max(self._largest, cost / self._book.weight(tenant))
+        self._charged[tenant] = self._charged.get(tenant, 0.0) + cost / self._book.weight(tenant)
         if self._shared is not None:
             # Counted at once; the agents' next totals include it.
             self._shared[tenant] = self._shared.get(tenant, 0.0) + cost
@@ -171,7 +175,7 @@ class FairShare:
         if tenant not in self._charged:
             return
         delta = self._config.output_weight * (generated_tokens - charged_output_tokens)
-        self._charged[tenant] = max(0.0, self._charged[tenant] + delta / self._config.weight(tenant))
+        self._charged[tenant] = max(0.0, self._charged[tenant] + delta / self._book.weight(tenant))
 
     def standing(self) -> list[tuple[str, float, int]]:
         """Every tenant known: its counter and its requests waiting."""
@@ -184,7 +188,7 @@ class FairShare:
 
     def _attained(self, tenant: str) -> float:
         if self._shared is not None:
-            return self._shared.get(tenant, 0.0) / self._config.weight(tenant)
+            return self._shared.get(tenant, 0.0) / self._book.weight(tenant)
         return self._charged.get(tenant, 0.0)
 
     def _forget_beyond_bound(self) -> None:

@@ -13,6 +13,10 @@ The gate reads them here:
     x-kvgate-max-priority             a name of admission.priorities: the highest priority a request
                                       on this route gets, whatever its identity carries
                                       (kvgate.policy.identity)
+    x-kvgate-tenant-class             the name of an entry of kvgate.yaml's `fairness.classes`: the
+                                      weight and caps of the tenants whose requests the route
+                                      carries, where their own entry does not set them
+                                      (kvgate.policy.tenant_book)
 
 The keys, their kinds and bounds are the one table of kvgate.config.routekeys; numbers are read by
 kvgate.digits (ASCII digits only, bounded). Precedence, written once (`effective_model`): Envoy
@@ -30,7 +34,7 @@ where the route allows it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from kvgate.config import ModelConfig, ModelPolicy
@@ -51,6 +55,7 @@ class RoutePolicy:
     overrides: ModelPolicy = field(default_factory=ModelPolicy)
     model_policy: str | None = None
     max_priority: str | None = None
+    tenant_class: str | None = None
 
 
 NO_ROUTE_POLICY = RoutePolicy()
@@ -63,7 +68,10 @@ class RoutePolicyRead:
 
 
 def read_route_policy(
-    metadata: Iterable[tuple[str, str]], policies: Mapping[str, ModelPolicy], priorities: tuple[str, ...]
+    metadata: Iterable[tuple[str, str]],
+    policies: Mapping[str, ModelPolicy],
+    priorities: tuple[str, ...],
+    tenant_classes: Collection[str] = (),
 ) -> RoutePolicyRead:
     """The route policy from the ext_proc stream's metadata (other metadata is ignored)."""
     values: dict[str, object] = {}
@@ -72,15 +80,17 @@ def read_route_policy(
         key = BY_METADATA.get(name)
         if key is None:
             continue
-        value = _read_value(key, raw, policies, priorities)
+        value = _read_value(key, raw, policies, priorities, tenant_classes)
         if isinstance(value, _Problem):
             problems.append(value.line)
         else:
             values[key.name] = value
     model_policy = values.pop("model_policy", None)
     max_priority = values.pop("max_priority", None)
+    tenant_class = values.pop("tenant_class", None)
     overrides = ModelPolicy(**{BY_NAME[name].policy_field: value for name, value in values.items()})  # type: ignore[arg-type]
-    return RoutePolicyRead(RoutePolicy(overrides, model_policy, max_priority), tuple(problems))  # type: ignore[arg-type]
+    policy = RoutePolicy(overrides, model_policy, max_priority, tenant_class)  # type: ignore[arg-type]
+    return RoutePolicyRead(policy, tuple(problems))
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,10 +99,19 @@ class _Problem:
 
 
 def _read_value(
-    key: RouteKey, raw: str, policies: Mapping[str, ModelPolicy], priorities: tuple[str, ...]
+    key: RouteKey,
+    raw: str,
+    policies: Mapping[str, ModelPolicy],
+    priorities: tuple[str, ...],
+    tenant_classes: Collection[str],
 ) -> object:
     """One metadata value as its key's kind reads it, or the _Problem with it."""
     name, value = key.metadata, raw.strip(" \t")
+    if key.kind is Kind.TENANT_CLASS:
+        if value in tenant_classes:
+            return value
+        known = ", ".join(sorted(tenant_classes)) or "none"
+        return _Problem(f"{name}: no class {raw!r} in kvgate.yaml's fairness.classes (known: {known})")
     if key.kind is Kind.POLICY:  # x-kvgate-model-policy: names a whole layer
         if value in policies:
             return value

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvgate.config import FairnessConfig, TokenQuotaConfig
+from kvgate.config import TokenQuotaConfig
+from kvgate.policy.tenant_book import TenantBook
 
 # Quota buckets remembered; past this, the full ones are forgotten (they hold nothing to remember).
 MAX_TENANTS = 10_000
@@ -37,15 +38,15 @@ class _Bucket:
 
 
 class TenantLimits:
-    def __init__(self, config: FairnessConfig) -> None:
-        self._config = config
+    def __init__(self, book: TenantBook) -> None:
+        self._book = book
         self._buckets: dict[str, _Bucket] = {}
         self._held: dict[str, int] = {}  # tokens held by this gate's live reservations, by tenant
 
     def take_quota(self, tenant: str, tokens: int, now: float) -> float | None:
         """Take `tokens` from `tenant`'s quota: None when taken (or it has none), else the seconds until
         its bucket holds them again."""
-        quota = self._config.quota(tenant)
+        quota = self._book.quota(tenant)
         if quota is None:
             return None
         bucket = self._refilled(tenant, quota, now)
@@ -58,7 +59,7 @@ class TenantLimits:
     def give_back(self, tenant: str, tokens: int, now: float) -> None:
         """A request that took `tokens` was not admitted, or ran `tokens` fewer than it took (negative:
         more)."""
-        quota = self._config.quota(tenant)
+        quota = self._book.quota(tenant)
         if quota is None or tenant not in self._buckets:
             return
         bucket = self._refilled(tenant, quota, now)
@@ -71,7 +72,7 @@ class TenantLimits:
         another tenant's request waits; None when they would not. `shared_held`: what the agents say
         the tenant's live reservations hold, every replica's grants included; this process's own count
         stands in where it is more (agents that do not say, a grant their next message will show)."""
-        share = self._config.max_kv_share(tenant)
+        share = self._book.max_kv_share(tenant)
         if share is None or not others_wait or admissible_tokens <= 0:
             return None
         held = max(shared_held, self._held.get(tenant, 0))
@@ -101,7 +102,7 @@ class TenantLimits:
     def _forget_full(self, now: float) -> None:
         """Forget the buckets that are full by now: a tenant that comes back starts on a full one."""
         for tenant, bucket in list(self._buckets.items()):
-            quota = self._config.quota(tenant)
+            quota = self._book.quota(tenant)
             if quota is None or bucket.tokens + (now - bucket.at) * _refill_per_s(quota) >= quota.tokens:
                 del self._buckets[tenant]
 
