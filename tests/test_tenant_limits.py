@@ -12,12 +12,13 @@ from test_admission import MODEL, long_route, run, until
 
 from kvgate._proto.headroom.v1 import headroom_pb2 as pb
 from kvgate.agent.in_process import FakeHeadroom, ManualClock
+from kvgate.agent.ledger import Budget, ReservationLedger
 from kvgate.agent.tenant_service import TenantService
 from kvgate.config import AdmissionConfig, FairnessConfig, TenantConfig, TokenQuotaConfig, parse_config
 from kvgate.errors import ConfigError
 from kvgate.gate.admission import Admission, Admitted
-from kvgate.headroom.snapshot import TenantCharge
-from kvgate.headroom.wire import HeadroomEncoder, headroom_from_proto
+from kvgate.headroom.snapshot import ReleaseOutcome, TenantCharge
+from kvgate.headroom.wire import HeadroomEncoder, headroom_from_proto, release_from_proto, release_to_proto
 from kvgate.policy import Reason, Refusal
 from kvgate.policy.refusals import RULES
 from kvgate.policy.tenant_book import TenantBook
@@ -136,6 +137,54 @@ def test_an_over_quota_request_gets_its_own_429_with_the_refill_as_retry_after_a
         await admission.stop()
 
     run(scenario)
+
+
+class SettlingHeadroom(FakeHeadroom):
+    """Agents that settle every released reservation on 100 output tokens: what a node's measured
+    decode rate over the hold says when the gate did not read the answer."""
+
+    async def release(
+        self, node: str, request_id: str, *, unanswered: bool = False, generated_tokens: int = 0
+    ) -> ReleaseOutcome:
+        outcome = await super().release(
+            node, request_id, unanswered=unanswered, generated_tokens=generated_tokens
+        )
+        return dataclasses.replace(outcome, settled_output_tokens=100 if outcome.released else 0)
+
+
+def test_an_unread_answer_settles_the_quota_on_what_the_agent_settled_the_reservation_on() -> None:
+    """As above, but the gate does not read the answer (an ext_proc gate behind Envoy): the agent's
+    Release answer says what it settled the output on, and the quota gives back the rest."""
+
+    async def scenario() -> None:
+        fairness = FairnessConfig(tenants={"acme": TenantConfig(quota=TokenQuotaConfig(20_000, 20.0))})
+        clock = ManualClock()
+        source = SettlingHeadroom(clock, stale_after_s=5.0)
+        source.add_node("a", 100_000)
+        admission = Admission(AdmissionConfig(max_wait_s=60.0), source, clock=clock, fairness=fairness)
+        await admission.start()
+        first, second = await ask(admission, "acme", "r0"), await ask(admission, "acme", "r1")
+        assert first.ticket is not None and second.ticket is not None
+        await admission.release(first.ticket)
+        retried = await ask(admission, "acme", "r2")
+        assert isinstance(retried.decision, Refusal) and retried.decision.retry_after_s == pytest.approx(9.1)
+        await admission.stop()
+
+    run(scenario)
+
+
+def test_the_agent_answers_a_release_with_the_output_it_settled_on() -> None:
+    clock = ManualClock()
+    ledger = ReservationLedger(clock, 300.0, 300.0, decode_rate=lambda: 50.0)
+    budget = Budget(100_000, 1.0, None, True, "")
+    assert ledger.reserve("r0", 10_000, 300.0, budget, "gate", output_tokens=1_000).granted
+    clock.advance(4.0)
+    settled = ledger.output_generated("r0", "gate")
+    outcome = ledger.release_answer(ledger.release("r0", "gate"), budget, settled)
+    assert outcome.settled_output_tokens == 200, "4 s at 50 tokens a second, within the 1,000 declared"
+    wire = pb.ReleaseResponse.FromString(release_to_proto(outcome).SerializeToString())
+    assert release_from_proto(wire) == outcome
+    assert ledger.release_answer(ledger.release("r0", "gate"), budget, 200).settled_output_tokens == 0
 
 
 def test_a_request_cancelled_while_it_waits_gives_its_quota_back() -> None:

@@ -295,15 +295,16 @@ class FakeHeadroom:
         self, node: str, request_id: str, *, unanswered: bool = False, generated_tokens: int = 0
     ) -> ReleaseOutcome:
         state = self._answering(node)
+        output = state.ledger.output_generated(request_id, "", generated_tokens)
         released = state.ledger.release(
             request_id, unanswered_reserve=unanswered, generated_tokens=generated_tokens
         )
         if released:
-            state.tenant_service.ended(request_id, generated_tokens, ran=not unanswered)
+            state.tenant_service.ended(request_id, output, ran=not unanswered)
         state.claims.drop(Waiter("", request_id))
         self.released.append((node, request_id))
         self._notify()
-        return state.ledger.release_answer(released, state.budget())
+        return state.ledger.release_answer(released, state.budget(), output)
 
     async def renew(self, node: str, request_ids: Sequence[str]) -> frozenset[str]:
         state = self._answering(node)

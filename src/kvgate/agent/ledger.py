@@ -454,10 +454,14 @@ class ReservationLedger:
         held = max(0.0, self._clock() - decoding_since)
         return min(declared, math.floor(held * rate))
 
-    def release_answer(self, released: bool, budget: Budget) -> ReleaseOutcome:
-        """The answer to a Release: whether it ended a reservation, and the node's figures after it
-        (`budget` taken after it too: a reservation-only node's usage is its reservations)."""
-        return ReleaseOutcome(released, self.headroom(budget), self.reserved_tokens)
+    def release_answer(
+        self, released: bool, budget: Budget, settled_output_tokens: int = 0
+    ) -> ReleaseOutcome:
+        """The answer to a Release: whether it ended a reservation, the node's figures after it
+        (`budget` taken after it too: a reservation-only node's usage is its reservations), and the
+        output it was settled on (`output_generated`, taken before it ended)."""
+        settled = settled_output_tokens if released else 0
+        return ReleaseOutcome(released, self.headroom(budget), self.reserved_tokens, settled)
 
     def _hold(self, reservation: Reservation) -> None:
         self._live[reservation.request_id] = reservation

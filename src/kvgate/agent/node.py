@@ -369,7 +369,7 @@ class NodeState:
             self.tenant_service.ended(request_id, output, ran=not unanswered_reserve)
         # A waiter that went elsewhere or gave up says so with a Release: its claim goes with it.
         self.claims.drop(Waiter(holder, request_id))
-        return self.ledger.release_answer(released, self.budget())
+        return self.ledger.release_answer(released, self.budget(), output)
 
     def renew(self, request_ids: Sequence[str], holder: str, lease_s: float) -> tuple[list[str], float]:
         """Extend `holder`'s leases of `request_ids`: the ids it holds nothing under, and the lease."""

@@ -296,6 +296,8 @@ class ReleaseOutcome:
     released: bool  # False when the reservation was already gone (released twice, or expired)
     headroom_tokens: int
     reserved_tokens: int
+    # What the agent settled the reservation's output on (read, else measured); 0: unknown.
+    settled_output_tokens: int = 0
 
 
 def admissible(capacity: int, safety_ratio: float) -> int:

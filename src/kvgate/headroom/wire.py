@@ -199,12 +199,15 @@ def reserve_from_proto(m: pb.ReserveResponse) -> ReserveOutcome:
 
 def release_to_proto(o: ReleaseOutcome) -> pb.ReleaseResponse:
     return pb.ReleaseResponse(
-        released=o.released, headroom_tokens=o.headroom_tokens, reserved_tokens=o.reserved_tokens
+        released=o.released,
+        headroom_tokens=o.headroom_tokens,
+        reserved_tokens=o.reserved_tokens,
+        settled_output_tokens=o.settled_output_tokens,
     )
 
 
 def release_from_proto(m: pb.ReleaseResponse) -> ReleaseOutcome:
-    return ReleaseOutcome(m.released, m.headroom_tokens, m.reserved_tokens)
+    return ReleaseOutcome(m.released, m.headroom_tokens, m.reserved_tokens, m.settled_output_tokens)
 
 
 def headroom_from_proto(m: pb.NodeHeadroom, previous: PrefixSummary = NO_PREFIXES) -> NodeHeadroom:

@@ -3,9 +3,11 @@ per window, and the most of the long pool's KV its reservations may hold while a
 requests wait.
 
 Pure. A quota is a token bucket: it holds `tokens` and refills them over `window_s`. A request takes
-its estimate (prompt + output budget) when it is admitted and gives it back if it is not; when its
-answer says what it generated, the difference is settled (an endpoint picker reads every answer to a
-reserved request, kvgate.gate.picker), so the quota counts what ran. A request larger than the whole
+its estimate (prompt + output budget) when it is admitted and gives it back if it is not; when it
+ends, its output part is settled on what it generated: the count in its answer where the gate reads
+it (an endpoint picker, kvgate.gate.picker), else what the agent settled the reservation on (its node's
+measured decode rate over the hold, ReleaseOutcome.settled_output_tokens). So the quota counts what
+ran, not the 4-100x over-declared `max_tokens` of reasoning models and agents. A request larger than the whole
 quota is let through only on a full bucket, which it overdraws: refusing it would refuse it for ever
 while its 429 said to come back. An over-quota request is told to come back when the bucket will hold
 it again.

@@ -248,14 +248,16 @@ class ReleaseRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., unanswered_reserve: _Optional[bool] = ..., holder: _Optional[str] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
-    __slots__ = ("released", "headroom_tokens", "reserved_tokens")
+    __slots__ = ("released", "headroom_tokens", "reserved_tokens", "settled_output_tokens")
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     HEADROOM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESERVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SETTLED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     released: bool
     headroom_tokens: int
     reserved_tokens: int
-    def __init__(self, released: _Optional[bool] = ..., headroom_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ...) -> None: ...
+    settled_output_tokens: int
+    def __init__(self, released: _Optional[bool] = ..., headroom_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., settled_output_tokens: _Optional[int] = ...) -> None: ...
 
 class RenewRequest(_message.Message):
     __slots__ = ("request_ids", "lease_s", "holder")
