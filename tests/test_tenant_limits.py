@@ -17,7 +17,7 @@ from kvgate.agent.tenant_service import TenantService
 from kvgate.config import AdmissionConfig, FairnessConfig, TenantConfig, TokenQuotaConfig, parse_config
 from kvgate.errors import ConfigError
 from kvgate.gate.admission import Admission, Admitted
-from kvgate.headroom.snapshot import ReleaseOutcome, TenantCharge
+from kvgate.headroom.snapshot import NodeView, ReleaseOutcome, TenantCharge
 from kvgate.headroom.wire import HeadroomEncoder, headroom_from_proto, release_from_proto, release_to_proto
 from kvgate.policy import Reason, Refusal
 from kvgate.policy.refusals import RULES
@@ -140,26 +140,47 @@ def test_an_over_quota_request_gets_its_own_429_with_the_refill_as_retry_after_a
 
 
 class SettlingHeadroom(FakeHeadroom):
-    """Agents that settle every released reservation on 100 output tokens: what a node's measured
-    decode rate over the hold says when the gate did not read the answer."""
+    """Agents that settle every released reservation on 100 output tokens, what a node's measured
+    decode rate over the hold says when the gate did not read the answer; `publishing` False: agents
+    that do not publish their tenants' tokens (each gate counts its own quota)."""
+
+    def __init__(self, clock: ManualClock, *, publishing: bool = True) -> None:
+        super().__init__(clock, stale_after_s=5.0)
+        self._publishing = publishing
 
     async def release(
         self, node: str, request_id: str, *, unanswered: bool = False, generated_tokens: int = 0
     ) -> ReleaseOutcome:
-        outcome = await super().release(
-            node, request_id, unanswered=unanswered, generated_tokens=generated_tokens
+        return await super().release(
+            node, request_id, unanswered=unanswered, generated_tokens=generated_tokens or 100
         )
-        return dataclasses.replace(outcome, settled_output_tokens=100 if outcome.released else 0)
+
+    def snapshot(self) -> tuple[NodeView, ...]:
+        views = super().snapshot()
+        if self._publishing:
+            return views
+        return tuple(
+            dataclasses.replace(
+                v, headroom=dataclasses.replace(v.headroom, tenant_tokens={}, publishes_tenant_tokens=False)
+            )
+            if v.headroom is not None
+            else v
+            for v in views
+        )
 
 
-def test_an_unread_answer_settles_the_quota_on_what_the_agent_settled_the_reservation_on() -> None:
-    """As above, but the gate does not read the answer (an ext_proc gate behind Envoy): the agent's
-    Release answer says what it settled the output on, and the quota gives back the rest."""
+@pytest.mark.parametrize("publishing", [True, False])
+def test_an_unread_answer_settles_the_quota_on_what_the_agent_settled_the_reservation_on(
+    publishing: bool,
+) -> None:
+    """As above, but the gate does not read the answer (an ext_proc gate behind Envoy): the quota gives
+    back what the agent did not settle the output on, from the agents' tenant tokens where they publish
+    them, else from the Release answer."""
 
     async def scenario() -> None:
         fairness = FairnessConfig(tenants={"acme": TenantConfig(quota=TokenQuotaConfig(20_000, 20.0))})
         clock = ManualClock()
-        source = SettlingHeadroom(clock, stale_after_s=5.0)
+        source = SettlingHeadroom(clock, publishing=publishing)
         source.add_node("a", 100_000)
         admission = Admission(AdmissionConfig(max_wait_s=60.0), source, clock=clock, fairness=fairness)
         await admission.start()
@@ -254,6 +275,31 @@ def test_the_agent_counts_each_tenants_held_tokens_and_they_travel_in_the_stream
     assert wired.tenant_held == {"a": 7}
 
 
+def test_the_agent_counts_each_tenants_reserved_tokens_settled_on_what_ran() -> None:
+    service = TenantService()
+    service.granted("r1", TenantCharge("a", 12_000.0, 2.0), 1_000, 11_000, reserved=12_000)
+    service.granted("r2", TenantCharge("a", 3_000.0, 2.0), 0, 3_000, reserved=3_000)
+    service.granted("r3", TenantCharge("b", 5_000.0, 2.0), 500, 5_000, reserved=5_000)
+    assert service.tokens() == {"a": 15_000, "b": 5_000}
+    service.ended("r1", generated_tokens=100)
+    assert service.tokens() == {"a": 14_100, "b": 5_000}, "r1 ran 100 of its 1,000 output tokens"
+    service.ended("r3", ran=False)
+    assert service.tokens() == {"a": 14_100, "b": 0}, "a grant that ran nothing is taken back"
+    service.ended("r2")
+    assert service.tokens()["a"] == 14_100, "no output budget, no figure: as reserved"
+
+    source = FakeHeadroom(ManualClock())
+    source.add_node("n", 1_000)
+    plain = source.snapshot()[0].headroom
+    assert plain is not None and plain.publishes_tenant_tokens
+    wired = headroom_from_proto(
+        pb.NodeHeadroom.FromString(
+            HeadroomEncoder().encode(dataclasses.replace(plain, tenant_tokens={"a": 7}))
+        )
+    )
+    assert wired.tenant_tokens == {"a": 7} and wired.publishes_tenant_tokens
+
+
 def test_a_tenants_share_counts_what_every_replica_granted_it() -> None:
     """Two gate replicas share one agent. Replica one admits acme 60,000 of 100,000; on replica two,
     with b waiting there, acme's next request is refused by its share although replica two granted it
@@ -280,6 +326,39 @@ def test_a_tenants_share_counts_what_every_replica_granted_it() -> None:
             assert admitted.ticket is not None
             await one.release(admitted.ticket)
         assert (await waiting).ticket is not None
+        for replica in (one, two):
+            await replica.stop()
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(("publishing", "refused"), [(True, True), (False, False)])
+def test_a_tenants_quota_counts_what_every_replica_granted_it(publishing: bool, refused: bool) -> None:
+    """Two gate replicas share one agent, and acme has 30,000 tokens a minute. Replica one admits two
+    of its 10,000-token requests; replica two then refuses the third of them with the quota's 429 and
+    Retry-After, by the agent's tenant tokens, though it admitted acme nothing itself. Agents that do
+    not publish them leave each replica its own whole quota."""
+
+    async def scenario() -> None:
+        clock = ManualClock()
+        source = SettlingHeadroom(clock, publishing=publishing)
+        source.add_node("a", 1_000_000)
+        fairness = FairnessConfig(tenants={"acme": TenantConfig(quota=TokenQuotaConfig(30_000, 60.0))})
+        one, two = (
+            Admission(AdmissionConfig(max_wait_s=60.0), source, clock=clock, fairness=fairness)
+            for _ in range(2)
+        )
+        for replica in (one, two):
+            await replica.start()
+        assert (await ask(two, "acme", "warm-up", tokens=5_000)).ticket is not None
+        held = [await ask(one, "acme", f"a{i}") for i in range(2)]
+        assert all(a.ticket is not None for a in held)
+        third = await ask(two, "acme", "a2")
+        if refused:
+            assert isinstance(third.decision, Refusal) and third.decision.reason is Reason.TENANT_QUOTA
+            assert third.decision.retry_after_s == pytest.approx(5_000 / 500), "5,000 short at 500 a second"
+        else:
+            assert third.ticket is not None
         for replica in (one, two):
             await replica.stop()
 

@@ -280,7 +280,9 @@ class FakeHeadroom:
         )
         self.reserves.append((node, request_id, hold_slot))
         if outcome.granted and charge is not None:
-            state.tenant_service.granted(request_id, charge, output_tokens, outcome.charged_tokens)
+            state.tenant_service.granted(
+                request_id, charge, output_tokens, outcome.charged_tokens, reserved=tokens
+            )
         await asyncio.sleep(0)  # an answer arrives on a later turn of the loop, as over gRPC
         return outcome
 
@@ -354,6 +356,8 @@ class FakeHeadroom:
             head=node.claims.published(headroom, releases),
             tenant_service=node.tenant_service.totals(),
             tenant_held=node.tenant_service.held(),
+            tenant_tokens=node.tenant_service.tokens(),
+            publishes_tenant_tokens=True,
         )
 
     def _releases(self, node: _Node) -> tuple[ExpectedRelease, ...]:

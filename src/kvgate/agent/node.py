@@ -320,7 +320,9 @@ class NodeState:
             if self.prefix_events is not None and chain is not None and chain.blocks:
                 self.prefix_events.granted(request_id, chain, now, tokens - output_tokens)
             if charge is not None:
-                self.tenant_service.granted(request_id, charge, output_tokens, result.charged_tokens)
+                self.tenant_service.granted(
+                    request_id, charge, output_tokens, result.charged_tokens, reserved=tokens
+                )
         return result
 
     def _releases(self) -> tuple[ExpectedRelease, ...]:
@@ -439,6 +441,8 @@ class NodeState:
             prefill_tokens_per_s=self.prefill.tokens_per_s,
             tenant_service=self.tenant_service.totals(),
             tenant_held=self.tenant_service.held(),
+            tenant_tokens=self.tenant_service.tokens(),
+            publishes_tenant_tokens=True,
             # A fact of the engine's start, not of one sample: the last one known holds.
             max_model_len=(last.max_model_len or 0) if last is not None else 0,
         )

@@ -14,7 +14,9 @@ that comes back is lifted to the others' least counter by the gates anyway).
 
 It also counts the tokens each tenant's live reservations were charged (NodeHeadroom.tenant_held), which
 the gates add up to hold a tenant to its most share of the pool (fairness max_kv_share) whatever replica
-admitted its requests (kvgate.policy.tenant_limits).
+admitted its requests, and the tokens each tenant's grants reserved (prompt + output budget), settled
+on what ran as the service is (NodeHeadroom.tenant_tokens), which the gates count quotas from
+(kvgate.policy.tenant_limits).
 """
 
 from __future__ import annotations
@@ -28,18 +30,26 @@ class TenantService:
     def __init__(self, max_tenants: int = MAX_TENANTS) -> None:
         self._max_tenants = max_tenants
         self._totals: dict[str, float] = {}
-        # By request id: what each live reservation was charged, the output budget in it, and the
-        # tokens the node charged for it.
-        self._live: dict[str, tuple[TenantCharge, int, int]] = {}
+        self._tokens: dict[str, int] = {}
+        # By request id: what each live reservation was charged, the output budget in it, the tokens
+        # the node charged for it, and the tokens it reserved.
+        self._live: dict[str, tuple[TenantCharge, int, int, int]] = {}
         self._held: dict[str, int] = {}
 
-    def granted(self, request_id: str, charge: TenantCharge, output_tokens: int, tokens: int = 0) -> None:
-        """`tokens`: what the node charged the reservation (its held KV)."""
-        self._live[request_id] = (charge, output_tokens, tokens)
-        self._held[charge.tenant] = self._held.get(charge.tenant, 0) + tokens
-        self._totals[charge.tenant] = self._totals.get(charge.tenant, 0.0) + charge.cost
+    def granted(
+        self, request_id: str, charge: TenantCharge, output_tokens: int, tokens: int = 0, *, reserved: int = 0
+    ) -> None:
+        """`tokens`: what the node charged the reservation (its held KV); `reserved`: what the request
+        reserved (prompt + output budget)."""
+        tenant = charge.tenant
+        self._live[request_id] = (charge, output_tokens, tokens, reserved)
+        self._held[tenant] = self._held.get(tenant, 0) + tokens
+        self._totals[tenant] = self._totals.get(tenant, 0.0) + charge.cost
+        self._tokens[tenant] = self._tokens.get(tenant, 0) + reserved
         if len(self._totals) > self._max_tenants:
-            del self._totals[min(self._totals, key=self._totals.__getitem__)]
+            least = min(self._totals, key=self._totals.__getitem__)
+            del self._totals[least]
+            self._tokens.pop(least, None)
 
     def ended(self, request_id: str, generated_tokens: int = 0, *, ran: bool = True) -> None:
         """The reservation ended (released, or its lease ran out); `generated_tokens`, what it generated
@@ -49,23 +59,31 @@ class TenantService:
         live = self._live.pop(request_id, None)
         if live is None:
             return
-        charge, output_tokens, tokens = live
-        held = self._held.get(charge.tenant, 0) - tokens
+        charge, output_tokens, tokens, reserved = live
+        tenant = charge.tenant
+        held = self._held.get(tenant, 0) - tokens
         if held > 0:
-            self._held[charge.tenant] = held
+            self._held[tenant] = held
         else:
-            self._held.pop(charge.tenant, None)
-        if not ran and charge.tenant in self._totals:
-            self._totals[charge.tenant] = max(0.0, self._totals[charge.tenant] - charge.cost)
+            self._held.pop(tenant, None)
+        if tenant not in self._totals:
+            return
+        if not ran:
+            self._totals[tenant] = max(0.0, self._totals[tenant] - charge.cost)
+            self._tokens[tenant] = max(0, self._tokens.get(tenant, 0) - reserved)
             return
         if generated_tokens <= 0:
             return
-        if charge.tenant in self._totals:
-            delta = charge.output_weight * (generated_tokens - output_tokens)
-            self._totals[charge.tenant] = max(0.0, self._totals[charge.tenant] + delta)
+        delta = charge.output_weight * (generated_tokens - output_tokens)
+        self._totals[tenant] = max(0.0, self._totals[tenant] + delta)
+        if reserved:
+            self._tokens[tenant] = max(0, self._tokens.get(tenant, 0) + generated_tokens - output_tokens)
 
     def totals(self) -> dict[str, float]:
         return dict(self._totals)
 
     def held(self) -> dict[str, int]:
         return dict(self._held)
+
+    def tokens(self) -> dict[str, int]:
+        return dict(self._tokens)

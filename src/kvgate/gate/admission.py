@@ -54,7 +54,7 @@ from kvgate.policy.retry_forecast import RetryPlanner, RetrySettings
 from kvgate.policy.shedding import PoolKind, Verdict
 from kvgate.policy.slot import fits_beside_heads, slot_node
 from kvgate.policy.tenant_book import TenantBook
-from kvgate.policy.tenant_limits import TenantLimits
+from kvgate.policy.tenant_limits import TenantLimits, agents_tokens
 from kvgate.policy.water import pool_signals
 from kvgate.telemetry import AdmissionGauges, GateMetrics, NodeGauges, PoolGauges
 
@@ -394,6 +394,7 @@ class Admission:
                 route.tokens,
             )
             return cast(Refusal, self._come_back(refused, source, ask.output_tokens))
+        limits.observe(agents_tokens(nodes), self._clock())
         retry_after_s = limits.take_quota(ask.tenant, route.tokens, self._clock())
         if retry_after_s is None:
             return None
@@ -411,6 +412,7 @@ class Admission:
         assert self._limits is not None
         if admitted.ticket is not None:
             self._limits.hold(ask.tenant, admitted.ticket.tokens)
+            self._limits.granted(ask.tenant, ask.tokens)
         else:
             self._limits.give_back(ask.tenant, ask.tokens, self._clock())
 
@@ -822,7 +824,7 @@ class Admission:
         if self._fair is not None and output > 0:
             self._fair.settle(ticket.tenant, ticket.output_tokens, output)
         if self._limits is not None and output > 0:
-            self._limits.give_back(ticket.tenant, ticket.output_tokens - output, self._clock())
+            self._limits.settle(ticket.tenant, ticket.output_tokens - output, self._clock())
         prompt = ticket.tokens - ticket.output_tokens
         self._metrics.tenant_served(
             ticket.tenant, self._fairness.cost(prompt, output or ticket.output_tokens)
@@ -846,6 +848,8 @@ class Admission:
             nodes = source.snapshot()
             if self._fair is not None:
                 self._observe_service(nodes)
+            if self._limits is not None:
+                self._limits.observe(agents_tokens(nodes), self._clock())
             self._pulse()
             for checked in self._retries.check(nodes):
                 self._metrics.retry_checked(checked.basis.value, checked.error_s)

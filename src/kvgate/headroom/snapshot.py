@@ -180,6 +180,10 @@ class NodeHeadroom:
     tenant_service: Mapping[str, float] = field(default_factory=dict)
     # Tenant caps across replicas: the tokens each tenant's live reservations here were charged.
     tenant_held: Mapping[str, int] = field(default_factory=dict)
+    # Tenant quotas across replicas: the tokens each tenant's grants here reserved since the agent
+    # started, settled on what ran; `publishes_tenant_tokens` False: an agent that does not say.
+    tenant_tokens: Mapping[str, int] = field(default_factory=dict)
+    publishes_tenant_tokens: bool = False
 
     @property
     def admissible_tokens(self) -> int:

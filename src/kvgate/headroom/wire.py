@@ -91,6 +91,8 @@ def _scalars_to_proto(h: NodeHeadroom) -> pb.NodeHeadroom:
         prefill_tokens_per_s=h.prefill_tokens_per_s,
         tenant_service=h.tenant_service,
         tenant_held=h.tenant_held,
+        tenant_tokens=h.tenant_tokens,
+        publishes_tenant_tokens=h.publishes_tenant_tokens,
     )
 
 
@@ -264,6 +266,8 @@ def headroom_from_proto(m: pb.NodeHeadroom, previous: PrefixSummary = NO_PREFIXE
         prefill_tokens_per_s=m.prefill_tokens_per_s,
         tenant_service=dict(m.tenant_service),
         tenant_held=dict(m.tenant_held),
+        tenant_tokens=dict(m.tenant_tokens),
+        publishes_tenant_tokens=m.publishes_tenant_tokens,
     )
 
 

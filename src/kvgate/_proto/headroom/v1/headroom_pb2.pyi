@@ -36,7 +36,7 @@ class GpuInfo(_message.Message):
     def __init__(self, uuid: _Optional[str] = ..., index: _Optional[int] = ..., name: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., healthy: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class NodeHeadroom(_message.Message):
-    __slots__ = ("node", "endpoint", "seq", "sample_time_unix_ns", "capacity_tokens", "safety_ratio", "used_tokens", "reserved_tokens", "reservations", "headroom_tokens", "healthy", "reason", "capacity_source", "kv_usage", "running", "waiting", "preemptions_total", "gpus", "period_ms", "engine_kind", "engines", "capacity_rule", "usage_source", "unreserved_tokens", "engine_sample_age_ms", "prefix", "decode_tokens_per_s", "releases", "freed_tokens_total", "prefix_source", "heartbeat_ms", "role", "lend_tokens", "lend_max_prompt_tokens", "head", "max_model_len", "prefill_backlog_tokens", "prefill_tokens_per_s", "tenant_service", "tenant_held")
+    __slots__ = ("node", "endpoint", "seq", "sample_time_unix_ns", "capacity_tokens", "safety_ratio", "used_tokens", "reserved_tokens", "reservations", "headroom_tokens", "healthy", "reason", "capacity_source", "kv_usage", "running", "waiting", "preemptions_total", "gpus", "period_ms", "engine_kind", "engines", "capacity_rule", "usage_source", "unreserved_tokens", "engine_sample_age_ms", "prefix", "decode_tokens_per_s", "releases", "freed_tokens_total", "prefix_source", "heartbeat_ms", "role", "lend_tokens", "lend_max_prompt_tokens", "head", "max_model_len", "prefill_backlog_tokens", "prefill_tokens_per_s", "tenant_service", "tenant_held", "tenant_tokens", "publishes_tenant_tokens")
     class TenantServiceEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,13 @@ class NodeHeadroom(_message.Message):
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     class TenantHeldEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class TenantTokensEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +98,8 @@ class NodeHeadroom(_message.Message):
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     TENANT_SERVICE_FIELD_NUMBER: _ClassVar[int]
     TENANT_HELD_FIELD_NUMBER: _ClassVar[int]
+    TENANT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHES_TENANT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     node: str
     endpoint: str
     seq: int
@@ -131,7 +140,9 @@ class NodeHeadroom(_message.Message):
     prefill_tokens_per_s: float
     tenant_service: _containers.ScalarMap[str, float]
     tenant_held: _containers.ScalarMap[str, int]
-    def __init__(self, node: _Optional[str] = ..., endpoint: _Optional[str] = ..., seq: _Optional[int] = ..., sample_time_unix_ns: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., safety_ratio: _Optional[float] = ..., used_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., reservations: _Optional[int] = ..., headroom_tokens: _Optional[int] = ..., healthy: _Optional[bool] = ..., reason: _Optional[str] = ..., capacity_source: _Optional[str] = ..., kv_usage: _Optional[float] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., period_ms: _Optional[int] = ..., engine_kind: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., capacity_rule: _Optional[str] = ..., usage_source: _Optional[str] = ..., unreserved_tokens: _Optional[int] = ..., engine_sample_age_ms: _Optional[int] = ..., prefix: _Optional[_Union[PrefixSummary, _Mapping]] = ..., decode_tokens_per_s: _Optional[float] = ..., releases: _Optional[_Iterable[_Union[ExpectedRelease, _Mapping]]] = ..., freed_tokens_total: _Optional[int] = ..., prefix_source: _Optional[str] = ..., heartbeat_ms: _Optional[int] = ..., role: _Optional[str] = ..., lend_tokens: _Optional[int] = ..., lend_max_prompt_tokens: _Optional[int] = ..., head: _Optional[_Union[HeadClaim, _Mapping]] = ..., max_model_len: _Optional[int] = ..., prefill_backlog_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., tenant_service: _Optional[_Mapping[str, float]] = ..., tenant_held: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    tenant_tokens: _containers.ScalarMap[str, int]
+    publishes_tenant_tokens: bool
+    def __init__(self, node: _Optional[str] = ..., endpoint: _Optional[str] = ..., seq: _Optional[int] = ..., sample_time_unix_ns: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., safety_ratio: _Optional[float] = ..., used_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., reservations: _Optional[int] = ..., headroom_tokens: _Optional[int] = ..., healthy: _Optional[bool] = ..., reason: _Optional[str] = ..., capacity_source: _Optional[str] = ..., kv_usage: _Optional[float] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., period_ms: _Optional[int] = ..., engine_kind: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., capacity_rule: _Optional[str] = ..., usage_source: _Optional[str] = ..., unreserved_tokens: _Optional[int] = ..., engine_sample_age_ms: _Optional[int] = ..., prefix: _Optional[_Union[PrefixSummary, _Mapping]] = ..., decode_tokens_per_s: _Optional[float] = ..., releases: _Optional[_Iterable[_Union[ExpectedRelease, _Mapping]]] = ..., freed_tokens_total: _Optional[int] = ..., prefix_source: _Optional[str] = ..., heartbeat_ms: _Optional[int] = ..., role: _Optional[str] = ..., lend_tokens: _Optional[int] = ..., lend_max_prompt_tokens: _Optional[int] = ..., head: _Optional[_Union[HeadClaim, _Mapping]] = ..., max_model_len: _Optional[int] = ..., prefill_backlog_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., tenant_service: _Optional[_Mapping[str, float]] = ..., tenant_held: _Optional[_Mapping[str, int]] = ..., tenant_tokens: _Optional[_Mapping[str, int]] = ..., publishes_tenant_tokens: _Optional[bool] = ...) -> None: ...
 
 class HeadClaim(_message.Message):
     __slots__ = ("tokens", "waiting_since_unix_ns", "rank", "slot_after_ms", "fair_service")
