@@ -32,10 +32,11 @@ from kvgate.errors import ConfigError
 
 # Names end up in Kubernetes object names (the chart's Istio and Envoy Gateway modes): DNS labels.
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$")
+# A name of kvgate.yaml's that a route gives: a priority as admission.priorities spells them (the gate
+# reads them in lower case), a tenant class of fairness.classes.
+_CONFIG_NAME = re.compile(r"^[a-z0-9][-_a-z0-9]{0,62}$")
 # What path_separated_prefix accepts: a path, no query or fragment, no trailing slash ("/" alone is the
 # whole host: leave the prefix out instead).
-# A priority name as admission.priorities spells them (the gate reads them in lower case).
-_PRIORITY = re.compile(r"^[a-z0-9][-_a-z0-9]{0,62}$")
 _PATH_PREFIX = re.compile(r"^/[^?#]*[^/?#]$")
 
 # (x-kvgate-* key, RoutePolicy attribute), in the order the metadata is written: the route-policy
@@ -79,12 +80,12 @@ class RoutePolicy:
                 f"path_prefix: {self.path_prefix!r} must start with '/', not end with '/', "
                 "and hold no '?' or '#'"
             )
-        if self.max_priority is not None and not _PRIORITY.match(self.max_priority):
+        if self.max_priority is not None and not _CONFIG_NAME.match(self.max_priority):
             raise ConfigError(
                 f"max_priority: {self.max_priority!r} must be a priority name (a-z, 0-9, '-', '_'), "
                 "one of kvgate.yaml's admission.priorities"
             )
-        if self.tenant_class is not None and not _PRIORITY.match(self.tenant_class):
+        if self.tenant_class is not None and not _CONFIG_NAME.match(self.tenant_class):
             raise ConfigError(
                 f"tenant_class: {self.tenant_class!r} must be a class name (a-z, 0-9, '-', '_'), "
                 "an entry of kvgate.yaml's fairness.classes"
