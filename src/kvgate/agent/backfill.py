@@ -114,12 +114,16 @@ class WaitingClaims:
         return Cap(room_behind(headroom, releases, head.tokens, slot), ReserveReason.HELD_FOR_HEAD)
 
     def caps(
-        self, waiter: Waiter, headroom: int, releases: Callable[[], Sequence[ExpectedRelease]]
+        self,
+        waiter: Waiter,
+        headroom: Callable[[], int],
+        releases: Callable[[], Sequence[ExpectedRelease]],
     ) -> tuple[Cap, ...]:
-        """`cap` as the ledger's `caps` (`releases` is only worked out when somebody waits)."""
+        """`cap` as the ledger's `caps` (`headroom` and `releases` are only worked out when somebody
+        waits: each costs a projection of every live reservation)."""
         if self.head() is None:
             return ()
-        cap = self.cap(waiter, headroom, releases())
+        cap = self.cap(waiter, headroom(), releases())
         return () if cap is None else (cap,)
 
     def answered(

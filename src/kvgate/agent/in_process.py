@@ -263,7 +263,7 @@ class FakeHeadroom:
             raise AgentCallError(f"agent {node}: Reserve failed: DEADLINE_EXCEEDED: no answer in time")
         budget = state.budget()
         waiter = Waiter("", request_id, rank, waiting_since_unix_ns, fair_service)
-        caps = state.claims.caps(waiter, state.ledger.headroom(budget), lambda: self._releases(state))
+        caps = state.claims.caps(waiter, lambda: state.ledger.headroom(budget), lambda: self._releases(state))
         outcome = state.ledger.reserve(
             request_id,
             tokens,

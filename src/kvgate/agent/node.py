@@ -293,7 +293,7 @@ class NodeState:
         chain = prefix if shares else None
         budget = self.budget()
         waiter = Waiter(holder, request_id, rank, waiting_since_unix_ns, fair_service)
-        head_cap = self.claims.caps(waiter, self.ledger.headroom(budget), self._releases)
+        head_cap = self.claims.caps(waiter, lambda: self.ledger.headroom(budget), self._releases)
         result = self.ledger.reserve(
             request_id,
             tokens,
