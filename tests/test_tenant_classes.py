@@ -5,19 +5,18 @@ take that class's weight, most share of KV and quota wherever their own entry se
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pytest
 import yaml
 from test_admission import MODEL, long_route, run
+from test_envoyconfig_routes import run_cli
 from test_fair_share_e2e import gate_figure
 from texts import text_with_tokens
 from waiting import until
 
 from kvgate.agent.in_process import FakeHeadroom, ManualClock
 from kvgate.config import AdmissionConfig, FairnessConfig, TokenQuotaConfig, parse_config
-from kvgate.envoyconfig.cli import register
 from kvgate.envoyconfig.routepolicy import RoutePolicy, layout
 from kvgate.errors import ConfigError
 from kvgate.gate.admission import Admission, Admitted
@@ -159,14 +158,6 @@ def test_a_tenants_own_entry_outranks_its_routes_class_in_the_gate() -> None:
 # --- through the real Envoy: the class a virtual host names reaches the gate --------------------------
 
 
-def run_envoy_config(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser()
-    register(parser.add_subparsers())
-    args = parser.parse_args(["envoy-config", *argv])
-    code: int = args.func(args)
-    return code
-
-
 @pytest.mark.slow
 def test_a_virtual_hosts_tenant_class_sets_the_quota_of_the_requests_it_carries(
     tmp_path: Path, sp_model_path: Path
@@ -197,7 +188,7 @@ def test_a_virtual_hosts_tenant_class_sets_the_quota_of_the_requests_it_carries(
         *("--listen", f"127.0.0.1:{ports['listener']}", "--ready-port", str(ports["ready"])),
         *("--admin-port", str(ports["admin"]), "--output", str(output)),
     ]
-    assert run_envoy_config(argv) == 0
+    assert run_cli(argv) == 0
     prompt = text_with_tokens(sp_model_path, 2_900)
     upstreams = Upstreams({pool: ports[pool] for pool in ("interactive", "long")})
     upstreams.start()

@@ -10,9 +10,12 @@ zero.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TypeVar
+
+_N = TypeVar("_N", int, float)
 
 
 class CapacitySource(StrEnum):
@@ -319,3 +322,20 @@ def headroom_tokens(capacity: int, safety_ratio: float, observed: int | None, re
     """
     committed = reserved if observed is None else max(observed, reserved)
     return admissible(capacity, safety_ratio) - committed
+
+
+def summed_over_agents(
+    nodes: Sequence[NodeView], per_tenant: Callable[[NodeHeadroom], Mapping[str, _N] | None]
+) -> dict[str, _N] | None:
+    """Each tenant's figure summed over the agents' latest messages, `per_tenant` reading it from one
+    (None: an agent that does not publish it); None when no agent does."""
+    totals: dict[str, _N] = {}
+    published = False
+    for node in nodes:
+        figures = per_tenant(node.headroom) if node.headroom is not None else None
+        if figures is None:
+            continue
+        published = True
+        for tenant, figure in figures.items():
+            totals[tenant] = totals[tenant] + figure if tenant in totals else figure
+    return totals if published else None

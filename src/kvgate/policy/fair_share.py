@@ -46,7 +46,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 
 from kvgate.config import FairnessConfig
-from kvgate.headroom.snapshot import NodeView
+from kvgate.headroom.snapshot import NodeView, summed_over_agents
 from kvgate.policy.tenant_book import TenantBook
 
 # Tenants remembered. Past this, the tenant with the least counter that waits for nothing is
@@ -62,15 +62,7 @@ ACTIVE_S = 10.0
 def agents_totals(nodes: Sequence[NodeView]) -> dict[str, float] | None:
     """Each tenant's service summed over the agents' latest messages (NodeHeadroom.tenant_service);
     None when no agent publishes any."""
-    totals: dict[str, float] = {}
-    published = False
-    for node in nodes:
-        if node.headroom is None or not node.headroom.tenant_service:
-            continue
-        published = True
-        for tenant, service in node.headroom.tenant_service.items():
-            totals[tenant] = totals.get(tenant, 0.0) + service
-    return totals if published else None
+    return summed_over_agents(nodes, lambda headroom: headroom.tenant_service or None)
 
 
 class FairShare:

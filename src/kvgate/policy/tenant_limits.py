@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvgate.config import TokenQuotaConfig
-from kvgate.headroom.snapshot import NodeView
+from kvgate.headroom.snapshot import NodeView, summed_over_agents
 from kvgate.policy.tenant_book import TenantBook
 
 # Quota buckets remembered; past this, the full ones are forgotten (they hold nothing to remember).
@@ -189,15 +189,9 @@ class TenantLimits:
 def agents_tokens(nodes: Sequence[NodeView]) -> dict[str, int] | None:
     """Each tenant's reserved tokens summed over the agents' latest messages (NodeHeadroom.tenant_tokens);
     None when no agent publishes them."""
-    totals: dict[str, int] = {}
-    published = False
-    for node in nodes:
-        if node.headroom is None or not node.headroom.publishes_tenant_tokens:
-            continue
-        published = True
-        for tenant, tokens in node.headroom.tenant_tokens.items():
-            totals[tenant] = totals.get(tenant, 0) + tokens
-    return totals if published else None
+    return summed_over_agents(
+        nodes, lambda headroom: headroom.tenant_tokens if headroom.publishes_tenant_tokens else None
+    )
 
 
 def _refill_per_s(quota: TokenQuotaConfig) -> float:
