@@ -220,7 +220,7 @@ class HeadroomView:
         )
         self._merge(link, outcome.headroom_tokens, outcome.reserved_tokens, outcome.reservations)
         if outcome.granted and charge is not None:
-            self._merge_service(link, charge, outcome.charged_tokens)
+            self._merge_service(link, charge, outcome.charged_tokens, tokens)
         if outcome.granted:
             self._merge_prefill(link, max(0, tokens - output_tokens - outcome.cached_tokens))
             if prefix is not None:
@@ -263,18 +263,25 @@ class HeadroomView:
         return link
 
     @staticmethod
-    def _merge_service(link: _Link, charge: TenantCharge, charged_tokens: int) -> None:
-        """This view's own grant counts in its tenant's service and held tokens at once, before the
-        agent's next message says so: the gate's line is ordered by it straight after the grant, and the
-        next request of that tenant sees it in its share."""
+    def _merge_service(link: _Link, charge: TenantCharge, charged_tokens: int, reserved_tokens: int) -> None:
+        """This view's own grant counts in its tenant's service, held and reserved tokens at once, before
+        the agent's next message says so: the gate's line is ordered by it straight after the grant,
+        the next request of that tenant sees it in its share, and its quota, which counts the growth of
+        the reserved tokens, is not given back what the grant took (kvgate.policy.tenant_limits)."""
         latest = link.latest
         if latest is None:
             return
+        tenant = charge.tenant
         service = dict(latest.tenant_service)
-        service[charge.tenant] = service.get(charge.tenant, 0.0) + charge.cost
+        service[tenant] = service.get(tenant, 0.0) + charge.cost
         held = dict(latest.tenant_held)
-        held[charge.tenant] = held.get(charge.tenant, 0) + charged_tokens
-        link.latest = dataclasses.replace(latest, tenant_service=service, tenant_held=held)
+        held[tenant] = held.get(tenant, 0) + charged_tokens
+        reserved = dict(latest.tenant_tokens)
+        if latest.publishes_tenant_tokens:
+            reserved[tenant] = reserved.get(tenant, 0) + reserved_tokens
+        link.latest = dataclasses.replace(
+            latest, tenant_service=service, tenant_held=held, tenant_tokens=reserved
+        )
 
     @staticmethod
     def _merge(
