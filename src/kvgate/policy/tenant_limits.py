@@ -15,8 +15,9 @@ hold it again.
 Across replicas. Every long request passes one agent's Reserve, and the agents publish what each
 tenant's grants reserved, settled on what ran (NodeHeadroom.tenant_tokens). Where they do (`observe`),
 every replica's bucket takes what the tenant's sum over the agents grew by: the grants of every gate
-replica and of `kvgate queue`, and their settlements. A replica's own grant is taken at once and the
-agents' next figures then show it, already counted; a request still waiting for its grant holds its
+replica and of `kvgate queue`, and their settlements. A replica's own grant is taken at once, and its
+view of the agents' figures counts it at once too (kvgate.headroom.view), so a message sampled before
+the grant does not give it back; a request still waiting for its grant holds its
 estimate against the bucket here (`pending`), so two of a tenant's requests cannot both pass on one
 bucket's room. Two replicas may each let one request through on the same room in the time it takes an
 agent's message to reach the other (about a period, 100 ms): the quota slips by at most that. An
