@@ -772,6 +772,7 @@ STRIPPED_HEADERS = [
     "x-kvgate-reason",
     "x-kvgate-tenant",
     "x-kvgate-priority",
+    "x-kvgate-tenant-class",
     "x-tenant",
     "x-tenant-id",
 ]

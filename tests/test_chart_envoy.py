@@ -115,6 +115,22 @@ ROUTE_POLICIES: list[dict[str, Any]] = [
         "async": "allow",
     },
 ]
+TENANT_CLASS_POLICIES = [
+    {"name": "partners", "hosts": ["partners.example.com"], "tenantClass": "partners"},
+    {
+        "name": "partners-trial",
+        "hosts": ["partners.example.com"],
+        "pathPrefix": "/trial",
+        "tenantClass": "trial",
+    },
+    {
+        "name": "partners-strict",
+        "hosts": ["partners.example.com"],
+        "pathPrefix": "/v1/chat",
+        "maxTotalTokens": 8000,
+    },
+    {"name": "trial", "pathPrefix": "/trial", "tenantClass": "trial"},
+]
 CAMEL_TO_SNAKE = {
     "pathPrefix": "path_prefix",
     "interactiveMaxTokens": "interactive_max_tokens",
@@ -122,6 +138,7 @@ CAMEL_TO_SNAKE = {
     "defaultOutputTokens": "default_output_tokens",
     "modelPolicy": "model_policy",
     "async": "async_",
+    "tenantClass": "tenant_class",
 }
 
 
@@ -170,6 +187,15 @@ BOOTSTRAP_CASES: dict[str, dict[str, Any]] = {
         queue={"enabled": True, "unauthenticated": True},
         envoy={"routePolicies": ROUTE_POLICIES},
     ),
+    # Classed routes to the queue carry their class: a path's own, else its virtual host's.
+    **{
+        f"tenant-classes{suffix}": standalone(
+            gate={"config": {"fairness": {"classes": {"partners": {"weight": 3}, "trial": {"weight": 0.5}}}}},
+            queue={"enabled": True, "unauthenticated": True},
+            envoy={"routePolicies": TENANT_CLASS_POLICIES, "standalone": {"roundTrips": trips}},
+        )
+        for suffix, trips in (("", 2), ("-one-trip", 1))
+    },
     "route-policies-one-trip": standalone(
         gate={"config": {"policies": {"batch": {"async_mode": "prefer"}}}},
         envoy={"routePolicies": ROUTE_POLICIES, "standalone": {"roundTrips": 1}},

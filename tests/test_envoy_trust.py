@@ -1,7 +1,7 @@
 """Envoy's side of the trust boundary (issue 27), in every shipped config and in `kvgate envoy-config`'s
 output, and through the real Envoy binary:
-- a client cannot name its own tenant or priority (x-kvgate-tenant, x-kvgate-priority, x-tenant,
-  x-tenant-id), and one without an identity is the tenant "anonymous";
+- a client cannot name its own tenant, priority or tenant class (x-kvgate-tenant, x-kvgate-priority,
+  x-kvgate-tenant-class, x-tenant, x-tenant-id), and one without an identity is the tenant "anonymous";
 - a JWT's claims are the tenant and priority (envoy/envoy-jwt.yaml); a bad token is refused;
 - 1,030 open requests do not make Envoy skip the gate (the gate cluster's circuit breakers);
 - `strict.local.` and `strict.local:80` get strict.local's policy.
@@ -39,7 +39,13 @@ ENVOY = ROOT / "envoy"
 CHAT = "/v1/chat/completions"
 # Every Envoy bootstrap shipped in envoy/ (kvgate.yaml is the gate's own config).
 SHIPPED = sorted(p.name for p in ENVOY.glob("*.yaml") if p.name != "kvgate.yaml")
-IDENTITY_HEADERS = ("x-kvgate-tenant", "x-kvgate-priority", "x-tenant", "x-tenant-id")
+IDENTITY_HEADERS = (
+    "x-kvgate-tenant",
+    "x-kvgate-priority",
+    "x-kvgate-tenant-class",
+    "x-tenant",
+    "x-tenant-id",
+)
 ISSUER = "https://id.example.com"  # envoy/envoy-jwt.yaml's provider
 AUDIENCE = "kvgate"
 

@@ -67,6 +67,25 @@ def test_a_tenant_of_weight_three_gets_three_times_the_tokens_while_both_wait() 
     assert sum(1 for name in order if name.startswith("heavy")) == 30
 
 
+def test_a_tenant_takes_the_weight_of_the_class_its_latest_jobs_route_gave_it() -> None:
+    """The class travels with each job (x-kvgate-tenant-class, set by the route): a tenant of no entry of
+    its own weighs its class's 3 in the queue's order, as it does in the gate's line; its own entry
+    still wins, and a class kvgate.yaml does not have is none."""
+    config = parse_config(
+        "fairness: {classes: {partners: {weight: 3}}, tenants: {own: {weight: 1}}}"
+    ).fairness
+    fair = FairQueue(config)
+    classed = [dataclasses.replace(job, tenant_class="partners") for job in jobs("p", 40)]
+    fair.load(jobs("a", 40) + classed, per_group=100)
+    assert sum(1 for name in dispatch(fair, 40) if name.startswith("p")) == 30
+
+    for tenant, tenant_class in (("own", "partners"), ("p", "unknown")):
+        fair = FairQueue(config)
+        mine = [dataclasses.replace(job, tenant_class=tenant_class) for job in jobs(tenant, 40)]
+        fair.load(jobs("a", 40) + mine, per_group=100)
+        assert sum(1 for name in dispatch(fair, 40) if name.startswith(tenant)) == 20, tenant
+
+
 def test_a_tenant_that_was_idle_does_not_cash_in_credit() -> None:
     now = [0.0]
     fair = FairQueue(clock=lambda: now[0])

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import aiohttp
+import pytest
 from aiohttp.test_utils import TestServer
 from waiting import PATIENCE_S, until_async
 
@@ -126,8 +127,10 @@ class Queue:
 
 
 @asynccontextmanager
-async def queue(tmp_path: Path, queue_yaml: str = "", capacity: int = 10_000) -> AsyncIterator[Queue]:
-    config = parse_config(f"{QUEUE_CONFIG}queue: {{{queue_yaml}}}\n")
+async def queue(
+    tmp_path: Path, queue_yaml: str = "", capacity: int = 10_000, config_yaml: str = ""
+) -> AsyncIterator[Queue]:
+    config = parse_config(f"{QUEUE_CONFIG}queue: {{{queue_yaml}}}\n{config_yaml}")
     source = FakeHeadroom(time.monotonic, stale_after_s=3600)
     source.add_node("node-a", capacity)
     engines = ScriptedEngines()
@@ -242,6 +245,38 @@ def test_one_tenant_flooding_delays_another_by_one_more_flood_job_at_most(tmp_pa
                 tenants.append(await tenant_of(q, running))
                 q.engines.answer(running)
             assert tenants == ["flood", "quiet", "flood", "quiet", "flood", "flood"]
+
+    run(scenario)
+
+
+@pytest.mark.parametrize(
+    ("tenant_class", "expected"),
+    [
+        ("partners", ["other", "a", "p", "p", "p", "a", "p", "p", "p"]),
+        ("no-such-class", ["other", "a", "p", "a", "p", "a", "p", "a", "p"]),
+    ],
+)
+def test_a_jobs_route_class_weighs_its_tenant_in_the_queue(
+    tmp_path: Path, tenant_class: str, expected: list[str]
+) -> None:
+    """Envoy's route table gives a classed route's requests to the queue their class
+    (x-kvgate-tenant-class): the queue stores it with the job and weighs the tenant by it (partners:
+    weight 3, three jobs for the other tenant's one); a class kvgate.yaml does not have weighs 1."""
+
+    async def scenario() -> None:
+        classes = "fairness: {classes: {partners: {weight: 3}}}\n"
+        async with queue(tmp_path, config_yaml=classes) as q:
+            await q.defer(8000, x_kvgate_tenant="other")  # one runs at a time (8k of a 10k node)
+            await q.engines.wait_calls(1)
+            for _ in range(6):
+                await q.defer(8000, x_kvgate_tenant="a")
+                await q.defer(8000, x_kvgate_tenant="p", x_kvgate_tenant_class=tenant_class)
+            tenants = []
+            for done in range(9):
+                running = await next_call(q, done)
+                tenants.append(await tenant_of(q, running))
+                q.engines.answer(running)
+            assert tenants == expected
 
     run(scenario)
 

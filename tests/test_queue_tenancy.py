@@ -261,15 +261,19 @@ def test_a_store_made_before_tenancy_is_brought_up_to_date(store_url: str) -> No
             other = await store.add(new_job("mallory", "req-old"), ROOMY)
             assert not isinstance(other, QueueFull) and other.id != "job_old"
             charged = await store.add(
-                dataclasses.replace(new_job("alice", None), charge=JobCharge(700, 300)), ROOMY
+                dataclasses.replace(
+                    new_job("alice", None), charge=JobCharge(700, 300), tenant_class="partners"
+                ),
+                ROOMY,
             )
             assert not isinstance(charged, QueueFull)
             heads = sorted(await store.waiting(8), key=lambda w: w.seq)
             assert [w.id for w in heads] == ["job_old", other.id, charged.id], "new jobs are younger"
             assert [w.charge for w in heads] == [None, None, JobCharge(700, 300)], "old rows keep no charge"
+            assert [w.tenant_class for w in heads] == [None, None, "partners"], "nor a tenant class"
         finally:
             await store.close()
-        again = JobStore(open_database(store_url))  # a second start finds version 3: nothing to do
+        again = JobStore(open_database(store_url))  # a second start finds version 4: nothing to do
         await again.start()
         await again.close()
 

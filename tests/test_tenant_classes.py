@@ -5,6 +5,7 @@ take that class's weight, most share of KV and quota wherever their own entry se
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -214,3 +215,75 @@ def test_a_virtual_hosts_tenant_class_sets_the_quota_of_the_requests_it_carries(
         upstreams.stop()
     assert (first[0], second, elsewhere[0]) == (200, (429, Reason.TENANT_QUOTA.value), 200)
     assert [r.pool for r in upstreams.received] == ["long", "long"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("round_trips", ["1", "2"])
+def test_a_routes_class_reaches_the_queue_with_the_jobs_it_carries_and_a_clients_does_not(
+    tmp_path: Path, sp_model_path: Path, round_trips: str
+) -> None:
+    """Through Envoy with `kvgate envoy-config --queue --route-policies`: the requests a classed
+    virtual host or path sends to the queue, the gate's async hand-off and the queue's own API alike,
+    carry the class in x-kvgate-tenant-class (a path's class over its host's), for the queue to weigh
+    the jobs as the gate weighs the route's requests; a client's own copy of the header reaches it from
+    no route."""
+    ports = {
+        name: free_port() for name in ("listener", "ready", "admin", "gate", "interactive", "long", "queue")
+    }
+    config = (
+        f"default_model: {{tokenizer: {sp_model_path}, interactive_max_tokens: 1024, async_mode: allow}}\n"
+        "fairness: {classes: {partners: {weight: 3}, trial: {weight: 0.5}}}\n"
+    )
+    (tmp_path / "gate.yaml").write_text(config)
+    routes = tmp_path / "routes.yaml"
+    policies = [
+        {"name": "partners", "hosts": ["partners.local"], "tenant_class": "partners"},
+        {"name": "trial", "path_prefix": "/v1/completions", "tenant_class": "trial"},
+    ]
+    routes.write_text(yaml.safe_dump({"route_policies": policies}))
+    output = tmp_path / "envoy.yaml"
+    argv = [
+        *("--pool", f"interactive=127.0.0.1:{ports['interactive']}"),
+        *("--pool", f"long=127.0.0.1:{ports['long']}"),
+        *("--queue", f"127.0.0.1:{ports['queue']}"),
+        *("--gate", f"127.0.0.1:{ports['gate']}", "--config", str(tmp_path / "gate.yaml")),
+        *("--route-policies", str(routes), "--round-trips", round_trips),
+        *("--listen", f"127.0.0.1:{ports['listener']}", "--ready-port", str(ports["ready"])),
+        *("--admin-port", str(ports["admin"]), "--output", str(output)),
+    ]
+    assert run_cli(argv) == 0
+    prompt = text_with_tokens(sp_model_path, 2_900)
+    upstreams = Upstreams({pool: ports[pool] for pool in ("interactive", "long", "queue")})
+    upstreams.start()
+    forged = {"x-kvgate-tenant-class": "partners"}
+    try:
+        with gate_process(config, tmp_path, ports["gate"]):
+            envoy = envoy_process(output, tmp_path, ports["admin"], ports["listener"])
+            try:
+                deferred = {"prefer": "respond-async", **forged}
+                sent = [
+                    ("partners.local", "/v1/chat/completions", chat(prompt), deferred),
+                    (
+                        "partners.local",
+                        "/v1/completions",
+                        json.dumps({"model": "test-model", "prompt": prompt}).encode(),
+                        deferred,
+                    ),
+                    ("other.local", "/v1/chat/completions", chat(prompt), deferred),
+                    ("partners.local", "/v1/files", b"{}", forged),
+                    ("other.local", "/v1/files", b"{}", forged),
+                ]
+                for host, path, body, headers in sent:
+                    reply = post(ports["listener"], path, body, {"host": host, **headers})
+                    assert reply.status == 200, (host, path, reply.status, reply.body[:200])
+            finally:
+                envoy.stop()
+    finally:
+        upstreams.stop()
+    assert [(r.pool, r.headers.get("x-kvgate-tenant-class")) for r in upstreams.received] == [
+        ("queue", "partners"),
+        ("queue", "trial"),
+        ("queue", None),
+        ("queue", "partners"),
+        ("queue", None),
+    ]

@@ -52,6 +52,10 @@ ROUTE_MODEL_POLICY = "x-kvgate-model-policy"
 ROUTE_ASYNC = "x-kvgate-async"
 ROUTE_MAX_PRIORITY = "x-kvgate-max-priority"
 ROUTE_TENANT_CLASS = "x-kvgate-tenant-class"
+# The same name as an upstream header: a classed route's requests to `kvgate queue` carry their class
+# (set by Envoy's route table, a client's copy removed at the edge), so the queue weighs its jobs as
+# the gate weighs the route's requests (kvgate.policy.tenant_book).
+TENANT_CLASS_HEADER = ROUTE_TENANT_CLASS
 
 # The dynamic-metadata namespace of the gate's decision, and its keys. Envoy routes on `pool` and
 # `endpoint` in the one-round-trip set-up and access logs read the rest.

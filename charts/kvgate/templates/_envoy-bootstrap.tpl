@@ -125,7 +125,7 @@ static_resources:
                     - name: pools
                       domains: ["*"]
                       routes:
-                        {{- include "kvgate.envoy.routes" (dict "root" . "paths" $layout.paths "oneTrip" $oneTrip "namespace" $namespace) | nindent 24 }}
+                        {{- include "kvgate.envoy.routes" (dict "root" . "paths" $layout.paths "hostClass" "" "oneTrip" $oneTrip "namespace" $namespace) | nindent 24 }}
                     {{- range $host := $layout.hosts }}
                     - name: {{ printf "policy-%s" $host.name }}
                       # The HCM strips a port and a trailing dot from the Host before matching
@@ -140,7 +140,7 @@ static_resources:
                         {{- include "kvgate.routePolicies.extProcPerRoute" . | nindent 24 }}
                       {{- end }}
                       routes:
-                        {{- include "kvgate.envoy.routes" (dict "root" $ "paths" $host.paths "oneTrip" $oneTrip "namespace" $namespace) | nindent 24 }}
+                        {{- include "kvgate.envoy.routes" (dict "root" $ "paths" $host.paths "hostClass" (include "kvgate.routePolicies.tenantClass" $host.metadata) "oneTrip" $oneTrip "namespace" $namespace) | nindent 24 }}
                     {{- end }}
                 {{- include "kvgate.envoy.upstreamFailureReplies" . | nindent 16 }}
                 http_filters:
@@ -407,7 +407,9 @@ headers:
 {{/*
 One virtual host's routes, as kvgate.envoyconfig.bootstrap.routes: the queue's own API (queue.enabled),
 then each route policy path's pool routes (longest prefix first), then the pool routes for every path.
-Include with (dict "root" $ "paths" LIST "oneTrip" BOOL "namespace" NS).
+The routes to the queue carry the tenant class of their path's policy, else of the virtual host's
+(`hostClass`, "" for none) in x-kvgate-tenant-class.
+Include with (dict "root" $ "paths" LIST "hostClass" CLASS "oneTrip" BOOL "namespace" NS).
 */}}
 {{- define "kvgate.envoy.routes" -}}
 {{- $root := .root -}}
@@ -433,12 +435,25 @@ Include with (dict "root" $ "paths" LIST "oneTrip" BOOL "namespace" NS).
       "@type": type.googleapis.com/envoy.extensions.filters.http.buffer.v3.BufferPerRoute
       disabled: true
     {{- end }}
+  {{- include "kvgate.envoy.tenantClassHeader" $.hostClass }}
 {{- end }}
 {{- end }}
 {{- range $path := .paths }}
-{{- include "kvgate.envoy.poolRoutes" (dict "root" $root "path" $path.prefix "metadata" $path.metadata "oneTrip" $.oneTrip "namespace" $.namespace) }}
+{{- $class := include "kvgate.routePolicies.tenantClass" $path.merged | default $.hostClass }}
+{{- include "kvgate.envoy.poolRoutes" (dict "root" $root "path" $path.prefix "metadata" $path.metadata "tenantClass" $class "oneTrip" $.oneTrip "namespace" $.namespace) }}
 {{- end }}
-{{- include "kvgate.envoy.poolRoutes" (dict "root" $root "path" "" "metadata" list "oneTrip" .oneTrip "namespace" .namespace) }}
+{{- include "kvgate.envoy.poolRoutes" (dict "root" $root "path" "" "metadata" list "tenantClass" .hostClass "oneTrip" .oneTrip "namespace" .namespace) }}
+{{- end -}}
+
+{{/* A route to the queue in a tenant class ("" for none): the class, for the queue to weigh its jobs. */}}
+{{- define "kvgate.envoy.tenantClassHeader" -}}
+{{- with . }}
+  request_headers_to_add:
+    - header:
+        key: x-kvgate-tenant-class
+        value: {{ . | quote }}
+      append_action: OVERWRITE_IF_EXISTS_OR_ADD
+{{- end }}
 {{- end -}}
 
 {{/* The pool routes under one path ("": every path), each carrying the route policy `metadata`. */}}
@@ -476,6 +491,9 @@ Include with (dict "root" $ "paths" LIST "oneTrip" BOOL "namespace" NS).
   typed_per_filter_config:
     {{- include "kvgate.routePolicies.extProcPerRoute" . | nindent 4 }}
   {{- end }}
+  {{- if eq $name $queuePool }}
+  {{- include "kvgate.envoy.tenantClassHeader" $.tenantClass }}
+  {{- end }}
 {{- end }}
 {{- end }}
 {{- include "kvgate.envoy.unansweredRoutes" (dict "root" $root "common" $common "metadata" .metadata) }}
@@ -490,6 +508,9 @@ Include with (dict "root" $ "paths" LIST "oneTrip" BOOL "namespace" NS).
   {{- with .metadata }}
   typed_per_filter_config:
     {{- include "kvgate.routePolicies.extProcPerRoute" . | nindent 4 }}
+  {{- end }}
+  {{- if eq $envoy.defaultPool $queuePool }}
+  {{- include "kvgate.envoy.tenantClassHeader" .tenantClass }}
   {{- end }}
 {{- end -}}
 

@@ -142,6 +142,11 @@ interactiveMaxTokens:x-kvgate-interactive-max-tokens,maxTotalTokens:x-kvgate-max
 {{- end -}}
 
 {{/* An ExtProcPerRoute with the metadata list (the gate's route policy), as typed_per_filter_config. */}}
+{{/* The tenant class a {key, value} list names, or "" (kvgate.envoyconfig.bootstrap.tenant_class_of). */}}
+{{- define "kvgate.routePolicies.tenantClass" -}}
+{{- range . }}{{ if eq .key "x-kvgate-tenant-class" }}{{ .value }}{{ end }}{{ end -}}
+{{- end -}}
+
 {{- define "kvgate.routePolicies.extProcPerRoute" -}}
 envoy.filters.http.ext_proc:
   "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute

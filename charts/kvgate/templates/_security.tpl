@@ -5,12 +5,13 @@ headers a client may not send, the identity Envoy derives, and the bounds that k
 
 {{/*
 Identity headers a client may not choose: the tenant and priority (the gate's admission.priority_header)
-Envoy sets after authentication, and the tenant names older set-ups read (the queue's x-tenant,
+Envoy sets after authentication, the tenant class a route sets for the queue (x-kvgate-tenant-class), and
+the tenant names older set-ups read (the queue's x-tenant,
 envoy/rate-limit.yaml's x-tenant-id). Removed early with the gate's own headers, as
 kvgate.envoyconfig.identity.strip_client_headers does.
 */}}
 {{- define "kvgate.identityHeaders" -}}
-{{ include "kvgate.tenantHeader" . }},{{ include "kvgate.priorityHeader" . }},x-tenant,x-tenant-id
+{{ include "kvgate.tenantHeader" . }},{{ include "kvgate.priorityHeader" . }},x-kvgate-tenant-class,x-tenant,x-tenant-id
 {{- end -}}
 
 {{/* Every header the early header mutation removes from client requests, in order. */}}

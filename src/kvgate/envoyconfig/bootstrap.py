@@ -146,6 +146,7 @@ from kvgate.names import (
     POOL_HEADER,
     REASON_HEADER,
     SESSION_HEADER,
+    TENANT_CLASS_HEADER,
     TOKENS_HEADER,
 )
 
@@ -224,9 +225,25 @@ def _pool_action(settings: EnvoySettings, pool: str) -> RouteAction:
     return action
 
 
-def pool_routes(settings: EnvoySettings, path: str | None = None, metadata: Metadata = ()) -> list[Route]:
+def tenant_class_of(metadata: Metadata) -> str | None:
+    """The tenant class a route policy's metadata names, if any."""
+    return next((value for key, value in metadata if key == TENANT_CLASS_HEADER), None)
+
+
+def _to_the_queue(settings: EnvoySettings, pool: str, tenant_class: str | None) -> list[HeaderValueOption]:
+    """A classed route's requests to `kvgate queue` carry their class, which the queue reads to weigh the
+    job as the gate weighs the request (the gate reads it from the ext_proc metadata instead)."""
+    if tenant_class is None or pool != settings.queue_pool:
+        return []
+    return _header_options([(TENANT_CLASS_HEADER, tenant_class)])
+
+
+def pool_routes(
+    settings: EnvoySettings, path: str | None = None, metadata: Metadata = (), tenant_class: str | None = None
+) -> list[Route]:
     """Pool routes by the gate's decision, under `path` (every path when None), each carrying the route
-    policy `metadata`; the default pool's catch-all comes last because it matches everything."""
+    policy `metadata`; the default pool's catch-all comes last because it matches everything. The route
+    to the queue carries `tenant_class`, the class of the route's policy with its virtual host's under it."""
     timeout = datetime.timedelta(seconds=settings.route_timeout_seconds)
     policy = _ext_proc_metadata(metadata)
     result: list[Route] = []
@@ -246,12 +263,18 @@ def pool_routes(settings: EnvoySettings, path: str | None = None, metadata: Meta
                 match=_pool_match(settings, name, False, path),
                 route=_pool_action(settings, name),
                 typed_per_filter_config=policy,
+                request_headers_to_add=_to_the_queue(settings, name, tenant_class),
             )
         )
     result += unanswered_routes(settings, path, policy)
     catch_all = _pool_action(settings, settings.default_pool)
     result.append(
-        Route(match=_pool_match(settings, None, False, path), route=catch_all, typed_per_filter_config=policy)
+        Route(
+            match=_pool_match(settings, None, False, path),
+            route=catch_all,
+            typed_per_filter_config=policy,
+            request_headers_to_add=_to_the_queue(settings, settings.default_pool, tenant_class),
+        )
     )
     return result
 
@@ -303,12 +326,13 @@ def unanswered_routes(
     return result
 
 
-def queue_api_routes(settings: EnvoySettings) -> list[Route]:
+def queue_api_routes(settings: EnvoySettings, tenant_class: str | None = None) -> list[Route]:
     """`kvgate queue`'s own API straight to it: nothing there for the gate to size (the queue admits each
     batch line itself), and a batch file may be larger than any request body the gate buffers. Nor is
     it inflated: no buffer caps these streamed routes, so a 548 KB gzip upload would reach the queue as
     191 MiB; the queue refuses a compressed upload (415) before reading it. A route's FilterConfig
-    `disabled` turns any HTTP filter off for it (envoy/config/route/v3/route_components.proto)."""
+    `disabled` turns any HTTP filter off for it (envoy/config/route/v3/route_components.proto). In a
+    virtual host of a tenant class, they carry it: the batches and jobs sent there are the class's."""
     if settings.queue_pool is None:
         return []
     off = {
@@ -323,17 +347,26 @@ def queue_api_routes(settings: EnvoySettings) -> list[Route]:
             match=RouteMatch(path_separated_prefix=path),
             route=RouteAction(cluster=pool_cluster(settings.queue_pool), timeout=timeout),
             typed_per_filter_config=dict(off),
+            request_headers_to_add=_to_the_queue(settings, settings.queue_pool, tenant_class),
         )
         for path in QUEUE_API_PATHS
     ]
 
 
-def routes(settings: EnvoySettings, paths: Sequence[PolicyPath] = ()) -> list[Route]:
-    """One virtual host's routes: the queue's API, the route policies' paths (longest first), the pools."""
-    result = queue_api_routes(settings)
+def routes(
+    settings: EnvoySettings, paths: Sequence[PolicyPath] = (), host_metadata: Metadata = ()
+) -> list[Route]:
+    """One virtual host's routes: the queue's API, the route policies' paths (longest first), the pools.
+    A route's tenant class is its policy's, else its virtual host's (`host_metadata`), set on each route:
+    Envoy adds a virtual host's request headers after its route's, so a host's class set on the host
+    would overwrite a path's (route.proto, RouteConfiguration.most_specific_header_mutations_wins)."""
+    host_class = tenant_class_of(host_metadata)
+    result = queue_api_routes(settings, host_class)
     for path in paths:
-        result += pool_routes(settings, path.prefix, path.metadata)
-    return result + pool_routes(settings)
+        result += pool_routes(
+            settings, path.prefix, path.metadata, tenant_class_of(path.metadata) or host_class
+        )
+    return result + pool_routes(settings, tenant_class=host_class)
 
 
 def virtual_hosts(settings: EnvoySettings) -> list[VirtualHost]:
@@ -345,7 +378,7 @@ def virtual_hosts(settings: EnvoySettings) -> list[VirtualHost]:
             VirtualHost(
                 name=f"policy-{host.name}",
                 domains=list(host.domains),
-                routes=routes(settings, host.paths),
+                routes=routes(settings, host.paths, host.metadata),
                 typed_per_filter_config=_ext_proc_metadata(host.metadata),
             )
         )

@@ -69,7 +69,7 @@ with warnings.catch_warnings():
     from envoy_data_plane.google.protobuf import Any as AnyMessage
     from envoy_data_plane.google.protobuf import Empty
 
-from kvgate.names import ANONYMOUS_TENANT, TENANT_HEADER
+from kvgate.names import ANONYMOUS_TENANT, TENANT_CLASS_HEADER, TENANT_HEADER
 
 # Tenant headers older kvgate set-ups read (the queue's `x-tenant`, envoy/rate-limit.yaml's
 # `x-tenant-id`): removed from clients like the trusted ones, so no part of the stack that still reads
@@ -121,8 +121,9 @@ Identity = JwtAuth | ExtAuthzAuth | MtlsAuth
 
 
 def trusted_headers(priority_header: str) -> tuple[str, ...]:
-    """The identity headers a client may not send: only Envoy, after authentication, sets them."""
-    return (TENANT_HEADER, priority_header, *LEGACY_TENANT_HEADERS)
+    """The identity headers a client may not send: only Envoy sets them, after authentication (the
+    tenant, the priority) or from the route (the tenant class, for the queue)."""
+    return (TENANT_HEADER, priority_header, TENANT_CLASS_HEADER, *LEGACY_TENANT_HEADERS)
 
 
 def strip_client_headers(gate_headers: tuple[str, ...], priority_header: str) -> TypedExtensionConfig:

@@ -210,6 +210,7 @@ class JobsApp:
             stream=assessed.stream,
             request_id=text_header(request.headers, "x-request-id") or None,
             charge=assessed.charge,
+            tenant_class=self._intake.tenant_class(request.headers),
         )
 
     async def _accepted(self, job: Job) -> web.Response:

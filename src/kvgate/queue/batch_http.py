@@ -62,10 +62,11 @@ from kvgate.queue.store import JobStore, Limits, QueueFull
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Submitter:
-    """Who created a batch: its lines inherit the tenant and priority."""
+    """Who created a batch: its lines inherit the tenant, priority and tenant class."""
 
     tenant: str
     priority: int
+    tenant_class: str | None
 
 
 class BatchApi:
@@ -143,7 +144,11 @@ class BatchApi:
                 errors=tuple(p.as_json() for p in problems),
             )  # fmt: skip
         else:
-            submitter = _Submitter(batch.tenant, self._intake.priority(request.headers))
+            submitter = _Submitter(
+                batch.tenant,
+                self._intake.priority(request.headers),
+                self._intake.tenant_class(request.headers),
+            )
             nodes = self._nodes()
             loop = asyncio.get_running_loop()
             jobs = await loop.run_in_executor(self._executor, self._line_jobs, batch, lines, submitter, nodes)
@@ -212,6 +217,7 @@ class BatchApi:
                 line=line.line,
                 expires_at=batch.expires_at,
                 charge=None if isinstance(assessed, Refusal) else assessed.charge,
+                tenant_class=submitter.tenant_class,
             )
             if isinstance(assessed, Refusal):
                 job = dataclasses.replace(

@@ -3,7 +3,8 @@ service, then age.
 
 Within one priority, tenants share the pool as the gate's line shares it (kvgate.policy.fair_share,
 the Virtual Token Counter): each tenant's counter is the service it attained, divided by its weight
-(`fairness.tenants.NAME.weight` of kvgate.yaml, `fairness.default_weight` for the rest), and the head
+(`fairness.tenants.NAME.weight` of kvgate.yaml, else that of the class its latest job's Envoy route
+gave it, `fairness.classes.NAME`, else `fairness.default_weight`: kvgate.policy.tenant_book), and the head
 job of the tenant with the least counter goes first (ties: the older job). A tenant that starts
 waiting is lifted to the least counter of those waiting, so a tenant that was idle starts level with
 the others instead of cashing in credit. One tenant's thirty 30k-token prompts then take turns with
@@ -32,6 +33,7 @@ from collections.abc import Callable, Container, Iterable, Mapping
 from kvgate.config import FairnessConfig
 from kvgate.headroom.snapshot import TenantCharge
 from kvgate.policy.fair_share import FairShare
+from kvgate.policy.tenant_book import TenantBook
 from kvgate.queue.jobs import Waiting
 
 _Group = tuple[int, str]
@@ -46,7 +48,8 @@ class FairQueue:
         self, fairness: FairnessConfig | None = None, clock: Callable[[], float] = time.monotonic
     ) -> None:
         config = fairness or FairnessConfig()
-        self._fair = FairShare(config, clock=clock)
+        self._book = TenantBook(config)
+        self._fair = FairShare(config, clock=clock, book=self._book)
         self._output_weight = config.output_weight
         self._groups: dict[_Group, deque[Waiting]] = {}
         # Groups the store may hold more of than it handed over: once one empties, read again.
@@ -59,6 +62,9 @@ class FairQueue:
         groups: dict[_Group, deque[Waiting]] = {}
         for job in sorted(waiting, key=lambda j: j.seq):
             groups.setdefault((job.priority, job.tenant), deque()).append(job)
+            # Oldest first, so each tenant keeps the class of its latest job, as the gate keeps its
+            # latest request's.
+            self._book.learn(job.tenant, job.tenant_class)
         self._groups = groups
         self._truncated = {key for key, jobs in groups.items() if len(jobs) >= per_group}
         self._sync_backlog()

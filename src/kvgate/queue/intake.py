@@ -11,7 +11,10 @@ runs it on a thread.
 
 Tenant and priority are Envoy's (`x-kvgate-tenant`, `x-kvgate-priority`: set after it authenticated
 the request, a client's copies removed at the edge) and forwarded by the gate; an absent tenant is
-`anonymous`, and the priority rank is kvgate.policy.identity's rule, the gate's.
+`anonymous`, and the priority rank is kvgate.policy.identity's rule, the gate's. So is the tenant class
+(`x-kvgate-tenant-class`), which Envoy's route table sets on a classed route's requests to the queue
+(kvgate.envoyconfig.bootstrap); a class kvgate.yaml's `fairness.classes` does not have is ignored, as
+the gate ignores it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from kvgate.config.routekeys import MAX_TOKENS
 from kvgate.digits import whole_number
 from kvgate.errors import InvalidRequestError, RequestError
 from kvgate.estimate import Estimator, PromptCosts, local_estimator
-from kvgate.names import TENANT_HEADER
+from kvgate.names import TENANT_CLASS_HEADER, TENANT_HEADER
 from kvgate.policy import Reason, Refusal, decide, thresholds
 from kvgate.policy.identity import Priorities, read_priority, read_tenant
 from kvgate.policy.models import ModelMatcher
@@ -71,6 +74,12 @@ class Intake:
             message = f"The {TENANT_HEADER} header is longer than {MAX_TENANT_CHARS} characters."
             raise InvalidRequestError(message)
         return tenant
+
+    def tenant_class(self, headers: Mapping[str, str]) -> str | None:
+        """The class of fairness settings the request's route gives its tenant; None when it names none
+        or one that kvgate.yaml's `fairness.classes` does not have."""
+        name = headers.get(TENANT_CLASS_HEADER)
+        return name if name in self._config.fairness.classes else None
 
     def assess(
         self, path: str, body: bytes, gate_tokens: str | None, content_encoding: str | None = None

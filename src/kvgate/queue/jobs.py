@@ -95,6 +95,8 @@ class NewJob:
     # Set for a batch line refused at admission: it is stored already failed, for the error file.
     error: JobError | None = None
     charge: JobCharge | None = None
+    # The class of fairness settings its route gave its tenant (kvgate.policy.tenant_book).
+    tenant_class: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +143,7 @@ class Waiting:
     # the agents keep across the queue and the gates (kvgate.agent.backfill).
     created_at: float = 0.0
     charge: JobCharge | None = None  # None: stored by a kvgate that kept no charge (schema 2)
+    tenant_class: str | None = None  # its route's (None: none, or stored before schema 4)
 
 
 def body_json(result: JobResult) -> Any:

@@ -8,6 +8,7 @@ Versions (the one row of `kvgate_schema`; a store without that table is version 
        (UNIQUE(tenant, request_id)); file content in 1 MiB chunks (kvgate_file_chunks); files expire
     3  a job keeps its tenant's charge apart from the tokens it reserves: its likeliest prompt count
        and its output budget (charge_prompt_tokens, charge_output_tokens; NULL in older rows)
+    4  a job keeps the tenant class its route gave it (tenant_class; NULL: none, or an older row)
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from kvgate.errors import StoreError
 from kvgate.queue.database import literal
 
-VERSION = 3
+VERSION = 4
 # A version-1 file had no expiry: it expires this long after its upload (OpenAI's default for
 # purpose=batch, `expires_after` in openai 3.57.0 types/file_create_params.py).
 LEGACY_FILE_TTL_S = 30 * 24 * 3600
@@ -76,6 +77,8 @@ def plan(dialect: Dialect, version: int | None, tables: set[str]) -> list[str]:
         # After the CREATEs, so that a new store gets them too: the table is created as version 2 had
         # it, which the version-1 upgrade's SQLite rebuild copies rows into.
         steps += _upgrade_to_3()
+    if version is None or version < 4:
+        steps += _upgrade_to_4()
     if version != VERSION:
         steps += ["DELETE FROM kvgate_schema", f"INSERT INTO kvgate_schema (version) VALUES ({VERSION})"]
     return steps
@@ -181,6 +184,10 @@ def _upgrade_to_3() -> list[str]:
         "ALTER TABLE kvgate_jobs ADD COLUMN charge_prompt_tokens BIGINT",
         "ALTER TABLE kvgate_jobs ADD COLUMN charge_output_tokens BIGINT",
     ]
+
+
+def _upgrade_to_4() -> list[str]:
+    return ["ALTER TABLE kvgate_jobs ADD COLUMN tenant_class TEXT"]
 
 
 def _upgrade_to_2(dialect: Dialect) -> list[str]:

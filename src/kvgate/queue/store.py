@@ -46,11 +46,15 @@ JOB_COLUMNS = (
     "result_type, result_body, error_code, error_message"
 )
 _REQUEST_COLUMNS = "path, headers, body"
+_WAITING_COLUMNS = (
+    "id, priority, tenant, tokens, seq, attempts, created_at, charge_prompt_tokens, charge_output_tokens, "
+    "tenant_class"
+)
 _INSERT = (
     "INSERT INTO kvgate_jobs (id, request_id, state, priority, tenant, tokens, model, stream, path, "
     "headers, body, created_at, expires_at, batch_id, custom_id, line, finished_at, error_code, "
-    "error_message, charge_prompt_tokens, charge_output_tokens) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, {now}, ?, ?, ?, ?, {finished}, ?, ?, ?, ?)"
+    "error_message, charge_prompt_tokens, charge_output_tokens, tenant_class) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, {now}, ?, ?, ?, ?, {finished}, ?, ?, ?, ?, ?)"
 )
 # The states as the SQL below names them (kvgate.queue.database.literal): never spelled by hand.
 _QUEUED = literal(JobState.QUEUED)
@@ -181,10 +185,9 @@ class JobStore:
         """The oldest `per_group` queued jobs of every (priority, tenant)."""
         async with self.database.transaction() as tx:
             rows = await tx.execute(
-                "SELECT id, priority, tenant, tokens, seq, attempts, created_at, charge_prompt_tokens, "
-                "charge_output_tokens FROM (SELECT id, priority, tenant, tokens, seq, attempts, created_at, "
-                "charge_prompt_tokens, charge_output_tokens, row_number() OVER (PARTITION BY priority, "
-                f"tenant ORDER BY seq) AS n FROM kvgate_jobs WHERE state = {_QUEUED}) AS heads WHERE n <= ?",
+                f"SELECT {_WAITING_COLUMNS} FROM (SELECT {_WAITING_COLUMNS}, row_number() OVER (PARTITION BY "
+                f"priority, tenant ORDER BY seq) AS n FROM kvgate_jobs WHERE state = {_QUEUED}) AS heads "
+                "WHERE n <= ?",
                 (per_group,),
             )
         return [
@@ -197,6 +200,7 @@ class JobStore:
                 int(r[5]),
                 float(r[6]),
                 None if r[7] is None else JobCharge(int(r[7]), int(r[8] or 0)),
+                r[9],
             )
             for r in rows
         ]
@@ -389,6 +393,7 @@ def _insert_row(job: NewJob) -> tuple[object, ...]:
         job.error.message if job.error else None,
         job.charge.prompt_tokens if job.charge else None,
         job.charge.output_tokens if job.charge else None,
+        job.tenant_class,
     )
 
 
