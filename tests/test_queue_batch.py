@@ -200,3 +200,28 @@ def test_files_are_listed_read_and_deleted_and_bad_requests_say_what_is_wrong(tm
             assert unknown.status == 404
 
     run(scenario)
+
+
+def test_a_batchs_lines_take_the_tenant_class_of_the_request_that_created_it(tmp_path: Path) -> None:
+    """The route's class (x-kvgate-tenant-class, set by Envoy) is stored with every line's job, so the
+    queue weighs the batch's tenant by it; a class kvgate.yaml does not have is stored as none."""
+
+    async def scenario() -> None:
+        classes = "fairness: {classes: {partners: {weight: 3}}}\n"
+        async with queue(tmp_path, config_yaml=classes) as q:
+            for tenant_class in ("partners", "no-such-class"):
+                headers = {"x-kvgate-tenant": "acme", "x-kvgate-tenant-class": tenant_class}
+                response = await create(
+                    q, jsonl(line(f"{tenant_class}-1"), line(f"{tenant_class}-2")), **headers
+                )
+                assert response.status == 200, await response.text()
+            async with q.service.jobs.database.transaction() as tx:
+                rows = await tx.execute("SELECT custom_id, tenant_class FROM kvgate_jobs ORDER BY seq")
+            assert [tuple(row) for row in rows] == [
+                ("partners-1", "partners"),
+                ("partners-2", "partners"),
+                ("no-such-class-1", None),
+                ("no-such-class-2", None),
+            ]
+
+    run(scenario)
