@@ -168,11 +168,21 @@ def test_a_wait_makes_the_scrape_fast_for_a_second_and_a_grant_does_not() -> Non
         assert agent.state.reserve("r", 1_000, 0).granted
         await ticks(agent, clock, 10)  # the ledger holds the grant: no fast scrape for it
         assert engine.scrapes == 4
+        # Nor for one that names the time it waits since: a gate names its arrival on every try.
+        assert agent.state.reserve("named", 1_000, 0, waiting_since_unix_ns=1).granted
+        await ticks(agent, clock, 10)
+        assert engine.scrapes == 6
         assert not agent.state.reserve("too-big", 90_000, 0).granted  # a request waits for room
         await ticks(agent, clock, 10)  # every period for the second after the wait
-        assert engine.scrapes == 14
-        await ticks(agent, clock, 10)
         assert engine.scrapes == 16
+        await ticks(agent, clock, 10)
+        assert engine.scrapes == 18
+        # A waiter that holds its place here (a head claim): every period for as long as it holds it.
+        assert not agent.state.reserve("head", 90_000, 0, waiting_since_unix_ns=1, hold_slot=True).granted
+        await ticks(agent, clock, 20)  # the refusal's second, then the claim's, to its 2 s time to live
+        assert engine.scrapes == 38
+        await ticks(agent, clock, 10)  # lapsed (its gate renews it while it waits): every 500 ms again
+        assert engine.scrapes == 40
         engine.waiting = 2  # the engine queues requests: pressure once a slow scrape has seen it
         await ticks(agent, clock, 5)
         seen = engine.scrapes

@@ -6,13 +6,17 @@ Pure. A scrape and its parse cost about 0.5 ms of the agent's CPU and make the e
 page (shared/research/admission-efficiency.md, section 2). Fresh figures matter where the next grant
 could overfill the node, so the engine is scraped every period while the node is under pressure:
 - its committed KV (max(engine used, reserved)) is at `KV_LEVEL` (0.85) of admissible or more;
-- the engine queues requests, or a request waited for room here within the last `RECENT_S` (1 s): a
-  waiter's next grant hangs on what frees;
+- the engine queues requests, a request was refused room here within the last `RECENT_S` (1 s), or
+  one holds its place here (the head claim the node publishes): a waiter's next grant hangs on what
+  frees;
 - the node's figures are unknown or unhealthy: recovery shows within a period.
 Grants and releases alone are no pressure: the ledger charges a grant in full from the moment it is
 made, and the engine's figures only ever tighten admission (max(used, reserved)), so a scrape after
 each one buys no safety; on the Mooncake replay, where each long node sees a grant every quarter
-second, it kept every agent on the fast cadence for the whole run.
+second, it kept every agent on the fast cadence for the whole run. Nor is a grant to a try that names
+the time it waits since: a gate names its request's arrival on every try, the first included, and
+counting those as waits kept the replay's agents on the fast cadence for 95% of their ticks (a 150 s
+window, 2026-12-04), long nodes at half their KV included.
 
 Otherwise every `idle_s` (500 ms by default). What keeps this safe is unchanged: figures older than
 --engine-stale-after-s (1 s) still make the node unhealthy, and that must stay above the slow interval
@@ -34,6 +38,8 @@ def pressure(latest: NodeHeadroom | None, now: float, waited_at: float) -> str:
         return "no healthy figures"
     if now - waited_at < RECENT_S:
         return "a request waited"
+    if latest.head is not None:
+        return "a request holds its place"
     if latest.waiting:
         return "engine queue"
     committed = max(latest.used_tokens, latest.reserved_tokens)

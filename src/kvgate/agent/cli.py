@@ -345,9 +345,10 @@ def _register_control(parser: argparse.ArgumentParser) -> None:
         default=500,
         metavar="MS",
         help=f"scrape the engine this often when the node is not under pressure; every period while KV is "
-        f"above {KV_LEVEL:g} of admissible, the engine queues, a request waited or reservations changed "
-        f"in the last {RECENT_S:g} s, or the node is unhealthy (default 500; at least a period: 0 "
-        f"scrapes every period). With a scrape's timeout it must stay under --engine-stale-after-s",
+        f"above {KV_LEVEL:g} of admissible, the engine queues, a request was refused room in the last "
+        f"{RECENT_S:g} s or holds its place here, or the node is unhealthy (default 500; at least a "
+        f"period: 0 scrapes every period). With a scrape's timeout it must stay under "
+        f"--engine-stale-after-s",
     )
 
 

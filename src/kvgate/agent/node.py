@@ -309,6 +309,9 @@ class NodeState:
         self.claims.answered(result, waiter, tokens, hold_slot=hold_slot, admissible_tokens=admissible_tokens)
         if result.reason in _ROOM_WANTED or waiting_since_unix_ns > 0:
             self.ratio.waited()
+        if result.reason in _ROOM_WANTED:
+            # Only a refusal: a gate names its request's arrival as the time it waits since on every try,
+            # the first included, so a grant that names one says nothing of anyone waiting here.
             self.waited_at = self._clock()
         if result.reason == ReserveReason.GRANTED:
             now = self._clock()
