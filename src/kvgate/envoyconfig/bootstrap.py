@@ -20,7 +20,8 @@ an ORIGINAL_DST cluster. With `EnvoySettings.gate_tls` Envoy talks TLS (or mTLS)
 With a queue (`EnvoySettings.queue_pool`), `kvgate queue`'s own API goes to it first with ext_proc off,
 and the route to it waits longer than the queue holds a request. Route policies
 (`EnvoySettings.route_layout`) add a virtual host per set of policy hosts and a copy of the pool routes
-under each policy path, carrying the gate's per-route gRPC metadata.
+under each policy path, carrying the gate's per-route gRPC metadata; a tenant class also goes to the
+queue, as the x-kvgate-tenant-class header of the routes to it.
 """
 
 from __future__ import annotations
