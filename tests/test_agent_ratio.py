@@ -176,15 +176,32 @@ def test_a_grant_the_raised_ratio_allows_was_refused_before() -> None:
     assert node.reserve("now-it-fits", 82_000, 0).granted
 
 
-def test_a_waiter_raises_the_ratio_even_when_granted() -> None:
-    """A Reserve that says it has waited (waiting_since) is demand, granted or not."""
+def test_a_waiter_that_held_its_place_raises_the_ratio_when_granted_and_a_first_try_does_not() -> None:
+    """A grant to a waiter that held its place here (its claim) is demand met. A grant to a try that
+    only names the time it waits since is not: a gate names its request's arrival on every try."""
     clock = Clock()
     node = NodeState(NodeSettings("n", "e:1"), clock, uses_engine=True, uses_nvml=False)
-    node.observe_engine(reading(0))
-    node.reserve("w", 1_000, 0, waiting_since_unix_ns=1)
+    idle = reading(0, used=0)
+    node.observe_engine(idle)
+    assert node.reserve("first-try", 1_000, 0, waiting_since_unix_ns=1).granted
     clock.now += START.window_s
-    node.observe_engine(reading(0))
+    node.observe_engine(idle)
+    assert node.budget().safety_ratio == pytest.approx(0.9), "a grant on arrival is no wait"
+
+    # 89,500 > 0.90 x 100,000 - 1,000: refused near the window's end, and it holds its place here.
+    clock.now += START.window_s - 1
+    node.observe_engine(idle)
+    assert not node.reserve("big", 89_500, 0, waiting_since_unix_ns=2, hold_slot=True).granted
+    clock.now += 1  # the refusal's window: up
+    node.observe_engine(idle)
     assert node.budget().safety_ratio == pytest.approx(0.905)
+    clock.now += 0.5  # within the claim's 2 s: the next window's only Reserve is its grant
+    node.observe_engine(idle)
+    node.release("first-try")
+    assert node.reserve("big", 89_500, 0, waiting_since_unix_ns=2, hold_slot=True).granted
+    clock.now += START.window_s - 0.5
+    node.observe_engine(idle)
+    assert node.budget().safety_ratio == pytest.approx(0.91)
 
 
 def test_a_preemption_cuts_what_the_node_grants_at_once() -> None:

@@ -157,6 +157,11 @@ class WaitingClaims:
         self._claims[waiter.key] = new
         return True
 
+    def holds(self, waiter: Waiter) -> bool:
+        """Whether `waiter` holds a live claim here: it waits for room on this node."""
+        self._expire()
+        return waiter.key in self._claims
+
     def drop(self, waiter: Waiter) -> None:
         """The waiter was admitted here, or said it no longer waits (it released)."""
         self._claims.pop(waiter.key, None)

@@ -306,12 +306,14 @@ class NodeState:
             reports_first_token=reports_first_token,
         )
         admissible_tokens = admissible(budget.capacity_tokens, budget.safety_ratio)
+        # A request waited for room here: refused it, or granted it after it held its place here. Not a
+        # grant to a try that names the time it waits since: a gate names its request's arrival on every
+        # try, the first included, and counting those raised the ratio, and kept the engine scraped
+        # every period, wherever traffic ran, whether anyone waited or not.
+        waited_here = result.reason in _ROOM_WANTED or self.claims.holds(waiter)
         self.claims.answered(result, waiter, tokens, hold_slot=hold_slot, admissible_tokens=admissible_tokens)
-        if result.reason in _ROOM_WANTED or waiting_since_unix_ns > 0:
+        if waited_here:
             self.ratio.waited()
-        if result.reason in _ROOM_WANTED:
-            # Only a refusal: a gate names its request's arrival as the time it waits since on every try,
-            # the first included, so a grant that names one says nothing of anyone waiting here.
             self.waited_at = self._clock()
         if result.reason == ReserveReason.GRANTED:
             now = self._clock()

@@ -5,8 +5,10 @@ estimates run short, lets the engine preempt. The engine says which: its preempt
 `vllm:num_preemptions_total`, SGLang's `sglang:num_retracted_requests_total`, kvgate.agent.sources.engines).
 So the share starts at --safety-ratio and moves within [floor, ceiling]:
 - It rises by `step_up` (0.005) at the end of each `window_s` (10 s) in which a request waited for room
-  on this node (a Reserve refused for room, or one that says it has been waiting) and the engine
-  showed no new preemption. With nobody waiting there is nothing to gain, and nothing is learnt.
+  on this node (a Reserve refused for room, or granted to a waiter that held its place here) and the
+  engine showed no new preemption. With nobody waiting there is nothing to gain, and nothing is
+  learnt. A grant to a try that merely names the time it waits since is no wait: a gate names its
+  request's arrival on every try, the first included (kvgate.agent.node).
 - It falls by `step_down` (0.05) at once on any new preemption and stays put for `freeze_s` (60 s).
 - The level that preempted is not reached again soon: the ceiling drops one `step_up` below it and
   comes back one `step_up` per `relax_s` (600 s) without a preemption. So a node that preempted at
