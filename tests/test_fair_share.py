@@ -97,6 +97,65 @@ def test_a_tenant_served_by_another_replica_keeps_its_lead_when_it_comes_to_this
     assert fair.counter("d") == 40_000.0, "lifted to the least counter of the others: c's, now"
 
 
+LOW = 2  # a rank below the default's 0: a batch tenant's
+
+
+def test_a_lower_prioritys_lagging_counter_is_no_floor_for_a_lift_nor_a_bar_to_backfill() -> None:
+    """The fairness scenario's batch tenant F waits at a low priority all run, so its counter lags the
+    others'. Counted in the floor, it kept a tenant back from 60 s off at its old counter (its whole
+    lead, a service gap of 41k against a bound of 24.5k), and no small request could pass the line."""
+    now = [0.0]
+    fair = FairShare(FAIR, clock=lambda: now[0])
+    serve(fair, {"a": [1_000.0] * 100, "b": [1_000.0] * 100}, 100)  # a and b: 50,000 each
+    fair.charge("batch", 5_000.0, LOW)
+    fair.waits("batch", LOW)
+    fair.charge("onoff", 20_000.0)
+    now[0] += ACTIVE_S + 1.0  # onoff idles
+    fair.waits("onoff")
+    assert fair.counter("onoff") == 50_000.0, "lifted to a and b, not left at its own 20,000"
+    assert fair.may_pass("a", 1_000.0), "within a request of the least normal counter, not the batch's"
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_an_on_and_off_tenant_beside_a_waiting_batch_stays_within_the_bound_of_the_flood(seed: int) -> None:
+    """Generated sequences: tenants a (a flood) and b always wait, `batch` waits at a low priority and
+    is served only when no one else waits, and `onoff` comes and goes, idle for longer than ACTIVE_S
+    each time. Between any two normal tenants, over every stretch both wait, the weighted service they
+    attain differs by at most twice the largest cost (VTC's bound), whatever the batch tenant's
+    counter."""
+    draw = random.Random(seed)
+    now = [0.0]
+    fair = FairShare(FAIR, clock=lambda: now[0])
+    fair.waits("batch", LOW)
+    fair.charge("batch", 1_000.0, LOW)
+    normal = ("a", "b", "onoff")
+    for tenant in normal:
+        fair.waits(tenant)
+    waiting = set(normal)
+    largest = 0.0
+    stretch: dict[str, float] = {}
+    for _ in range(800):
+        if draw.random() < 0.05:  # onoff goes off or comes back
+            if "onoff" in waiting:
+                fair.done_waiting("onoff")
+                waiting.discard("onoff")
+            else:
+                now[0] += ACTIVE_S + 1.0
+                fair.waits("onoff")
+                waiting.add("onoff")
+                stretch = {}
+        tenant = min(waiting, key=fair.order)
+        cost = fair.cost(draw.randint(1_000, 12_000), draw.randint(0, 512))
+        largest = max(largest, cost)
+        fair.charge(tenant, cost)
+        for name in waiting:
+            stretch[name] = stretch.get(name, 0.0)
+        stretch[tenant] += cost
+        if "onoff" in waiting:
+            assert max(stretch.values()) - min(stretch.values()) <= 2 * largest
+    assert fair.counter("batch") == 1_000.0
+
+
 def test_weights_divide_the_contended_service() -> None:
     fair = FairShare(FAIR)
     history = serve(fair, {"a": [3_000.0] * 400, "heavy": [3_000.0] * 400}, 400)

@@ -100,6 +100,20 @@ def test_a_tenant_that_was_idle_does_not_cash_in_credit() -> None:
     assert dispatch(fair, 4) == ["b1", "a10", "b2", "a11"]
 
 
+def test_a_batch_waiting_at_a_lower_priority_does_not_let_an_idle_tenant_keep_its_lead() -> None:
+    now = [0.0]
+    fair = FairQueue(clock=lambda: now[0])
+    a, b, batch = jobs("a", 20), jobs("b", 1), jobs("batch", 5, priority=2)
+    fair.load(a + b + batch, per_group=100)
+    assert dispatch(fair, 2) == ["a1", "b1"]
+    assert dispatch(fair, 8) == [f"a{i}" for i in range(2, 10)]  # b idle; the batch waits behind
+    now[0] += ACTIVE_S + 1
+    back = jobs("b", 5)
+    fair.load(a[9:] + back + batch, per_group=100)
+    # b is lifted to a's counter, not to the batch's (which no normal job ever waits behind).
+    assert dispatch(fair, 4) == ["b1", "a10", "b2", "a11"]
+
+
 def test_a_higher_priority_goes_first_and_ties_go_to_the_older_job() -> None:
     fair = FairQueue()
     normal = jobs("a", 2) + jobs("b", 2)

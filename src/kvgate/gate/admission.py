@@ -527,15 +527,15 @@ class Admission:
         """With fair shares, whether `ask` may take room ahead of the line (kvgate.policy.fair_share)."""
         if self._fair is None:
             return True
-        return self._fair.may_pass(ask.tenant, self._cost(ask))
+        return self._fair.may_pass(ask.tenant, self._cost(ask), ask.rank)
 
     def _join_line(self, ask: _Ask) -> Place | None:
         """A place in the line (None: it is full); with fair shares its tenant waits from now."""
         if self._fair is not None:
-            self._fair.waits(ask.tenant)
+            self._fair.waits(ask.tenant, ask.rank)
         place = self._queue.join(ask.rank, ask.waiting_since_unix_ns, ask.tokens, ask.tenant)
         if place is None and self._fair is not None:
-            self._fair.done_waiting(ask.tenant)
+            self._fair.done_waiting(ask.tenant, ask.rank)
         ask.place = place
         self._claim_follows_head()  # a newcomer of a higher priority, or first in the fair order
         return place
@@ -557,7 +557,7 @@ class Admission:
     def _leave_line(self, place: Place, ask: _Ask) -> None:
         self._queue.leave(place)
         if self._fair is not None:
-            self._fair.done_waiting(ask.tenant)
+            self._fair.done_waiting(ask.tenant, ask.rank)
 
     async def _attempt(
         self,
@@ -623,7 +623,7 @@ class Admission:
         if self._fair is not None:
             # Charged while still in the line: the line is sorted again before this request leaves
             # it, so leaving wakes the new head, not the one that led before the charge.
-            self._fair.charge(ask.tenant, self._cost(ask))
+            self._fair.charge(ask.tenant, self._cost(ask), ask.rank)
             self._reorder()
         pinned = Route(route.pool, Reason.LONG, route.tokens, node.headroom.endpoint)
         return Admitted(pinned, ticket)

@@ -27,6 +27,14 @@ active. A lift counts the tenants waiting here and the active ones; an active te
 within the largest weighted cost of them (it keeps a lead of up to one request), an idle one all the
 way, as VTC does.
 
+Priority stays above tenants, and so do the lifts and the backfill bound: a tenant that waits or was
+served at a lower priority (a larger rank) than a request's is left out of that request's floor and
+of what it may pass. Its counter lags by design, since it is owed only what the others leave, and
+counting it let idling bank credit after all: on the fairness scenario the batch tenant's counter sat
+at a fifth of the others', every lift went to it, so a tenant back from 60 s off kept its whole lead
+and took 64k weighted tokens to a flooding tenant's 12k in the next 10 s (a service gap of 41k
+against a bound of 24.5k, 2026-12-04), and small requests could never pass the line.
+
 A request is charged its estimate when admitted (the output budget it reserved) and settled on what
 its engine's answer says it generated, where the gate reads the answer (an endpoint picker,
 kvgate.gate.picker): the counter then holds what ran, not what was guessed.
@@ -85,7 +93,11 @@ class FairShare:
         self._shared: dict[str, float] | None = None
         # What lifts added to a tenant's counter when it started waiting (idle time banks nothing).
         self._lift: dict[str, float] = {}
-        self._waiting: Counter[str] = Counter()  # waiters per tenant: a tenant here is backlogged
+        # Waiters per tenant and rank: a tenant here is backlogged.
+        self._waiting: Counter[tuple[str, int]] = Counter()
+        # The rank each tenant last waited or was served at here: whether an active tenant counts in a
+        # lift or a backfill bound (one only the agents' totals show is taken as the most important).
+        self._rank: dict[str, int] = {}
         self._last_served = 0.0
         self._largest = 0.0  # the largest weighted cost charged: the slack backfill is allowed
 
@@ -115,14 +127,18 @@ class FairShare:
                 self._served_at[tenant] = now
         self._shared = dict(totals)
 
-    def waits(self, tenant: str) -> None:
-        """A request of `tenant` starts waiting; the first of them lifts the tenant's counter: to the
-        least counter of the others that wait here or are active, to within the largest cost of it
-        where the tenant is active itself (its requests wait in another replica's line)."""
-        if self._waiting[tenant] == 0:
+    def waits(self, tenant: str, rank: int = 0) -> None:
+        """A request of `tenant` at `rank` starts waiting; the first of its tenant's lifts the tenant's
+        counter: to the least counter of the others of that rank or a more important one that wait
+        here or are active, to within the largest cost of it where the tenant is active itself (its
+        requests wait in another replica's line)."""
+        if not self._waits(tenant):
             now = self._clock()
-            busy = {t for t, n in self._waiting.items() if n > 0}
-            busy |= {t for t, at in self._served_at.items() if now - at <= ACTIVE_S}
+            busy = self._waiting_at(rank) | {
+                t
+                for t, at in self._served_at.items()
+                if now - at <= ACTIVE_S and self._rank.get(t, 0) <= rank
+            }
             busy.discard(tenant)
             floor = min(map(self.counter, busy)) if busy else self._last_served
             if self._active(tenant, now):
@@ -131,27 +147,30 @@ class FairShare:
             if lift > self._lift.get(tenant, 0.0):
                 self._lift[tenant] = lift
             self._forget_beyond_bound()
-        self._waiting[tenant] += 1
+        self._waiting[tenant, rank] += 1
+        self._rank[tenant] = rank
 
-    def done_waiting(self, tenant: str) -> None:
-        """A waiter of `tenant` left the line: admitted, timed out or gone."""
-        left = self._waiting[tenant] - 1
+    def done_waiting(self, tenant: str, rank: int = 0) -> None:
+        """A waiter of `tenant` at `rank` left the line: admitted, timed out or gone."""
+        left = self._waiting[tenant, rank] - 1
         if left > 0:
-            self._waiting[tenant] = left
+            self._waiting[tenant, rank] = left
         else:
-            del self._waiting[tenant]
+            del self._waiting[tenant, rank]
 
-    def may_pass(self, tenant: str, cost: float) -> bool:
-        """Whether a request of `tenant` costing `cost` may go ahead of the other tenants' waiters:
-        none waits, or its tenant's counter with it stays within the largest weighted cost of theirs."""
-        others = [self.counter(t) for t, n in self._waiting.items() if n > 0 and t != tenant]
+    def may_pass(self, tenant: str, cost: float, rank: int = 0) -> bool:
+        """Whether a request of `tenant` at `rank` costing `cost` may go ahead of the other tenants'
+        waiters of its rank or a more important one: none waits, or its tenant's counter with it stays
+        within the largest weighted cost of theirs."""
+        others = [self.counter(t) for t in self._waiting_at(rank) if t != tenant]
         if not others:
             return True
         weighted = cost / self._book.weight(tenant)
         return self.counter(tenant) + weighted <= min(others) + max(self._largest, weighted)
 
-    def charge(self, tenant: str, cost: float) -> None:
-        """A request of `tenant` was admitted at `cost` (its estimate)."""
+    def charge(self, tenant: str, cost: float, rank: int = 0) -> None:
+        """A request of `tenant` at `rank` was admitted at `cost` (its estimate)."""
+        self._rank[tenant] = rank
         self._largest = max(self._largest, cost / self._book.weight(tenant))
         self._charged[tenant] = self._charged.get(tenant, 0.0) + cost / self._book.weight(tenant)
         if self._shared is not None:
@@ -172,7 +191,17 @@ class FairShare:
     def standing(self) -> list[tuple[str, float, int]]:
         """Every tenant known: its counter and its requests waiting."""
         known = {*self._charged, *self._lift, *(self._shared or ())}
-        return [(tenant, self.counter(tenant), self._waiting[tenant]) for tenant in known]
+        waiting: Counter[str] = Counter()
+        for (tenant, _), n in self._waiting.items():
+            waiting[tenant] += n
+        return [(tenant, self.counter(tenant), waiting[tenant]) for tenant in known]
+
+    def _waits(self, tenant: str) -> bool:
+        return any(t == tenant for t, _ in self._waiting)
+
+    def _waiting_at(self, rank: int) -> set[str]:
+        """The tenants with a waiter here of `rank` or a more important one."""
+        return {t for t, r in self._waiting if r <= rank}
 
     def _active(self, tenant: str, now: float) -> bool:
         served_at = self._served_at.get(tenant)
@@ -184,11 +213,14 @@ class FairShare:
         return self._charged.get(tenant, 0.0)
 
     def _forget_beyond_bound(self) -> None:
-        while max(map(len, (self._charged, self._lift, self._served_at))) > self._max_tenants:
-            idle = [t for t in {*self._charged, *self._lift, *self._served_at} if self._waiting[t] == 0]
+        known = {*self._charged, *self._lift, *self._served_at, *self._rank}
+        while len(known) > self._max_tenants:
+            idle = [t for t in known if not self._waits(t)]
             if not idle:
                 return
             gone = min(idle, key=self.counter)
+            known.discard(gone)
             self._charged.pop(gone, None)
             self._lift.pop(gone, None)
             self._served_at.pop(gone, None)
+            self._rank.pop(gone, None)

@@ -54,7 +54,7 @@ class FairQueue:
         self._groups: dict[_Group, deque[Waiting]] = {}
         # Groups the store may hold more of than it handed over: once one empties, read again.
         self._truncated: set[_Group] = set()
-        self._backlogged: set[str] = set()  # tenants with a job here: waiting, for the lifts
+        self._backlogged: set[_Group] = set()  # (priority, tenant) with a job here: waiting, for the lifts
         self.needs_reload = True
 
     def load(self, waiting: Iterable[Waiting], per_group: int) -> None:
@@ -104,7 +104,7 @@ class FairQueue:
 
     def dispatched(self, job: Waiting) -> None:
         """`job` was sent to a node: charge its tenant."""
-        self._fair.charge(job.tenant, self.charge_of(job).cost)
+        self._fair.charge(job.tenant, self.charge_of(job).cost, job.priority)
         self._remove(job)
 
     def drop(self, job: Waiting) -> None:
@@ -124,13 +124,13 @@ class FairQueue:
             self._sync_backlog()
 
     def _sync_backlog(self) -> None:
-        """A tenant that now has a job here starts waiting (lifted); one with none stops."""
-        first_seq: dict[str, int] = {}
-        for (_, tenant), jobs in self._groups.items():
-            first_seq[tenant] = min(first_seq.get(tenant, jobs[0].seq), jobs[0].seq)
-        tenants = set(first_seq)
-        for tenant in sorted(tenants - self._backlogged, key=first_seq.__getitem__):  # as they arrived
-            self._fair.waits(tenant)
-        for tenant in self._backlogged - tenants:
-            self._fair.done_waiting(tenant)
-        self._backlogged = tenants
+        """A tenant that now has a job here starts waiting at its priority (lifted); one with none
+        stops."""
+        groups = {key: jobs[0].seq for key, jobs in self._groups.items()}
+        for priority, tenant in sorted(
+            groups.keys() - self._backlogged, key=groups.__getitem__
+        ):  # as they arrived
+            self._fair.waits(tenant, priority)
+        for priority, tenant in self._backlogged - groups.keys():
+            self._fair.done_waiting(tenant, priority)
+        self._backlogged = set(groups)
