@@ -53,6 +53,11 @@ def served(
     return Result(planned, sent, "ok", 200, ttft, done, output, prompt_tokens=prompt)
 
 
+def refused(tenant: str, sent: float, *, prompt: int = 1_000) -> Result:
+    planned = Planned(sent, "long", prompt, 1, 0, tenant=tenant)
+    return Result(planned, sent, "429", 429, None, 0.1, 0, prompt_tokens=prompt)
+
+
 # --- the figures ---------------------------------------------------------------------------------
 
 
@@ -146,6 +151,24 @@ def test_a_lower_priority_tenant_is_owed_no_share_while_the_others_wait() -> Non
     assert figures["tenants"]["c"]["fair_share"] == 0.0
     assert figures["tenants"]["a"]["fair_share"] == pytest.approx(0.5)
     assert 0 < figures["tenants"]["c"]["share"] < figures["tenants"]["a"]["share"]
+
+
+def test_a_tenant_that_comes_and_goes_is_owed_a_share_only_of_the_windows_it_asks_in() -> None:
+    """a and b wait and are served alike for 20 s; d waits and is served as they are for the first
+    10 s only, then goes. Each asks three times what it gets (the rest refused). Filled over the whole
+    run, d's demand would owe it a third of everything, and a and b would read as under their shares;
+    filled window by window it is owed a third of the first window and nothing of the second, which is
+    what it got."""
+    results = [served(t, 0.0, 20.0, 20.5) for t in ("a", "b")] + [served("d", 0.0, 10.0, 10.5)]
+    results += [served(t, float(i), 0.5, 0.6) for t in ("a", "b") for i in range(1, 20)]
+    results += [served("d", float(i), 0.5, 0.6) for i in range(1, 10)]
+    on = [(t, i) for t in ("a", "b") for i in range(1, 20)] + [("d", i) for i in range(1, 10)]
+    results += [refused(t, float(i)) for t, i in on for _ in range(2)]
+    weights = {"a": 1.0, "b": 1.0, "d": 1.0}
+    figures = fairness_figures(results, {}, (), weights, step_s=1.0, window_s=10.0)
+    for tenant, row in figures["tenants"].items():
+        assert row["fair_share"] == pytest.approx(row["share"], abs=0.03), tenant
+    assert figures["tenants"]["d"]["fair_share"] < 0.25 < 0.37 < figures["tenants"]["a"]["fair_share"]
 
 
 def test_lower_priority_tenants_are_those_below_the_highest_present() -> None:

@@ -13,7 +13,11 @@ of its long requests waits for its first token all through it.
   half of each `window_s` window (windows with two or more such tenants).
 - `share` of a tenant: its part of the service given in contended steps (two tenants or more
   backlogged); `fair_share`: its weighted max-min share of that service, given what each tenant asked
-  for in those steps (water-filling by weight, no tenant above its demand).
+  for in those steps (water-filling by weight, no tenant above its demand), filled window by window
+  (`window_s`) and summed. Filled once over the whole run, the demand of a tenant that comes and goes
+  counted as if spread over its off minutes too: D, on for two minutes of three at three times its
+  part, was owed a full weight's part of the whole run (0.154) though it could only take one while on,
+  and the tenants that took what it left in its off minute read as over their shares (E +6 %).
 Fair shares are shares between equals: priority stays above tenants (kvgate.gate.waitqueue), so a
 tenant of a lower priority than the highest one present (`lower_priority`: the scenario's batch
 tenant) is owed nothing while the others wait. The gap, Jain's index, the contended steps and the
@@ -201,9 +205,8 @@ def fairness_figures(
     # Raw service (the weight taken back out): a tenant's share of what the pool gave.
     given = {t: sum(_at(service, t, i) for i in contended) * weights.get(t, 1.0) for t in service}
     total = sum(given.values())
-    asked = _demand_in(results, contended, step_s)
     equals = [t for t in weights if t not in lower_priority]
-    fair = max_min_shares({t: asked.get(t, 0.0) for t in equals}, weights, total)
+    fair = _fair_by_window(results, service, contended, weights, equals, step_s=step_s, window_s=window_s)
     tenants = {}
     for tenant, weight in weights.items():
         own = [r for r in results if r.planned.kind == "long" and r.planned.tenant == tenant]
@@ -239,13 +242,44 @@ def fairness_figures(
     }
 
 
-def _demand_in(results: Sequence[Result], contended: Sequence[int], step_s: float) -> dict[str, float]:
-    """What each tenant asked for in the contended steps: the cost (as served, else as planned) of its
-    long requests sent in them."""
-    steps = set(contended)
+def _fair_by_window(
+    results: Sequence[Result],
+    service: Mapping[str, list[float]],
+    contended: Sequence[int],
+    weights: Mapping[str, float],
+    equals: Sequence[str],
+    *,
+    step_s: float,
+    window_s: float,
+) -> dict[str, float]:
+    """Each equal tenant's weighted max-min share of the service given in the contended steps, filled
+    in each `window_s` window from what was given and asked in it, as a fraction of the whole."""
+    windows: dict[int, list[int]] = defaultdict(list)
+    for index in contended:
+        windows[int(index * step_s // window_s)].append(index)
+    owed: dict[str, float] = defaultdict(float)
+    whole = 0.0
+    for steps in windows.values():
+        given = sum(_at(service, t, i) * weights.get(t, 1.0) for t in service for i in steps)
+        asked = _demand_in(results, set(steps), step_s)
+        for tenant, part in max_min_shares({t: asked.get(t, 0.0) for t in equals}, weights, given).items():
+            owed[tenant] += part * given
+        whole += given
+    return {t: owed[t] / whole for t in equals} if whole else {}
+
+
+def _demand_in(results: Sequence[Result], steps: Collection[int], step_s: float) -> dict[str, float]:
+    """What each tenant asked for in `steps`: the cost (as served, else as planned) of its long
+    requests alive in one of them, from sent to answered. A request sent in an earlier window that
+    still waits is asked for here too; one that spans two windows counts in both, where its tenant was
+    a claimant in both."""
     asked: dict[str, float] = defaultdict(float)
     for r in results:
-        if r.planned.kind != "long" or not r.planned.tenant or int(r.sent_s / step_s) not in steps:
+        if r.planned.kind != "long" or not r.planned.tenant:
+            continue
+        first = int(r.sent_s / step_s)
+        last = int((r.sent_s + (r.finished_s or r.ttft_s or 0.0)) / step_s)
+        if not any(index in steps for index in range(first, last + 1)):
             continue
         served = r.outcome == "ok" and r.completion_tokens > 0
         output = r.completion_tokens if served else (r.planned.output_tokens or r.planned.max_tokens)
