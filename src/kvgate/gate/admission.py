@@ -23,6 +23,7 @@ import logging
 import math
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -47,6 +48,7 @@ from kvgate.policy import Decision, Reason, Refusal, Route
 from kvgate.policy.endpoints import UNRESERVED_ENDPOINTS, Subset, least_busy, within
 from kvgate.policy.fair_share import FairShare, agents_totals
 from kvgate.policy.identity import Priorities
+from kvgate.policy.light_reserve import leaves_reserve
 from kvgate.policy.nodes import Affinity, NodeChoice, choose_nodes
 from kvgate.policy.overflow import interactive_saturated, no_healthy_node, overflow
 from kvgate.policy.pressure import PoolPressure
@@ -162,6 +164,9 @@ class _Ask:
     asking: str | None = None
     let_go_late: bool = False
     waited: bool = False  # it found no room at once and joined the waiting order
+    # Its tenant had no long request waiting or running here when it came: it may take the room kept
+    # for light tenants (kvgate.policy.light_reserve).
+    light: bool = False
     held_at: float = float("-inf")  # when it last told that agent so (admission's clock)
     place: Place | None = None  # its place in this gate's line while it waits
 
@@ -217,6 +222,9 @@ class Admission:
         enabled = fairness is not None and fairness.enabled
         self._fair = FairShare(self._fairness, clock=clock, book=self._book) if enabled else None
         self._limits = TenantLimits(self._book) if self._fairness.limits_tenants else None
+        # Each tenant's long requests granted here and not yet released: a tenant with none, and none
+        # waiting, is light (kvgate.policy.light_reserve).
+        self._running: Counter[str] = Counter()
         self._queue = WaitQueue(config.queue_size, clock, self._fair_order if self._fair else arrival)
         self._long_pressure = PoolPressure(PoolKind.LONG, config)
         self._interactive_pressure = PoolPressure(PoolKind.INTERACTIVE, config)
@@ -332,6 +340,7 @@ class Admission:
             tenant,
             charged_prompt_tokens,
         )
+        ask.light = self._running[tenant] == 0 and not self._queue.waits_of(tenant)
         source = self._long if subset is None else _Within(self._long, subset)
         capped = self._over_limits(source, route, ask) if self._limits is not None else None
         if capped is not None:
@@ -346,6 +355,7 @@ class Admission:
             if self._limits is not None:
                 self._count_limits(admitted, ask)
         if admitted.ticket is not None:
+            self._running[tenant] += 1
             outcome = "waited" if ask.waited else "at_once"
         else:
             outcome = admitted.decision.reason.value
@@ -587,6 +597,8 @@ class Admission:
                 node, ask.tokens - cached, ask.rank, since, local, fair_service=service
             ):
                 continue
+            if not self._keeps_light_reserve(nodes, node.agent, ask.tokens - cached, ask):
+                continue
             asked.add(node.agent)
             ticket = await self._try_reserve(
                 source, node.agent, ask, prefix, hold=node.agent == slot, waiting_since_unix_ns=since
@@ -596,6 +608,8 @@ class Admission:
         renew = ask.holds_on != slot or self._clock() - ask.held_at >= CLAIM_RENEW_S
         if slot is None or slot in asked or slot in ask.unanswered_by or not renew:
             return None
+        if not self._keeps_light_reserve(nodes, slot, ask.tokens, ask):
+            return None
         ticket = await self._try_reserve(
             source, slot, ask, prefix, hold=True, waiting_since_unix_ns=ask.waiting_since_unix_ns
         )
@@ -603,6 +617,15 @@ class Admission:
         if ticket is not None and held is not None and held.headroom is not None:
             return self._granted(route, ask, choice, held, ticket)
         return None
+
+    def _keeps_light_reserve(self, nodes: Sequence[NodeView], agent: str, tokens: int, ask: _Ask) -> bool:
+        """Whether `ask` may take `tokens` on `agent`: it is light, no reserve is kept (none set, no
+        fair shares, or no other tenant's request waits here), or some node keeps the reserve beside
+        it (kvgate.policy.light_reserve)."""
+        reserve = self._fairness.light_reserve_tokens
+        if not reserve or self._fair is None or ask.light or not self._queue.waits_other_than(ask.tenant):
+            return True
+        return leaves_reserve(nodes, agent, tokens, reserve)
 
     def _granted(
         self,
@@ -777,6 +800,7 @@ class Admission:
                     if self.leases is not None:
                         self.leases.hold(node.agent, ticket.request_id)
                     moved = dataclasses.replace(ticket, agent=node.agent, outcome=outcome)
+                    self._running[ticket.tenant] += 1  # the release of `ticket` below counts one off
                     if self._limits is not None:
                         self._limits.hold(ticket.tenant, ticket.tokens)
         self._metrics.reservation_moved(moved is not None)
@@ -816,6 +840,9 @@ class Admission:
         Where the gate did not read it, the tenant is settled on what the agent settled the
         reservation on (its node's measured decode rate over the hold), not on the output budget the
         client declared: that is what a quota counts."""
+        self._running[ticket.tenant] -= 1
+        if self._running[ticket.tenant] <= 0:
+            del self._running[ticket.tenant]
         if self._limits is not None:
             self._limits.let_go(ticket.tenant, ticket.tokens)
         outcome = await self._release(ticket.agent, ticket.request_id, generated_tokens=generated_tokens)

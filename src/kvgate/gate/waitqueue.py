@@ -110,6 +110,10 @@ class WaitQueue:
         if self._line[0] != head:
             self._wake(self._line[0])
 
+    def waits_of(self, tenant: str) -> bool:
+        """Whether a waiter of `tenant` is in the line."""
+        return any(place.tenant == tenant for place in self._line)
+
     def waits_other_than(self, tenant: str) -> bool:
         """Whether a waiter of another tenant is in the line."""
         return any(place.tenant != tenant for place in self._line)
