@@ -57,9 +57,7 @@ def test_a_light_tenant_starts_at_once_where_the_heavy_ones_are_held_off_the_res
         source = FakeHeadroom(clock, stale_after_s=5.0)
         source.add_node("n", 20_000)
         fairness = FairnessConfig(enabled=True, light_reserve_tokens=reserve)
-        admission = Admission(
-            AdmissionConfig(max_wait_s=60.0), source, clock=clock, fairness=fairness
-        )
+        admission = Admission(AdmissionConfig(max_wait_s=60.0), source, clock=clock, fairness=fairness)
         await admission.start()
 
         def ask(tenant: str, request_id: str) -> asyncio.Task[Admitted]:
@@ -74,7 +72,7 @@ def test_a_light_tenant_starts_at_once_where_the_heavy_ones_are_held_off_the_res
         c0 = ask("c", "c0")
         await until(lambda: admission.gauges().waiting == 2)
         await admission.release(a0.ticket)
-        await until(lambda: c0.done())  # c had nothing running: the fair order's first, and light
+        await until(c0.done)  # c had nothing running: the fair order's first, and light
         waiting.append(ask("c", "c1"))
         await until(lambda: admission.gauges().waiting == 2)
         await admission.release(a1.ticket)
