@@ -23,7 +23,6 @@ import logging
 import math
 import random
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -164,9 +163,6 @@ class _Ask:
     asking: str | None = None
     let_go_late: bool = False
     waited: bool = False  # it found no room at once and joined the waiting order
-    # Its tenant had no long request waiting or running here when it came: it may take the room kept
-    # for light tenants (kvgate.policy.light_reserve).
-    light: bool = False
     held_at: float = float("-inf")  # when it last told that agent so (admission's clock)
     place: Place | None = None  # its place in this gate's line while it waits
 
@@ -222,9 +218,6 @@ class Admission:
         enabled = fairness is not None and fairness.enabled
         self._fair = FairShare(self._fairness, clock=clock, book=self._book) if enabled else None
         self._limits = TenantLimits(self._book) if self._fairness.limits_tenants else None
-        # Each tenant's long requests granted here and not yet released: a tenant with none, and none
-        # waiting, is light (kvgate.policy.light_reserve).
-        self._running: Counter[str] = Counter()
         self._queue = WaitQueue(config.queue_size, clock, self._fair_order if self._fair else arrival)
         self._long_pressure = PoolPressure(PoolKind.LONG, config)
         self._interactive_pressure = PoolPressure(PoolKind.INTERACTIVE, config)
@@ -340,7 +333,6 @@ class Admission:
             tenant,
             charged_prompt_tokens,
         )
-        ask.light = self._running[tenant] == 0 and not self._queue.waits_of(tenant)
         source = self._long if subset is None else _Within(self._long, subset)
         capped = self._over_limits(source, route, ask) if self._limits is not None else None
         if capped is not None:
@@ -355,7 +347,6 @@ class Admission:
             if self._limits is not None:
                 self._count_limits(admitted, ask)
         if admitted.ticket is not None:
-            self._running[tenant] += 1
             outcome = "waited" if ask.waited else "at_once"
         else:
             outcome = admitted.decision.reason.value
@@ -618,14 +609,21 @@ class Admission:
             return self._granted(route, ask, choice, held, ticket)
         return None
 
+    def _is_light(self, ask: _Ask) -> bool:
+        """No other request of `ask`'s tenant waits here, and the tenant has attained no more service
+        than the least served other tenant that waits: a tenant below its share, not a backlog."""
+        assert self._fair is not None
+        others_of_its_own = self._queue.waiting_of(ask.tenant) - (ask.place is not None)
+        return others_of_its_own == 0 and self._fair.behind_the_waiters(ask.tenant, ask.rank)
+
     def _keeps_light_reserve(self, nodes: Sequence[NodeView], agent: str, tokens: int, ask: _Ask) -> bool:
         """Whether `ask` may take `tokens` on `agent`: it is light, no reserve is kept (none set, no
         fair shares, or no other tenant's request waits here), or some node keeps the reserve beside
         it (kvgate.policy.light_reserve)."""
         reserve = self._fairness.light_reserve_tokens
-        if not reserve or self._fair is None or ask.light or not self._queue.waits_other_than(ask.tenant):
+        if not reserve or self._fair is None or not self._queue.waits_other_than(ask.tenant):
             return True
-        return leaves_reserve(nodes, agent, tokens, reserve)
+        return self._is_light(ask) or leaves_reserve(nodes, agent, tokens, reserve)
 
     def _granted(
         self,
@@ -800,7 +798,6 @@ class Admission:
                     if self.leases is not None:
                         self.leases.hold(node.agent, ticket.request_id)
                     moved = dataclasses.replace(ticket, agent=node.agent, outcome=outcome)
-                    self._running[ticket.tenant] += 1  # the release of `ticket` below counts one off
                     if self._limits is not None:
                         self._limits.hold(ticket.tenant, ticket.tokens)
         self._metrics.reservation_moved(moved is not None)
@@ -840,9 +837,6 @@ class Admission:
         Where the gate did not read it, the tenant is settled on what the agent settled the
         reservation on (its node's measured decode rate over the hold), not on the output budget the
         client declared: that is what a quota counts."""
-        self._running[ticket.tenant] -= 1
-        if self._running[ticket.tenant] <= 0:
-            del self._running[ticket.tenant]
         if self._limits is not None:
             self._limits.let_go(ticket.tenant, ticket.tokens)
         outcome = await self._release(ticket.agent, ticket.request_id, generated_tokens=generated_tokens)
