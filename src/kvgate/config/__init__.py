@@ -285,11 +285,6 @@ class FairnessConfig:
     # (route key `tenant_class`, kvgate.config.routekeys): e.g. every tenant of a partner's virtual
     # host weighs 3. A tenant's own entry in `tenants` wins over its route's class, field by field.
     classes: Mapping[str, TenantConfig] = field(default_factory=dict)
-    # With fair shares, room kept free on one long node for a light tenant (no other request of its
-    # own waits at this gate, and it has no more service than the tenants that wait) while another
-    # tenant's request waits: its request starts at once instead of waiting for a release that fits
-    # it (kvgate.policy.light_reserve). 0: none.
-    light_reserve_tokens: int = field(default=0, metadata=at_least(0))
 
     def weight(self, tenant: str, tenant_class: str | None = None) -> float:
         return self._layered(tenant, tenant_class, lambda t: t.weight, self.default_weight)

@@ -151,8 +151,6 @@ class GateSettings:
     # before the client gives up on it (timing.request_timeout_s, and the drain at the run's end), or
     # it counts as lost where the queue's 429 would have been a refusal.
     queue_max_hold_s: float | None = None
-    # With fair shares, the gate's fairness.light_reserve_tokens (0: none; kvgate.policy.light_reserve).
-    light_reserve_tokens: int = dataclasses.field(default=0, metadata={"min": 0})
 
 
 @dataclass(frozen=True, slots=True)

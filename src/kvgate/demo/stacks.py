@@ -224,9 +224,7 @@ def _queue_hold(scenario: Scenario) -> dict[str, Any]:
 
 
 def _fairness(scenario: Scenario, enabled: bool) -> dict[str, Any]:
-    tenants = {t.name: {"weight": t.weight} for t in scenario.tenants}
-    reserve = {"light_reserve_tokens": scenario.gate.light_reserve_tokens} if enabled else {}
-    return {"enabled": enabled, "tenants": tenants, **reserve}
+    return {"enabled": enabled, "tenants": {t.name: {"weight": t.weight} for t in scenario.tenants}}
 
 
 def _interactive_headroom(scenario: Scenario, ports: Sequence[int]) -> dict[str, Any]:

@@ -47,7 +47,6 @@ from kvgate.policy import Decision, Reason, Refusal, Route
 from kvgate.policy.endpoints import UNRESERVED_ENDPOINTS, Subset, least_busy, within
 from kvgate.policy.fair_share import FairShare, agents_totals
 from kvgate.policy.identity import Priorities
-from kvgate.policy.light_reserve import leaves_reserve
 from kvgate.policy.nodes import Affinity, NodeChoice, choose_nodes
 from kvgate.policy.overflow import interactive_saturated, no_healthy_node, overflow
 from kvgate.policy.pressure import PoolPressure
@@ -588,8 +587,6 @@ class Admission:
                 node, ask.tokens - cached, ask.rank, since, local, fair_service=service
             ):
                 continue
-            if not self._keeps_light_reserve(nodes, node.agent, ask.tokens - cached, ask):
-                continue
             asked.add(node.agent)
             ticket = await self._try_reserve(
                 source, node.agent, ask, prefix, hold=node.agent == slot, waiting_since_unix_ns=since
@@ -599,8 +596,6 @@ class Admission:
         renew = ask.holds_on != slot or self._clock() - ask.held_at >= CLAIM_RENEW_S
         if slot is None or slot in asked or slot in ask.unanswered_by or not renew:
             return None
-        if not self._keeps_light_reserve(nodes, slot, ask.tokens, ask):
-            return None
         ticket = await self._try_reserve(
             source, slot, ask, prefix, hold=True, waiting_since_unix_ns=ask.waiting_since_unix_ns
         )
@@ -608,22 +603,6 @@ class Admission:
         if ticket is not None and held is not None and held.headroom is not None:
             return self._granted(route, ask, choice, held, ticket)
         return None
-
-    def _is_light(self, ask: _Ask) -> bool:
-        """No other request of `ask`'s tenant waits here, and the tenant has attained no more service
-        than the least served other tenant that waits: a tenant below its share, not a backlog."""
-        assert self._fair is not None
-        others_of_its_own = self._queue.waiting_of(ask.tenant) - (ask.place is not None)
-        return others_of_its_own == 0 and self._fair.behind_the_waiters(ask.tenant, ask.rank)
-
-    def _keeps_light_reserve(self, nodes: Sequence[NodeView], agent: str, tokens: int, ask: _Ask) -> bool:
-        """Whether `ask` may take `tokens` on `agent`: it is light, no reserve is kept (none set, no
-        fair shares, or no other tenant's request waits here), or some node keeps the reserve beside
-        it (kvgate.policy.light_reserve)."""
-        reserve = self._fairness.light_reserve_tokens
-        if not reserve or self._fair is None or not self._queue.waits_other_than(ask.tenant):
-            return True
-        return self._is_light(ask) or leaves_reserve(nodes, agent, tokens, reserve)
 
     def _granted(
         self,

@@ -110,10 +110,6 @@ class WaitQueue:
         if self._line[0] != head:
             self._wake(self._line[0])
 
-    def waiting_of(self, tenant: str) -> int:
-        """The waiters of `tenant` in the line."""
-        return sum(place.tenant == tenant for place in self._line)
-
     def waits_other_than(self, tenant: str) -> bool:
         """Whether a waiter of another tenant is in the line."""
         return any(place.tenant != tenant for place in self._line)

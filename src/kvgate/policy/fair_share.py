@@ -168,12 +168,6 @@ class FairShare:
         weighted = cost / self._book.weight(tenant)
         return self.counter(tenant) + weighted <= min(others) + max(self._largest, weighted)
 
-    def behind_the_waiters(self, tenant: str, rank: int = 0) -> bool:
-        """Whether `tenant`'s counter is no more than the least of the other tenants that wait at
-        `rank` or a more important one (True when none waits)."""
-        others = [self.counter(t) for t in self._waiting_at(rank) if t != tenant]
-        return not others or self.counter(tenant) <= min(others)
-
     def charge(self, tenant: str, cost: float, rank: int = 0) -> None:
         """A request of `tenant` at `rank` was admitted at `cost` (its estimate)."""
         self._rank[tenant] = rank
