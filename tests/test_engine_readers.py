@@ -242,6 +242,8 @@ VLLM_LIVE = {
     "load": (32_640, 4, 3, 0, 57_892, 3_968, 299),  # usage 1.0: all 255 usable blocks
     "after": (0, 0, 0, 1, 74_468, 3_968, 1_965),
 }
+# page: the sums of vllm:request_prompt_tokens and vllm:request_prefill_time_seconds (finished requests)
+VLLM_FINISHED = {"idle": (0.0, 0.0), "load": (25_798.0, 6.5975820), "after": (74_468.0, 25.2735868)}
 
 
 @pytest.mark.parametrize("which", sorted(VLLM_LIVE))
@@ -277,6 +279,9 @@ def test_live_vllm_pages_read_as_the_engine_served_them(which: str) -> None:
         generated,
     )
     assert reading.prefix_caching is True and reading.engines == ("engine 0",)
+    assert (reading.finished_prompt_tokens_sum, reading.finished_prefill_seconds_sum) == pytest.approx(
+        VLLM_FINISHED[which]
+    )
     snapshot = node(page).snapshot(0)
     assert snapshot.healthy and snapshot.admissible_tokens == 29_376  # 32,640 x 0.9
 

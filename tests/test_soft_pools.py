@@ -28,6 +28,7 @@ from kvgate.agent.cli import settings_from_args
 from kvgate.agent.in_process import ManualClock
 from kvgate.agent.lending import Lending, LendLimits
 from kvgate.agent.node import NodeSettings, NodeState
+from kvgate.agent.prefill_rate import PrefillRate
 from kvgate.agent.sources.engines import EngineReading, PageState
 from kvgate.agent.sources.engines.reading import EngineKind
 from kvgate.cli import build_parser
@@ -67,7 +68,10 @@ class Clock:
         return self.now
 
 
-def reading(used: int, prompt_total: int | None = None) -> EngineReading:
+def reading(
+    used: int, prompt_total: int | None = None, finished: tuple[float, float] | None = None
+) -> EngineReading:
+    """`finished`: the engine's sums over finished requests of prompt tokens and prefill seconds."""
     return EngineReading(
         EngineKind.VLLM,
         PageState.READY,
@@ -80,6 +84,8 @@ def reading(used: int, prompt_total: int | None = None) -> EngineReading:
         "test",
         None,
         prompt_tokens_total=prompt_total,
+        finished_prompt_tokens_sum=finished[0] if finished else None,
+        finished_prefill_seconds_sum=finished[1] if finished else None,
     )
 
 
@@ -162,6 +168,46 @@ def test_the_prefill_budget_bounds_lent_prompts_in_flight_and_drains_at_the_pref
     assert state.snapshot(0).lend_max_prompt_tokens == 5_000
     assert not reserve(state, "d", 6_000, 100).granted
     assert reserve(state, "e", 4_000, 100).granted
+
+
+def test_an_engine_measured_slower_than_the_nominal_rate_lends_less_prefill() -> None:
+    """The budget and the cap are seconds of chat's wait at the nominal 10,000 tokens a second. A real
+    vLLM on two busy cores prefilled about 1,000 (2026-12-04): lent two 8,000-token prompts, chat
+    piled up behind them for 20 s and the engine preempted. Measured at 2,500 a second, the node lends
+    a quarter of the prompt and budget, and drains what it lent at that rate."""
+    clock = Clock()
+    state = node(clock, max_prompt_tokens=16_000, prefill_budget_tokens=32_000, prefill_tokens_per_s=10_000)
+    state.observe_engine(reading(1_000, finished=(0.0, 0.0)))
+    clock.now += 1.0
+    state.observe_engine(reading(1_000, finished=(5_000.0, 2.0)))  # two chats, 2,500 tokens a second
+    assert state.prefill_rate.tokens_per_s == 2_500
+    assert state.snapshot(0).lend_max_prompt_tokens == 4_000
+    over = reserve(state, "big", 8_000, 300)
+    assert (over.granted, over.reason) == (False, ReserveReason.LEND_LIMIT)
+    assert reserve(state, "a", 4_000, 300).granted
+    assert reserve(state, "b", 4_000, 300).granted
+    assert state.snapshot(0).lend_tokens == 0, "8,000 to prefill: the budget's 32,000 x 1/4 is spent"
+    clock.now += 1.0  # 2,500 prefilled at the measured rate, not 10,000 at the nominal one
+    state.observe_engine(reading(1_000, finished=(5_000.0, 2.0)))
+    assert state.snapshot(0).lend_max_prompt_tokens == 2_500
+    unmeasured = node(clock, max_prompt_tokens=16_000, prefill_budget_tokens=32_000)
+    chat_for(unmeasured, clock, 1_000, 1)
+    assert unmeasured.snapshot(0).lend_max_prompt_tokens == 16_000, "no histogram: the nominal rate"
+
+
+def test_the_prefill_rate_is_over_the_requests_finished_in_its_window_and_restarts_with_the_engine() -> None:
+    rate = PrefillRate(window_s=10.0)
+    rate.observe(0.0, 0.0, 0.0)
+    assert rate.tokens_per_s is None, "nothing finished yet: unknown, not zero"
+    rate.observe(1.0, 6_000.0, 1.0)
+    assert rate.tokens_per_s == 6_000
+    rate.observe(20.0, 8_000.0, 3.0)  # the window's start moves to the sample at 1.0
+    assert rate.tokens_per_s == 1_000
+    rate.observe(21.0, 8_000.0, 3.0)
+    assert rate.tokens_per_s == 1_000, "a quiet spell keeps the last measure"
+    rate.observe(22.0, 100.0, 0.5)  # the sums went back: the engine restarted
+    rate.observe(23.0, 1_100.0, 1.0)
+    assert rate.tokens_per_s == 2_000
 
 
 def test_lend_limits_refuse_a_budget_below_the_prompt_cap() -> None:

@@ -18,6 +18,14 @@ never reserves), so three limits bound all of them together (docs/operations.md,
   reservation on an interactive node is lent). It bounds the prefill work lent requests put ahead of
   chat at any instant to budget / rate seconds.
 
+The budget and the cap are set in tokens at the nominal rate (`prefill_tokens_per_s`, 10,000 a
+second): they are seconds of chat's wait. Where the engine prefills slower, as measured
+(kvgate.agent.prefill_rate: vLLM's per-request prefill time), both shrink by the same factor, so the
+wait they allow stays the same. Set in tokens alone, they let two 8,000-token prompts onto a real vLLM
+that took about 1,000 tokens a second on this repository's 2-core host (2026-12-04): chat piled up
+behind them for 20 s, filled the KV, and the engine preempted 2-3 times a run where the same engine
+not lending preempted none (`kvgate demo --engine vllm`, docs/engines.md).
+
 Chat's use is kept as one maximum per second over the window (600 values for 10 minutes), so the
 quantile is taken once a second, over a few hundred numbers, and never per scrape.
 """
@@ -101,12 +109,17 @@ class Lending:
         capacity_tokens: int,
         reserved_tokens: int,
         prefill_backlog_tokens: float,
+        prefill_tokens_per_s: float | None = None,
     ) -> LendOffer:
         """What a long request may take now, beside the node's own headroom (which the ledger checks),
-        with `prefill_backlog_tokens` of lent prompts still to prefill."""
+        with `prefill_backlog_tokens` of lent prompts still to prefill, at the engine's
+        `prefill_tokens_per_s` (None: the nominal rate)."""
         reserve = self.chat_reserve(capacity_tokens)
         share = max(0, admissible_tokens - reserve - reserved_tokens)
-        prefill_room = math.floor(self.limits.prefill_budget_tokens - prefill_backlog_tokens)
-        if prefill_room < 1:
-            return LendOffer(0, self.limits.max_prompt_tokens, reserve)
-        return LendOffer(share, min(self.limits.max_prompt_tokens, prefill_room), reserve)
+        nominal = self.limits.prefill_tokens_per_s
+        slower = 1.0 if prefill_tokens_per_s is None else min(1.0, prefill_tokens_per_s / nominal)
+        max_prompt = math.floor(self.limits.max_prompt_tokens * slower)
+        prefill_room = math.floor(self.limits.prefill_budget_tokens * slower - prefill_backlog_tokens)
+        if prefill_room < 1 or max_prompt < 1:
+            return LendOffer(0, max_prompt, reserve)
+        return LendOffer(share, min(max_prompt, prefill_room), reserve)

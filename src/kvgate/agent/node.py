@@ -46,6 +46,7 @@ from kvgate.agent.kv_events import Batch
 from kvgate.agent.ledger import Budget, Cap, Reservation, ReservationLedger
 from kvgate.agent.lending import Lending, LendLimits, LendOffer
 from kvgate.agent.prefill_backlog import PrefillBacklog
+from kvgate.agent.prefill_rate import PrefillRate
 from kvgate.agent.prefix_audit import PrefixAudit
 from kvgate.agent.prefix_blocks import PrefixBlocks
 from kvgate.agent.prefix_events import PrefixEvents
@@ -198,6 +199,7 @@ class NodeState:
         self.claims = WaitingClaims(clock)
         self.lending = Lending(settings.lending) if settings.role is NodeRole.INTERACTIVE else None
         self.prefill = PrefillBacklog(settings.lending.prefill_tokens_per_s)
+        self.prefill_rate = PrefillRate()
         self.tenant_service = TenantService()
         self.class_usage = ClassUsage()
         self.ratio = SteeredRatio(settings.ratio(), clock())
@@ -218,6 +220,14 @@ class NodeState:
         self._engine = _EngineSample(reading, now, "", changed)
         self._age_prefixes(now, reading)
         self.decode_rate.observe(now, reading.generation_tokens_total, reading.running)
+        self.prefill_rate.observe(
+            now, reading.finished_prompt_tokens_sum, reading.finished_prefill_seconds_sum
+        )
+        measured = self.prefill_rate.tokens_per_s
+        nominal = self.settings.lending.prefill_tokens_per_s
+        # An engine slower than --prefill-tokens-per-s drains its backlog slower: a lent prompt holds
+        # chat up for as long as the engine, not the flag, takes to prefill it.
+        self.prefill.follow(now, nominal if measured is None else min(nominal, measured))
         self._observe_classes(now, reading)
         self.ratio.observe(now, reading.preemptions_total, reading.kv_usage)
 
@@ -351,6 +361,7 @@ class NodeState:
             budget.capacity_tokens,
             self.ledger.reserved_tokens,
             self.prefill.tokens(self._clock()),
+            self.prefill.tokens_per_s,
         )
 
     def first_token(self, request_id: str, holder: str = "") -> bool:

@@ -35,6 +35,16 @@ class PrefillBacklog:
             return 0.0
         return prefill_left(self._tokens, now - self._at, self.tokens_per_s)
 
+    def follow(self, now: float, tokens_per_s: float) -> None:
+        """Drain at `tokens_per_s` from `now` on (the engine's measured rate, kvgate.agent.prefill_rate)."""
+        if tokens_per_s <= 0:
+            raise ValueError(f"a prefill rate must be > 0 tokens a second, got {tokens_per_s}")
+        if tokens_per_s == self.tokens_per_s:
+            return
+        if self._at != -math.inf:  # what is left now drains at the new rate
+            self._tokens, self._at = self.tokens(now), now
+        self.tokens_per_s = tokens_per_s
+
     def granted(self, now: float, uncached_prompt_tokens: int) -> None:
         """A reservation was granted: its uncached prompt joins the queue behind what is left."""
         self._tokens = self.tokens(now) + uncached_prompt_tokens

@@ -55,6 +55,11 @@ class EngineReading:
     # Prompt tokens the engine has taken in, summed over engines (vLLM's counter, counted as each
     # request's prefill completes, prefix-cache hits included); None where the page has none.
     prompt_tokens_total: int | None = None
+    # Sums over finished requests of their prompt tokens and of their prefill time, first scheduled
+    # to first token (vLLM's request histograms): the measured prefill rate, kvgate.agent.prefill_rate.
+    # None where the page has none.
+    finished_prompt_tokens_sum: float | None = None
+    finished_prefill_seconds_sum: float | None = None
     # The longest request (prompt + output) the engine serves: not on the metrics page, but in its
     # /v1/models (kvgate.agent.sources.scrape adds it). None: not known.
     max_model_len: int | None = None

@@ -67,6 +67,10 @@ GENERATION = "vllm:generation_tokens_total"
 # Prompt tokens taken in, per engine, a counter like the one above (loggers.py @005a810,
 # "vllm:prompt_tokens"): less the prefix-cache hits, the prefill the engine did (agent.class_usage).
 PROMPT = "vllm:prompt_tokens_total"
+# Per-request histograms, observed as each request finishes (loggers.py @ v0.32.0): their sums give
+# the prefill rate one request sees (kvgate.agent.prefill_rate).
+FINISHED_PROMPT_TOKENS = "vllm:request_prompt_tokens_sum"
+FINISHED_PREFILL_SECONDS = "vllm:request_prefill_time_seconds_sum"
 # vLLM writes every step, but usage only moves when a request takes a new block (every block_size
 # decode steps): 30 s without any change while requests run allows below one token per second.
 BUSY_REFRESH_S = 30.0
@@ -87,6 +91,8 @@ def read(text: str) -> EngineReading | None:
     hits = _counter(text, PREFIX_HITS, PREFIX_HITS_BEFORE_0_10)
     generated = _sum(promtext.samples(text, GENERATION), GENERATION)
     prompted = _sum(promtext.samples(text, PROMPT), PROMPT)
+    finished_prompt = _fsum(promtext.samples(text, FINISHED_PROMPT_TOKENS), FINISHED_PROMPT_TOKENS)
+    finished_prefill = _fsum(promtext.samples(text, FINISHED_PREFILL_SECONDS), FINISHED_PREFILL_SECONDS)
     info = promtext.samples(text, CACHE_INFO)
     caching = bool(info) and promtext.label(info[0], "enable_prefix_caching") == "True"
     if per_engine is None:
@@ -107,6 +113,8 @@ def read(text: str) -> EngineReading | None:
             prefix_caching=caching,
             generation_tokens_total=generated,
             prompt_tokens_total=prompted,
+            finished_prompt_tokens_sum=finished_prompt,
+            finished_prefill_seconds_sum=finished_prefill,
         )
     used = sum(round(fraction * per_engine) for fraction in fractions.values())
     return EngineReading(
@@ -125,6 +133,8 @@ def read(text: str) -> EngineReading | None:
         prefix_caching=caching,
         generation_tokens_total=generated,
         prompt_tokens_total=prompted,
+        finished_prompt_tokens_sum=finished_prompt,
+        finished_prefill_seconds_sum=finished_prefill,
     )
 
 
@@ -176,6 +186,10 @@ def _rank(engine: str) -> tuple[int, str]:
 def _counter(text: str, name: str, before_0_10: str) -> int | None:
     found = promtext.samples(text, name)
     return _sum(found, name) if found else _sum(promtext.samples(text, before_0_10), before_0_10)
+
+
+def _fsum(found: list[Sample], name: str) -> float | None:
+    return sum(promtext.finite(s, name) for s in found) if found else None
 
 
 def _sum(found: list[Sample], name: str) -> int | None:
