@@ -24,7 +24,7 @@ second): they are seconds of chat's wait. Where the engine prefills slower, as m
 wait they allow stays the same. Set in tokens alone, they let two 8,000-token prompts onto a real vLLM
 that took about 1,000 tokens a second on this repository's 2-core host (2026-12-04): chat piled up
 behind them for 20 s, filled the KV, and the engine preempted 2-3 times a run where the same engine
-not lending preempted none (`kvgate demo --engine vllm`, docs/engines.md).
+not lending preempted none (`kvgate demo --engine vllm`, README.md).
 
 Chat's use is kept as one maximum per second over the window (600 values for 10 minutes), so the
 quantile is taken once a second, over a few hundred numbers, and never per scrape.

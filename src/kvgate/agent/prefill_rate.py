@@ -48,6 +48,6 @@ class PrefillRate:
         while len(self._samples) > 2 and self._samples[1][0] <= now - self._window_s:
             self._samples.popleft()
         _, tokens_then, seconds_then = self._samples[0]
-        seconds = prefill_seconds_sum - seconds_then
-        if seconds >= MIN_PREFILL_S:
-            self._rate = (prompt_tokens_sum - tokens_then) / seconds
+        seconds, tokens = prefill_seconds_sum - seconds_then, prompt_tokens_sum - tokens_then
+        if seconds >= MIN_PREFILL_S and tokens > 0:
+            self._rate = tokens / seconds
