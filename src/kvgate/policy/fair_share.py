@@ -213,6 +213,12 @@ class FairShare:
         return self._charged.get(tenant, 0.0)
 
     def _forget_beyond_bound(self) -> None:
+        # Called on every charge and lift: the union is built only once a table outgrows the bound.
+        if (
+            max(len(self._charged), len(self._lift), len(self._served_at), len(self._rank))
+            <= self._max_tenants
+        ):
+            return
         known = {*self._charged, *self._lift, *self._served_at, *self._rank}
         while len(known) > self._max_tenants:
             idle = [t for t in known if not self._waits(t)]
