@@ -8,11 +8,19 @@ from pathlib import Path
 import pytest
 
 from kvgate.demo.capacity import node_capacity_tokens_per_s
-from kvgate.demo.scenario import builtin_scenario, load_scenario, long_shape, parse_scenario, plan
+from kvgate.demo.cli import DEMO_ENVOY
+from kvgate.demo.scenario import (
+    DEMO_ENVOY_MESSAGE_TIMEOUT_S,
+    builtin_scenario,
+    load_scenario,
+    long_shape,
+    parse_scenario,
+    plan,
+)
 from kvgate.errors import ConfigError
 
 
-@pytest.mark.parametrize("name", ["burst", "smoke"])
+@pytest.mark.parametrize("name", ["burst", "smoke", "fairness"])
 def test_builtin_scenarios_load(name: str) -> None:
     scenario = load_scenario(builtin_scenario(name))
     assert scenario.name == name
@@ -43,6 +51,19 @@ def test_requests_that_cannot_fit_their_pool_are_rejected() -> None:
         parse_scenario("short: {prompt_tokens_max: 4000, max_tokens: 200}")
     with pytest.raises(ConfigError, match=r"node\.max_model_len"):
         parse_scenario("bursts: {prompt_tokens: 41000}")
+
+
+def test_a_wait_past_the_demo_envoys_message_timeout_is_refused() -> None:
+    too_long = r"admission_max_wait_s \(10\) is too long .* 5 s ext_proc message_timeout"
+    with pytest.raises(ConfigError, match=too_long):
+        parse_scenario("gate: {admission_max_wait_s: 10}")
+    assert parse_scenario("gate: {admission_max_wait_s: 9}").gate.admission_max_wait_s == 9
+
+
+def test_the_demo_envoys_message_timeout_is_the_one_scenarios_are_checked_against() -> None:
+    envoy = (Path(__file__).parents[1] / "envoy" / DEMO_ENVOY).read_text()
+    timeouts = re.findall(r"^\s*message_timeout: (\d+)s$", envoy, re.MULTILINE)
+    assert [float(t) for t in timeouts] == [DEMO_ENVOY_MESSAGE_TIMEOUT_S]
 
 
 def test_plan_is_deterministic_and_the_no_burst_phase_is_the_same_short_traffic() -> None:

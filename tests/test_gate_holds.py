@@ -95,6 +95,24 @@ def test_kvgate_envoy_config_sizes_max_message_timeout_to_the_gates_hold() -> No
     assert envoy_settings(no_hold, pools, listen=listen, max_message_timeout_ms=1).max_message_timeout_ms == 1
 
 
+def test_kvgate_envoy_config_refuses_a_message_timeout_the_gates_first_answer_would_miss() -> None:
+    """Past message_timeout Envoy fails open: a wait of 10 s behind a 5 s timeout was 29 answers of
+    503 `gate_unavailable` in a real-vLLM fairness trial (2026-12-04)."""
+    pools = {"interactive": HostPort("10.0.0.1", 8000), "long": HostPort("10.0.0.2", 8000)}
+    listen = HostPort("0.0.0.0", 10000)
+    no_hold = parse_config("admission: {max_wait_s: 6, max_hold_s: 6}")
+    missed = r"within admission.max_wait_s \(6 s\).*at least 6500 ms \(got 5000\)"
+    with pytest.raises(ConfigError, match=missed):
+        envoy_settings(no_hold, pools, listen=listen, message_timeout_ms=5000)
+    assert envoy_settings(no_hold, pools, listen=listen, message_timeout_ms=6500).message_timeout_ms == 6500
+    # Holding, the gate asks for more time at half the wait: 10 s needs 5.5 s.
+    holds = parse_config("admission: {max_wait_s: 10}")
+    with pytest.raises(ConfigError, match=r"more time at half of admission.max_wait_s.*at least 5500 ms"):
+        envoy_settings(holds, pools, listen=listen, message_timeout_ms=5000)
+    assert envoy_settings(holds, pools, listen=listen, message_timeout_ms=5500).message_timeout_ms == 5500
+    assert envoy_settings(parse_config(""), pools, listen=listen).message_timeout_ms == 5000
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("envoy_file", ["envoy.yaml", "envoy-one-trip.yaml"])
 def test_a_request_that_waits_past_envoys_deadline_is_held_in_the_gate_not_queued(

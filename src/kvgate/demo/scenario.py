@@ -21,6 +21,7 @@ from typing import Literal, get_args
 from kvgate.bounds import at_least
 from kvgate.config import AdmissionConfig, parse_yaml_as
 from kvgate.errors import ConfigError
+from kvgate.gate.holding import ANSWER_MARGIN_S, least_message_timeout_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,10 +139,15 @@ def lower_priority(tenants: Sequence[TenantTraffic]) -> frozenset[str]:
     return frozenset(t.name for t in tenants if ranks.index(t.priority) > top)
 
 
+# The ext_proc message_timeout of the Envoy the demo's kvgate runs use (envoy/envoy-one-trip.yaml).
+DEMO_ENVOY_MESSAGE_TIMEOUT_S = 5.0
+
+
 @dataclass(frozen=True, slots=True)
 class GateSettings:
-    # How long the gate holds a long request that fits no node yet. It must stay well under Envoy's
-    # ext_proc message_timeout (5 s in envoy/envoy.yaml), or Envoy gives up on the gate and fails open.
+    # How long the gate holds a long request that fits no node yet. The gate answers within it, or asks
+    # for more time at half of it, before the demo Envoy's ext_proc message_timeout
+    # (DEMO_ENVOY_MESSAGE_TIMEOUT_S), or Envoy gives up on the gate and fails open.
     admission_max_wait_s: float = 3.5
     # The gate's headroom.stale_after_s and headroom.reserve_timeout_s (None: kvgate's defaults, 0.35 s
     # and 0.05 s). Engines sharing a few busy CPU cores with everything else answer in hundreds of ms.
@@ -312,8 +318,22 @@ def _check(s: Scenario) -> None:
     ):
         problems.append("documents and sessions need a count >= 1 and a rate or period > 0")
     problems += _tenant_problems(s.tenants, s.runs)
+    problems += _wait_problems(s.gate)
     if problems:
         raise ConfigError(f"scenario {s.name}: " + "; ".join(problems))
+
+
+def _wait_problems(gate: GateSettings) -> list[str]:
+    if (
+        least_message_timeout_s(AdmissionConfig(max_wait_s=gate.admission_max_wait_s))
+        <= DEMO_ENVOY_MESSAGE_TIMEOUT_S
+    ):
+        return []
+    return [
+        f"gate.admission_max_wait_s ({gate.admission_max_wait_s:g}) is too long for the demo Envoy's "
+        f"{DEMO_ENVOY_MESSAGE_TIMEOUT_S:g} s ext_proc message_timeout: the gate's first answer (after "
+        f"the wait, or half of it when it holds) and {ANSWER_MARGIN_S:g} s of margin must fit it"
+    ]
 
 
 def _tenant_problems(tenants: tuple[TenantTraffic, ...], runs: tuple[RunName, ...]) -> list[str]:

@@ -80,7 +80,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--message-timeout-ms",
         type=_positive_int,
         default=5000,
-        help="ext_proc per-message timeout (default 5000; must exceed admission.max_wait_s)",
+        help="ext_proc per-message timeout (default 5000): the gate must answer a body, or ask for more "
+        "time, within it (admission.max_wait_s, or half of it when the gate holds requests, + 0.5 s)",
     )
     parser.add_argument(
         "--max-message-timeout-ms",

@@ -15,6 +15,7 @@ from kvgate.envoyconfig.limits import Limits
 from kvgate.envoyconfig.routepolicy import RouteLayout, RoutePolicy, layout
 from kvgate.envoyconfig.unanswered import LongChoice, Unanswered, unanswered
 from kvgate.errors import ConfigError
+from kvgate.gate.holding import holding, least_message_timeout_s
 
 log = logging.getLogger(__name__)
 # Envoy buffers a little more than the gate accepts, so the gate, with its clear error body, is the
@@ -117,7 +118,7 @@ def envoy_settings(
     admin_port: int = 9901,
     gate: HostPort | None = None,
     default_pool: str | None = None,
-    message_timeout_ms: int = 2000,
+    message_timeout_ms: int = 5000,
     max_message_timeout_ms: int | None = None,
     fail_open: bool = True,
     fail_open_long: LongChoice = "refuse",
@@ -164,6 +165,7 @@ def envoy_settings(
             "gRPC message"
         )
     _check_gate_tls(config, gate_tls)
+    _check_message_timeout(config, message_timeout_ms)
     max_message_timeout_ms = _max_message_timeout_ms(config, max_message_timeout_ms)
     return EnvoySettings(
         listen=listen,
@@ -198,6 +200,24 @@ def gate_address(config: Config) -> HostPort:
     every address."""
     listen_on = parse_host_port(config.server.listen, "server.listen")
     return HostPort("127.0.0.1", listen_on.port) if listen_on.host in _ANY_HOST else listen_on
+
+
+def _check_message_timeout(config: Config, message_timeout_ms: int) -> None:
+    """Past message_timeout Envoy stops waiting for the gate and fails open, so a long request that
+    waits for room would be sent on undecided (or refused 503 `gate_unavailable`). The gate answers
+    within admission.max_wait_s or, when it holds requests, asks for more time at half of it
+    (kvgate.gate.holding); either must reach Envoy before it gives up."""
+    if holding(config.admission) is None:
+        when = "answers a long request within admission.max_wait_s"
+    else:
+        when = "asks Envoy for more time at half of admission.max_wait_s"
+    needed_ms = math.ceil(least_message_timeout_s(config.admission) * 1000)
+    if message_timeout_ms < needed_ms:
+        raise ConfigError(
+            f"{config.source}: the gate {when} ({config.admission.max_wait_s:g} s), so Envoy's ext_proc "
+            f"message_timeout must be at least {needed_ms} ms (got {message_timeout_ms}): raise "
+            "--message-timeout-ms, or lower admission.max_wait_s"
+        )
 
 
 def _max_message_timeout_ms(config: Config, asked_ms: int | None) -> int:

@@ -23,6 +23,9 @@ MARGIN_S = 2.0
 # then sure to be held before Envoy gives up on it. Never sooner than this, so that a max_wait_s of 0
 # does not cost every long request an extra message.
 MIN_NOTICE_S = 0.05
+# The gate's first answer to a body, or its ask for more time, must reach Envoy before its
+# message_timeout: the body's transfer and a busy event loop come on top of the wait.
+ANSWER_MARGIN_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,3 +43,11 @@ def holding(admission: AdmissionConfig) -> Holding | None:
     if admission.max_hold_s <= admission.max_wait_s:
         return None
     return Holding(max(MIN_NOTICE_S, admission.max_wait_s / 2), admission.longest_wait_s)
+
+
+def least_message_timeout_s(admission: AdmissionConfig) -> float:
+    """The shortest Envoy ext_proc message_timeout the gate works behind: its first answer to a body
+    comes after the wait for room or, when it holds requests, it asks for more time at `notice_s`;
+    either must reach Envoy before it gives up and fails open."""
+    held = holding(admission)
+    return (admission.max_wait_s if held is None else held.notice_s) + ANSWER_MARGIN_S
