@@ -20,7 +20,7 @@ from kvgate.demo.scenario import (
 from kvgate.errors import ConfigError
 
 
-@pytest.mark.parametrize("name", ["burst", "smoke", "fairness"])
+@pytest.mark.parametrize("name", ["burst", "smoke", "fairness", "fairness-vllm"])
 def test_builtin_scenarios_load(name: str) -> None:
     scenario = load_scenario(builtin_scenario(name))
     assert scenario.name == name
@@ -64,6 +64,17 @@ def test_the_demo_envoys_message_timeout_is_the_one_scenarios_are_checked_agains
     envoy = (Path(__file__).parents[1] / "envoy" / DEMO_ENVOY).read_text()
     timeouts = re.findall(r"^\s*message_timeout: (\d+)s$", envoy, re.MULTILINE)
     assert [float(t) for t in timeouts] == [DEMO_ENVOY_MESSAGE_TIMEOUT_S]
+
+
+def test_the_real_vllm_fairness_scenario_contends_its_one_long_engine() -> None:
+    scenario = load_scenario(builtin_scenario("fairness-vllm"))
+    assert scenario.engine is not None
+    sizes = [t.prompt_tokens + t.declared_tokens for t in scenario.tenants]
+    # Every tenant's request is long, and two of the flood's fit the long engine's pool, three do not.
+    assert min(sizes) > scenario.node.interactive_max_model_len
+    assert 2 * max(sizes) <= scenario.node.kv_capacity_tokens < 3 * max(sizes)
+    # A random-weight model writes to its budget: declared and generated are the same.
+    assert all(t.over_declare == 1 for t in scenario.tenants)
 
 
 def test_plan_is_deterministic_and_the_no_burst_phase_is_the_same_short_traffic() -> None:
