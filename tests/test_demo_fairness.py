@@ -40,6 +40,7 @@ from kvgate.demo.scenario import (
 )
 from kvgate.demo.tenants import fair_request_rate, verifying
 from kvgate.errors import ConfigError
+from kvgate.harness.engines import NoEngines, locate_engines
 from kvgate.harness.processes import ProcessGroup
 from kvgate.names import TENANT_HEADER
 
@@ -211,6 +212,32 @@ def test_fair_shares_through_the_real_stack_each_tenant_charged_by_its_verified_
     longs = [row for row in map(json.loads, lines) if row["kind"] == "long"]
     assert set(counted) == {row["tenant"] for row in longs} and len(counted) >= 4, counted
     assert sum(sum(c.values()) for c in counted.values()) == len(longs)
+
+
+@pytest.mark.engines
+@pytest.mark.slow
+def test_the_fairness_scenario_runs_on_real_vllm_engines(tmp_path: Path) -> None:
+    """Twenty seconds of fairness-vllm.yaml with fair shares on: two real vLLM engines, every tenant's
+    request answered or refused 429, none preempted or lost, each charged to its
+    token's tenant. The figures of a full run are in docs/operations.md, "On real vLLM"."""
+    if isinstance(found := locate_engines(), NoEngines):
+        pytest.skip(f"real engines: {found.reason}")
+    full = load_scenario(builtin_scenario("fairness-vllm"))
+    timing = dataclasses.replace(
+        full.timing, burst_phase_s=20, no_burst_phase_s=2, drain_s=60, fairness_window_s=10
+    )
+    scenario = dataclasses.replace(full, runs=("kvgate_fair",), timing=timing)
+    report = asyncio.run(
+        asyncio.wait_for(run_demo(scenario, tmp_path, REPO_ENVOY, stream=io.StringIO()), 1200)
+    )
+    run = report["kvgate_fair"]
+    assert (run["requests_lost"], run["preemptions"]) == (0, 0)
+    assert run["long_served"] >= 1 and run["outcomes"]["ok"] + run["outcomes"]["429"] == run["requests_total"]
+    lines = (tmp_path / "requests-kvgate_fair.jsonl").read_text().splitlines()
+    longs = [row for row in map(json.loads, lines) if row["kind"] == "long"]
+    counted = run["gate_tenant_requests"]
+    assert sum(sum(c.values()) for c in counted.values()) == len(longs)
+    assert set(counted) == {row["tenant"] for row in longs}
 
 
 # --- two gate replicas and two queues ----------------------------------------------------------------
