@@ -218,8 +218,8 @@ def test_fair_shares_through_the_real_stack_each_tenant_charged_by_its_verified_
 @pytest.mark.slow
 def test_the_fairness_scenario_runs_on_real_vllm_engines(tmp_path: Path) -> None:
     """Twenty seconds of fairness-vllm.yaml with fair shares on: two real vLLM engines, every tenant's
-    request answered or refused 429, none preempted or lost, each charged to its
-    token's tenant. The figures of a full run are in docs/operations.md, "On real vLLM"."""
+    request answered or refused 429, none preempted or lost, each charged to its token's tenant. The
+    figures of a full run are in docs/operations.md, "On real vLLM"."""
     if isinstance(found := locate_engines(), NoEngines):
         pytest.skip(f"real engines: {found.reason}")
     full = load_scenario(builtin_scenario("fairness-vllm"))
