@@ -1,6 +1,7 @@
 """Run the benchmarks: every bench/bench_*.py module's main() in name order, or only those named.
 
-    python -m bench              all of them but the long ones (soak: 10 minutes)
+    python -m bench              all of them but the long ones (soak: 10 minutes; fairness_vllm: real
+                                 engines, about 25 minutes)
     python -m bench gate         bench/bench_gate.py only
     python -m bench soak         the soak run
 
@@ -19,7 +20,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 PREFIX = "bench_"
 # Run only when named: too long for `make bench`.
-ON_REQUEST = frozenset({"soak"})
+ON_REQUEST = frozenset({"soak", "fairness_vllm"})
 
 
 def available() -> list[str]:

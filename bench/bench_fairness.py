@@ -12,6 +12,7 @@ largest request's cost, each tenant's share against its weighted max-min fair sh
 of the run with fair shares to the run without, measured in the same session; then B and D each
 alone on the same nodes, their TTFT reference. About forty-five minutes; writes
 out/bench/fairness/report.json ({"runs": {name: figures}}, the alone runs as alone_B and alone_D).
+`python -m bench fairness_vllm` does the same on real vLLM engines (bench/bench_fairness_vllm.py).
 """
 
 from __future__ import annotations
@@ -41,16 +42,21 @@ def _ratio(numerator: float | None, denominator: float | None) -> str:
 
 
 def main() -> None:
-    scenario = load_scenario(builtin_scenario("fairness"))
+    run_fairness("fairness", OUT)
+
+
+def run_fairness(scenario_name: str, out: Path) -> None:
+    """The built-in scenario `scenario_name`'s runs, then B and D alone; the figures side by side."""
+    scenario = load_scenario(builtin_scenario(scenario_name))
     print(f"load average before: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
-    report: dict[str, Any] = asyncio.run(run_demo(scenario, OUT, default_envoy_config(), stream=sys.stdout))
+    report: dict[str, Any] = asyncio.run(run_demo(scenario, out, default_envoy_config(), stream=sys.stdout))
     for name in ALONE:
         # The tenant's own traffic alone on the same nodes, with fair shares: its TTFT reference.
         (tenant,) = [t for t in scenario.tenants if t.name == name]
         alone = dataclasses.replace(scenario, tenants=(tenant,), runs=("kvgate_fair",))
-        run = asyncio.run(run_demo(alone, OUT / f"alone_{name}", default_envoy_config(), stream=sys.stdout))
+        run = asyncio.run(run_demo(alone, out / f"alone_{name}", default_envoy_config(), stream=sys.stdout))
         report[f"alone_{name}"] = run["kvgate_fair"]
-    (OUT / "report.json").write_text(json.dumps({"runs": report}, indent=2) + "\n", encoding="utf-8")
+    (out / "report.json").write_text(json.dumps({"runs": report}, indent=2) + "\n", encoding="utf-8")
     print(format_table(report))
     off, on = report["kvgate_nofair"], report["kvgate_fair"]
     print()
@@ -73,7 +79,7 @@ def main() -> None:
         print(f"tenant {name}: long TTFT p99 beside the others / alone {_ratio(beside, alone)}")
     print(f"preemptions {off['preemptions']} / {on['preemptions']}, "
           f"lost {off['requests_lost']} / {on['requests_lost']} (without / with fair shares)")  # fmt: skip
-    for name in REPLICATED:
+    for name in (name for name in REPLICATED if name in report):
         run = report[name]
         print(
             f"{name}: service gap {run['service_gap_max']:,} against 4 x largest cost "
@@ -83,4 +89,4 @@ def main() -> None:
                if "killed" in run else "")
         )  # fmt: skip
     print(f"load average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
-    print(f"wrote {OUT / 'report.json'}")
+    print(f"wrote {out / 'report.json'}")
