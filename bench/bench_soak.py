@@ -81,6 +81,9 @@ CHAOS_SIDE = len(LONG_NODES) - 1
 # A gate that holds nothing when it dies shows nothing of the lease: its kill waits this long for a
 # reservation to be held.
 HOLD_WAIT_S = 5.0
+# A gate started again has no ext_proc connection until Envoy's next request opens one: a worker kill
+# right after a gate fault waits this long for a worker to hold it.
+CONNECTED_WAIT_S = 5.0
 POLL_S = 0.5
 # How long a dead gate's reservations are followed past their bound before the soak calls it "never".
 FREE_WATCH_SLACK_S = 10.0
@@ -165,6 +168,18 @@ def _busy_worker(stack: SoakStack) -> int | None:
     return None
 
 
+async def _connected_worker(stack: SoakStack, limit_s: float) -> int | None:
+    """`_busy_worker` once every worker runs and one holds Envoy's connection, waited for up to
+    `limit_s` (a fault planned just after a gate restart comes before Envoy connects again)."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        if len(stack.gate_workers()) >= WORKERS and (busy := _busy_worker(stack)) is not None:
+            return busy
+        if time.monotonic() > deadline:
+            return None
+        await asyncio.sleep(POLL_S / 5)
+
+
 def _holder(pid: int) -> str:
     """A gate process's holder name on the agents (its headroom view's subscriber name)."""
     return f"{socket.gethostname()}:{pid}"
@@ -217,7 +232,7 @@ async def _inject(
     holders: tuple[str, ...] = ()
     exit_code = None
     if kind == "worker":
-        if len(stack.gate_workers()) < WORKERS or (busy := _busy_worker(stack)) is None:
+        if (busy := await _connected_worker(stack, CONNECTED_WAIT_S)) is None:
             return None
         holders = (_holder(busy),)
     elif kind in ("gate_kill", "gate_term"):
