@@ -1164,6 +1164,20 @@ def test_envoy_gateway_route_configuration_names_are_settable(helm: Helm) -> Non
             },
             r"envoy\.routePolicies needs envoy\.envoyGateway\.httpRoute",
         ),
+        (
+            {
+                "gate": {"config": {"admission": {"max_hold_s": 30}}},
+                "envoy": {
+                    "mode": "envoy-gateway",
+                    "pools": {
+                        "interactive": {"address": "i", "port": 1},
+                        "long": {"address": "l", "port": 1},
+                    },
+                },
+            },
+            r"gate\.config\.admission\.max_hold_s \(30 s\) holds requests past max_wait_s \(2 s\), which "
+            r"Envoy Gateway cannot honour",
+        ),
     ],
     ids=[
         "unknown-key",
@@ -1194,6 +1208,7 @@ def test_envoy_gateway_route_configuration_names_are_settable(helm: Helm) -> Non
         "route-policy-host-twice",
         "route-policy-interactive-above-total",
         "route-policy-without-httproute",
+        "envoy-gateway-cannot-hold",
     ],
 )
 def test_bad_values_fail_naming_the_value(helm: Helm, values: dict[str, Any], message: str) -> None:

@@ -243,6 +243,7 @@ def python_bootstrap(values: dict[str, Any]) -> dict[str, Any]:
         listen=HostPort("0.0.0.0", 10000),
         gate=HostPort("rel-kvgate-gate-headless.llm.svc.cluster.local", 9002),
         message_timeout_ms=envoy.get("messageTimeoutMs", 5000),
+        max_message_timeout_ms=envoy.get("maxMessageTimeoutMs", 60_000),
         fail_open=envoy.get("failOpen", True),
         fail_open_long=envoy.get("failOpenLong", "refuse"),
         route_timeout_seconds=envoy.get("routeTimeoutSeconds", 0),
@@ -263,6 +264,54 @@ def python_bootstrap(values: dict[str, Any]) -> dict[str, Any]:
 def test_chart_and_envoy_config_render_the_same_bootstrap(helm: Helm, case: str) -> None:
     values = BOOTSTRAP_CASES[case]
     assert canonical(chart_bootstrap(helm, values)) == canonical(python_bootstrap(values))
+
+
+@pytest.mark.parametrize(
+    ("admission", "envoy", "refused"),
+    [
+        ({}, {"messageTimeoutMs": 1500}, None),  # holds: asks for more time at 1 s, + 0.5 s
+        ({}, {"messageTimeoutMs": 1499}, r"envoy\.messageTimeoutMs \(1499\) must be at least 1500 ms"),
+        ({"max_wait_s": 2.2}, {"messageTimeoutMs": 1600}, None),  # 1.1 + 0.5 s, not 1,601 ms
+        ({"max_wait_s": 0}, {"messageTimeoutMs": 550}, None),  # the ask comes at 50 ms at the soonest
+        ({"max_wait_s": 0}, {"messageTimeoutMs": 549}, r"must be at least 550 ms"),
+        ({"max_wait_s": 4, "max_hold_s": 0}, {"messageTimeoutMs": 4500}, None),  # no holding: the whole wait
+        (
+            {"max_wait_s": 4, "max_hold_s": 4},
+            {"messageTimeoutMs": 4499},
+            r"answers a long request within gate\.config\.admission\.max_wait_s \(4 s\)",
+        ),
+        ({"max_hold_s": 60}, {"maxMessageTimeoutMs": 65_000}, None),
+        (
+            {"max_hold_s": 60},
+            {"maxMessageTimeoutMs": 64_999},
+            r"envoy\.maxMessageTimeoutMs \(64999\) must be at least 65000 ms: the gate holds",
+        ),
+    ],
+    ids=[
+        "ask-fits",
+        "ask-late",
+        "ask-in-decimal",
+        "soonest-ask-fits",
+        "soonest-ask-late",
+        "whole-wait-fits",
+        "whole-wait-late",
+        "hold-fits",
+        "hold-past-max",
+    ],
+)
+def test_chart_and_envoy_config_refuse_the_same_gate_timeouts(
+    helm: Helm, admission: dict[str, Any], envoy: dict[str, Any], refused: str | None
+) -> None:
+    """Envoy fails a request open when the gate's answer comes after messageTimeoutMs, and ignores an
+    ask to hold past maxMessageTimeoutMs: the chart and `kvgate envoy-config` refuse the same values."""
+    values = standalone(gate={"config": {"admission": admission}}, envoy=envoy)
+    if refused is None:
+        assert canonical(chart_bootstrap(helm, values)) == canonical(python_bootstrap(values))
+        return
+    with pytest.raises(HelmFailed, match=refused):
+        helm.render(values)
+    with pytest.raises(ConfigError, match="must be at least"):
+        python_bootstrap(values)
 
 
 @pytest.mark.parametrize("case", ["three-pools", "one-trip", "queue-one-trip", "route-policies"])

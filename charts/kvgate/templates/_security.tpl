@@ -335,6 +335,46 @@ must never overflow first, since overflow makes ext_proc fail open (an open requ
 {{- end -}}
 {{- end -}}
 
+{{/*
+Fails the render when Envoy would give up on the gate's answer before the gate gives it, the rule of
+`kvgate envoy-config` (kvgate.envoyconfig.settings, _check_message_timeout and _max_message_timeout_ms;
+tests/test_chart_envoy.py checks that both refuse the same values). The gate answers a long request
+within admission.max_wait_s or, when it holds requests (max_hold_s > max_wait_s), asks Envoy for more
+time at half of it (at least 50 ms; kvgate.gate.holding): that answer and 0.5 s of margin must fit
+messageTimeoutMs. Envoy honours the ask up to its ext_proc max_message_timeout, which must cover
+max_hold_s + 5 s; Envoy Gateway's EnvoyExtensionPolicy sets none (0 turns the ask off:
+api/envoy/extensions/filters/http/ext_proc/v3/ext_proc.proto), so there the gate must not hold.
+Called with (list $ $config), the gate's config as the chart renders it.
+*/}}
+{{- define "kvgate.envoy.checkGateAnswer" -}}
+{{- $root := index . 0 -}}
+{{- $envoy := $root.Values.envoy -}}
+{{- if ne $envoy.mode "none" -}}
+{{- $admission := (index . 1).admission | default dict -}}
+{{- $wait := dig "max_wait_s" 2.0 $admission | float64 -}}
+{{- $hold := dig "max_hold_s" 30.0 $admission | float64 -}}
+{{- $holds := gt $hold $wait -}}
+{{- $answer := $wait -}}
+{{- if $holds -}}
+{{- $answer = maxf 0.05 (divf $wait 2) -}}
+{{- end -}}
+{{- $neededMs := ceil (mulf (addf $answer 0.5) 1000) | int -}}
+{{- if lt (int $envoy.messageTimeoutMs) $neededMs -}}
+{{- $when := ternary "asks Envoy for more time at half of gate.config.admission.max_wait_s" "answers a long request within gate.config.admission.max_wait_s" $holds -}}
+{{- fail (printf "envoy.messageTimeoutMs (%d) must be at least %d ms: the gate %s (%g s), and Envoy fails the request open if that answer comes later; raise envoy.messageTimeoutMs or lower the wait" (int $envoy.messageTimeoutMs) $neededMs $when $wait) -}}
+{{- end -}}
+{{- if $holds -}}
+{{- if eq $envoy.mode "envoy-gateway" -}}
+{{- fail (printf "gate.config.admission.max_hold_s (%g s) holds requests past max_wait_s (%g s), which Envoy Gateway cannot honour: its EnvoyExtensionPolicy sets no ext_proc max_message_timeout, so Envoy ignores the gate's ask and fails the request open; set max_hold_s to 0" $hold $wait) -}}
+{{- end -}}
+{{- $holdMs := ceil (mulf (addf $hold 5) 1000) | int -}}
+{{- if lt (int $envoy.maxMessageTimeoutMs) $holdMs -}}
+{{- fail (printf "envoy.maxMessageTimeoutMs (%d) must be at least %d ms: the gate holds a long request up to gate.config.admission.max_hold_s (%g s) plus 5 s of margin, and Envoy ignores a longer ask; raise envoy.maxMessageTimeoutMs or lower max_hold_s" (int $envoy.maxMessageTimeoutMs) $holdMs $hold) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{/* A Kubernetes memory quantity (Ki, Mi, Gi, Ti, k, M, G, T or plain bytes) in bytes. */}}
 {{- define "kvgate.bytes" -}}
 {{- $text := toString . -}}

@@ -202,6 +202,13 @@ def gate_address(config: Config) -> HostPort:
     return HostPort("127.0.0.1", listen_on.port) if listen_on.host in _ANY_HOST else listen_on
 
 
+def _ceil_ms(seconds: float) -> int:
+    """Whole milliseconds, rounded up, of a figure given in seconds. Rounded first to a microsecond, so
+    that 1.1 s + 0.5 s is 1,600 ms and not 1,601 (binary floats), as the chart's decimal arithmetic
+    (sprig's addf and mulf) makes it: both refuse the same values."""
+    return math.ceil(round(seconds * 1000, 3))
+
+
 def _check_message_timeout(config: Config, message_timeout_ms: int) -> None:
     """Past message_timeout Envoy stops waiting for the gate and fails open, so a long request that
     waits for room would be sent on undecided (or refused 503 `gate_unavailable`). The gate answers
@@ -211,7 +218,7 @@ def _check_message_timeout(config: Config, message_timeout_ms: int) -> None:
         when = "answers a long request within admission.max_wait_s"
     else:
         when = "asks Envoy for more time at half of admission.max_wait_s"
-    needed_ms = math.ceil(least_message_timeout_s(config.admission) * 1000)
+    needed_ms = _ceil_ms(least_message_timeout_s(config.admission))
     if message_timeout_ms < needed_ms:
         raise ConfigError(
             f"{config.source}: the gate {when} ({config.admission.max_wait_s:g} s), so Envoy's ext_proc "
@@ -224,7 +231,7 @@ def _max_message_timeout_ms(config: Config, asked_ms: int | None) -> int:
     """Envoy's max_message_timeout: what was asked (default 60 s), checked against the gate's holds."""
     admission = config.admission
     holds = admission.max_hold_s > admission.max_wait_s
-    needed_ms = math.ceil((admission.max_hold_s + HOLD_MARGIN_S) * 1000) if holds else 0
+    needed_ms = _ceil_ms(admission.max_hold_s + HOLD_MARGIN_S) if holds else 0
     if asked_ms is None:
         return max(DEFAULT_MAX_MESSAGE_TIMEOUT_MS, needed_ms)
     if asked_ms < needed_ms:
