@@ -97,6 +97,42 @@ def test_a_tenant_served_by_another_replica_keeps_its_lead_when_it_comes_to_this
     assert fair.counter("d") == 40_000.0, "lifted to the least counter of the others: c's, now"
 
 
+def test_a_tenant_one_replica_lifts_is_lifted_in_every_replica() -> None:
+    """b asks less than its part and is served at once each time it comes back, on the first replica,
+    which lifts it to the others' level each time; the second replica never had b wait. Without the
+    first replica's lifts, b's counter there lagged by all of them, and since b was active it was the
+    floor of d's lift when d came back from idle: d then led a and c by that lag (the two-replica
+    fairness run, 2026-12-04: d took 140k weighted tokens in 25 s to their 50k). The agent passes
+    each grant's lift on (TenantCharge.lift, NodeHeadroom.tenant_lift), so the second replica's
+    counters are the first's."""
+    now = [0.0]
+    agent = TenantService()
+    first = FairShare(FAIR, clock=lambda: now[0])
+    second = FairShare(FAIR, clock=lambda: now[0])
+
+    def grant(replica: FairShare, request_id: str, tenant: str, cost: float) -> None:
+        agent.granted(request_id, TenantCharge(tenant, cost, 2.0, replica.lift_cost(tenant)), 0)
+        replica.charge(tenant, cost)
+        for each in (first, second):
+            each.observe(agent.totals(), agent.lifts())
+
+    for n in range(10):  # a and c: 100,000 each; b comes back every 10,000 and is lifted level
+        grant(second, f"a{n}", "a", 10_000.0)
+        grant(second, f"c{n}", "c", 10_000.0)
+        first.waits("a")
+        first.waits("b")
+        grant(first, f"b{n}", "b", 2_000.0)
+        first.done_waiting("b")
+        first.done_waiting("a")
+    assert first.counter("b") == 100_000.0, "lifted to within its own cost of a and c, then charged it"
+    assert second.counter("b") == first.counter("b"), "b's lifts, from the agent"
+    second.waits("a")
+    second.waits("c")
+    now[0] += 1.0  # b was served just now: active, though it waits nowhere
+    second.waits("d")  # back from idle
+    assert second.counter("d") == 100_000.0, "lifted level with b as the first replica counts it, not 20,000"
+
+
 LOW = 2  # a rank below the default's 0: a batch tenant's
 
 
@@ -505,14 +541,15 @@ def test_the_service_totals_travel_in_the_stream_and_a_reserve_carries_its_charg
     plain = source.snapshot()[0].headroom
     assert plain is not None
     head = HeadClaim(500, 7, 1, 2.0, fair_service=3_000.5)
-    headroom = dataclasses.replace(plain, tenant_service={"a": 1.5}, head=head)
+    headroom = dataclasses.replace(plain, tenant_service={"a": 1.5}, tenant_lift={"a": 700.0}, head=head)
     wired = headroom_from_proto(pb.NodeHeadroom.FromString(HeadroomEncoder().encode(headroom)))
     assert wired.tenant_service == {"a": 1.5}
+    assert wired.tenant_lift == {"a": 700.0}
     assert wired.head == head, "the head's place in the fair order travels with it"
-    charge = TenantCharge("a", 180.0, 2.0)
+    charge = TenantCharge("a", 180.0, 2.0, lift=900.0)
     request = reserve_request("r", 100, 30.0, "gate", None, charge=charge, fair_service=42.5)
     wire = pb.ReserveRequest.FromString(request.SerializeToString())
-    assert charge_from_proto(wire) == TenantCharge("a", 180.0, 2.0)
+    assert charge_from_proto(wire) == TenantCharge("a", 180.0, 2.0, lift=900.0)
     assert wire.fair_service == 42.5
     assert charge_from_proto(reserve_request("r", 100, 30.0, "gate", None)) is None
 

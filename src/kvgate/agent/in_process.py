@@ -357,6 +357,7 @@ class FakeHeadroom:
             tenant_service=node.tenant_service.totals(),
             tenant_held=node.tenant_service.held(),
             tenant_tokens=node.tenant_service.tokens(),
+            tenant_lift=node.tenant_service.lifts(),
             publishes_tenant_tokens=True,
         )
 

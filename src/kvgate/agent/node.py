@@ -458,6 +458,7 @@ class NodeState:
             tenant_service=self.tenant_service.totals(),
             tenant_held=self.tenant_service.held(),
             tenant_tokens=self.tenant_service.tokens(),
+            tenant_lift=self.tenant_service.lifts(),
             publishes_tenant_tokens=True,
             # A fact of the engine's start, not of one sample: the last one known holds.
             max_model_len=(last.max_model_len or 0) if last is not None else 0,

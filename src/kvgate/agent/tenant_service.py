@@ -17,6 +17,11 @@ the gates add up to hold a tenant to its most share of the pool (fairness max_kv
 admitted its requests, and the tokens each tenant's grants reserved (prompt + output budget), settled
 on what ran as the service is (NodeHeadroom.tenant_tokens), which the gates count quotas from
 (kvgate.policy.tenant_limits).
+
+And the largest lift a grant carried for each tenant (NodeHeadroom.tenant_lift): what a replica's fair
+order added to the tenant's service when it came back from idle. Lifts are VTC's, and each replica
+computes its own from what waits in its line; shared, a tenant lifted on its return to one replica is
+lifted in all (kvgate.policy.fair_share).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class TenantService:
         # the node charged for it, and the tokens it reserved.
         self._live: dict[str, tuple[TenantCharge, int, int, int]] = {}
         self._held: dict[str, int] = {}
+        self._lifts: dict[str, float] = {}
 
     def granted(
         self, request_id: str, charge: TenantCharge, output_tokens: int, tokens: int = 0, *, reserved: int = 0
@@ -46,10 +52,13 @@ class TenantService:
         self._held[tenant] = self._held.get(tenant, 0) + tokens
         self._totals[tenant] = self._totals.get(tenant, 0.0) + charge.cost
         self._tokens[tenant] = self._tokens.get(tenant, 0) + reserved
+        if charge.lift > self._lifts.get(tenant, 0.0):
+            self._lifts[tenant] = charge.lift
         if len(self._totals) > self._max_tenants:
             least = min(self._totals, key=self._totals.__getitem__)
             del self._totals[least]
             self._tokens.pop(least, None)
+            self._lifts.pop(least, None)
 
     def ended(self, request_id: str, generated_tokens: int = 0, *, ran: bool = True) -> None:
         """The reservation ended (released, or its lease ran out); `generated_tokens`, what it generated
@@ -87,3 +96,6 @@ class TenantService:
 
     def tokens(self) -> dict[str, int]:
         return dict(self._tokens)
+
+    def lifts(self) -> dict[str, float]:
+        return dict(self._lifts)

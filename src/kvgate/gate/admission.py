@@ -45,7 +45,7 @@ from kvgate.headroom.snapshot import (
 from kvgate.names import ANONYMOUS_TENANT, OTHER_TENANTS
 from kvgate.policy import Decision, Reason, Refusal, Route
 from kvgate.policy.endpoints import UNRESERVED_ENDPOINTS, Subset, least_busy, within
-from kvgate.policy.fair_share import FairShare, agents_totals
+from kvgate.policy.fair_share import FairShare, agents_lifts, agents_totals
 from kvgate.policy.identity import Priorities
 from kvgate.policy.nodes import Affinity, NodeChoice, choose_nodes
 from kvgate.policy.overflow import interactive_saturated, no_healthy_node, overflow
@@ -797,7 +797,8 @@ class Admission:
         held tokens when it grants."""
         if self._fair is None and self._limits is None:
             return None
-        return TenantCharge(ask.tenant, self._cost(ask), self._fairness.output_weight)
+        lift = self._fair.lift_cost(ask.tenant) if self._fair is not None else 0.0
+        return TenantCharge(ask.tenant, self._cost(ask), self._fairness.output_weight, lift)
 
     def _cost(self, ask: _Ask) -> float:
         prompt = ask.charged_prompt_tokens
@@ -860,7 +861,7 @@ class Admission:
         assert self._fair is not None
         totals = agents_totals(nodes)
         if totals is not None:
-            self._fair.observe(totals)
+            self._fair.observe(totals, agents_lifts(nodes))
             self._reorder()
 
     def _pulse(self) -> None:

@@ -187,6 +187,8 @@ class NodeHeadroom:
     # started, settled on what ran; `publishes_tenant_tokens` False: an agent that does not say.
     tenant_tokens: Mapping[str, int] = field(default_factory=dict)
     publishes_tenant_tokens: bool = False
+    # Fair shares across replicas: the largest lift a grant here carried for each tenant, in cost units.
+    tenant_lift: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def admissible_tokens(self) -> int:
@@ -252,6 +254,9 @@ class TenantCharge:
     tenant: str
     cost: float
     output_weight: float = 0.0  # what an output token of `cost` counts: its settlement's rate
+    # What the caller's fair order lifted the tenant's service by (kvgate.policy.fair_share), which the
+    # agent passes on to every replica (NodeHeadroom.tenant_lift).
+    lift: float = 0.0
 
 
 class ReserveReason(StrEnum):

@@ -93,6 +93,7 @@ def _scalars_to_proto(h: NodeHeadroom) -> pb.NodeHeadroom:
         tenant_held=h.tenant_held,
         tenant_tokens=h.tenant_tokens,
         publishes_tenant_tokens=h.publishes_tenant_tokens,
+        tenant_lift=h.tenant_lift,
     )
 
 
@@ -157,6 +158,7 @@ def reserve_request(
     )
     if charge is not None:
         request.tenant, request.cost, request.output_weight = charge.tenant, charge.cost, charge.output_weight
+        request.lift = charge.lift
     if prefix is not None:
         request.prefix_blocks.extend(prefix.blocks)
         request.prefix_block_tokens = prefix.block_tokens
@@ -164,7 +166,7 @@ def reserve_request(
 
 
 def charge_from_proto(m: pb.ReserveRequest) -> TenantCharge | None:
-    return TenantCharge(m.tenant, m.cost, m.output_weight) if m.tenant else None
+    return TenantCharge(m.tenant, m.cost, m.output_weight, m.lift) if m.tenant else None
 
 
 def chain_from_proto(m: pb.ReserveRequest) -> PrefixChain | None:
@@ -268,6 +270,7 @@ def headroom_from_proto(m: pb.NodeHeadroom, previous: PrefixSummary = NO_PREFIXE
         tenant_held=dict(m.tenant_held),
         tenant_tokens=dict(m.tenant_tokens),
         publishes_tenant_tokens=m.publishes_tenant_tokens,
+        tenant_lift=dict(m.tenant_lift),
     )
 
 

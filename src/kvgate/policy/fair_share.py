@@ -42,9 +42,13 @@ kvgate.gate.picker): the counter then holds what ran, not what was guessed.
 Across gate replicas (or workers, `server.workers`): every long request passes one agent's Reserve, and
 each Reserve carries its tenant and cost, so the agents keep each tenant's service and publish it in the
 stream (kvgate.agent.tenant_service). Once those totals arrive (`observe`), a gate's counters are their
-sum over the agents, the same in every replica; only the lifts stay each process's own. A gate restart
-loses nothing of anyone's share; an agent restart forgets what its node served (docs/operations.md,
-"Fair shares").
+sum over the agents, the same in every replica. Lifts travel the same way: each grant's Reserve carries
+what lifts added to its tenant's counter (`lift_cost`), each agent publishes the largest it saw, and a
+replica's lift is the larger of its own and the agents' (`observe`). A lift is computed from the
+replica's own line, so a tenant lifted only where it waited lagged everywhere else by every lift: a
+light tenant, lifted level on each return to the gate it used, was the queue's floor at its bare
+service, and a tenant back from idle was lifted there only to it. A gate restart loses nothing of
+anyone's share; an agent restart forgets what its node served (docs/operations.md, "Fair shares").
 """
 
 from __future__ import annotations
@@ -73,6 +77,17 @@ def agents_totals(nodes: Sequence[NodeView]) -> dict[str, float] | None:
     return summed_over_agents(nodes, lambda headroom: headroom.tenant_service or None)
 
 
+def agents_lifts(nodes: Sequence[NodeView]) -> dict[str, float]:
+    """Each tenant's largest lift over the agents' latest messages (NodeHeadroom.tenant_lift): a lift
+    is a level the tenant's counter was raised to, not service to add up."""
+    lifts: dict[str, float] = {}
+    for node in nodes:
+        if node.headroom is not None:
+            for tenant, lift in node.headroom.tenant_lift.items():
+                lifts[tenant] = max(lift, lifts.get(tenant, 0.0))
+    return lifts
+
+
 class FairShare:
     def __init__(
         self,
@@ -91,8 +106,10 @@ class FairShare:
         # publish it, their summed totals (raw cost: weighted when read).
         self._charged: dict[str, float] = {}
         self._shared: dict[str, float] | None = None
-        # What lifts added to a tenant's counter when it started waiting (idle time banks nothing).
+        # What lifts added to a tenant's counter when it started waiting (idle time banks nothing):
+        # this process's own, weighted, and the largest any replica's grants carried (raw cost).
         self._lift: dict[str, float] = {}
+        self._shared_lift: dict[str, float] = {}
         # Waiters per tenant and rank: a tenant here is backlogged.
         self._waiting: Counter[tuple[str, int]] = Counter()
         # The rank each tenant last waited or was served at here: whether an active tenant counts in a
@@ -107,7 +124,7 @@ class FairShare:
 
     def counter(self, tenant: str) -> float:
         """The weighted service `tenant` attained, lifts included: the fair order's key, least first."""
-        return self._attained(tenant) + self._lift.get(tenant, 0.0)
+        return self._attained(tenant) + self._lifted(tenant)
 
     def order(self, tenant: str) -> tuple[float, float]:
         """`tenant`'s place in the fair order, least first: its counter, then, among equal counters,
@@ -117,15 +134,23 @@ class FairShare:
         of the other, so a light tenant waits for one admission less."""
         return self.counter(tenant), self._attained(tenant)
 
-    def observe(self, totals: Mapping[str, float]) -> None:
+    def observe(self, totals: Mapping[str, float], lifts: Mapping[str, float] | None = None) -> None:
         """The service each tenant attained across every replica, summed over the agents' messages
-        (raw cost): from now on the counters follow it rather than this process's own charges."""
+        (raw cost): from now on the counters follow it rather than this process's own charges. `lifts`:
+        the largest lift of each tenant any replica's grants carried (raw cost, agents_lifts)."""
         now = self._clock()
         before = self._shared or {}
         for tenant, total in totals.items():
             if total > before.get(tenant, 0.0):
                 self._served_at[tenant] = now
         self._shared = dict(totals)
+        if lifts is not None:
+            self._shared_lift = dict(lifts)
+
+    def lift_cost(self, tenant: str) -> float:
+        """What lifts added to `tenant`'s counter, in raw cost (before its weight): what its grants carry
+        to the agents (TenantCharge.lift), so that every replica lifts it as this one did."""
+        return self._lifted(tenant) * self._book.weight(tenant)
 
     def waits(self, tenant: str, rank: int = 0) -> None:
         """A request of `tenant` at `rank` starts waiting; the first of its tenant's lifts the tenant's
@@ -144,7 +169,7 @@ class FairShare:
             if self._active(tenant, now):
                 floor -= self._largest
             lift = floor - self._attained(tenant)
-            if lift > self._lift.get(tenant, 0.0):
+            if lift > self._lifted(tenant):
                 self._lift[tenant] = lift
             self._forget_beyond_bound()
         self._waiting[tenant, rank] += 1
@@ -190,7 +215,7 @@ class FairShare:
 
     def standing(self) -> list[tuple[str, float, int]]:
         """Every tenant known: its counter and its requests waiting."""
-        known = {*self._charged, *self._lift, *(self._shared or ())}
+        known = {*self._charged, *self._lift, *self._shared_lift, *(self._shared or ())}
         waiting: Counter[str] = Counter()
         for (tenant, _), n in self._waiting.items():
             waiting[tenant] += n
@@ -206,6 +231,10 @@ class FairShare:
     def _active(self, tenant: str, now: float) -> bool:
         served_at = self._served_at.get(tenant)
         return served_at is not None and now - served_at <= ACTIVE_S
+
+    def _lifted(self, tenant: str) -> float:
+        shared = self._shared_lift.get(tenant, 0.0) / self._book.weight(tenant) if self._shared_lift else 0.0
+        return max(self._lift.get(tenant, 0.0), shared)
 
     def _attained(self, tenant: str) -> float:
         if self._shared is not None:

@@ -70,9 +70,10 @@ class FairQueue:
         self._sync_backlog()
         self.needs_reload = False
 
-    def observe(self, totals: Mapping[str, float]) -> None:
-        """Each tenant's service summed over the agents' messages: the counters follow it from now."""
-        self._fair.observe(totals)
+    def observe(self, totals: Mapping[str, float], lifts: Mapping[str, float] | None = None) -> None:
+        """Each tenant's service summed over the agents' messages, and its largest lift: the counters
+        follow them from now."""
+        self._fair.observe(totals, lifts)
 
     def __len__(self) -> int:
         return sum(len(jobs) for jobs in self._groups.values())
@@ -97,10 +98,11 @@ class FairQueue:
 
     def charge_of(self, job: Waiting) -> TenantCharge:
         """What `job`'s tenant is charged when it is dispatched, as its Reserve carries it."""
+        lift = self._fair.lift_cost(job.tenant)
         if job.charge is None:
-            return TenantCharge(job.tenant, float(job.tokens), NOTHING_TO_SETTLE)
+            return TenantCharge(job.tenant, float(job.tokens), NOTHING_TO_SETTLE, lift)
         cost = self._fair.cost(job.charge.prompt_tokens, job.charge.output_tokens)
-        return TenantCharge(job.tenant, cost, self._output_weight)
+        return TenantCharge(job.tenant, cost, self._output_weight, lift)
 
     def dispatched(self, job: Waiting) -> None:
         """`job` was sent to a node: charge its tenant."""

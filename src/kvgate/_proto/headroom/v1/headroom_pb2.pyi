@@ -36,7 +36,7 @@ class GpuInfo(_message.Message):
     def __init__(self, uuid: _Optional[str] = ..., index: _Optional[int] = ..., name: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., healthy: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class NodeHeadroom(_message.Message):
-    __slots__ = ("node", "endpoint", "seq", "sample_time_unix_ns", "capacity_tokens", "safety_ratio", "used_tokens", "reserved_tokens", "reservations", "headroom_tokens", "healthy", "reason", "capacity_source", "kv_usage", "running", "waiting", "preemptions_total", "gpus", "period_ms", "engine_kind", "engines", "capacity_rule", "usage_source", "unreserved_tokens", "engine_sample_age_ms", "prefix", "decode_tokens_per_s", "releases", "freed_tokens_total", "prefix_source", "heartbeat_ms", "role", "lend_tokens", "lend_max_prompt_tokens", "head", "max_model_len", "prefill_backlog_tokens", "prefill_tokens_per_s", "tenant_service", "tenant_held", "tenant_tokens", "publishes_tenant_tokens")
+    __slots__ = ("node", "endpoint", "seq", "sample_time_unix_ns", "capacity_tokens", "safety_ratio", "used_tokens", "reserved_tokens", "reservations", "headroom_tokens", "healthy", "reason", "capacity_source", "kv_usage", "running", "waiting", "preemptions_total", "gpus", "period_ms", "engine_kind", "engines", "capacity_rule", "usage_source", "unreserved_tokens", "engine_sample_age_ms", "prefix", "decode_tokens_per_s", "releases", "freed_tokens_total", "prefix_source", "heartbeat_ms", "role", "lend_tokens", "lend_max_prompt_tokens", "head", "max_model_len", "prefill_backlog_tokens", "prefill_tokens_per_s", "tenant_service", "tenant_held", "tenant_tokens", "publishes_tenant_tokens", "tenant_lift")
     class TenantServiceEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,13 @@ class NodeHeadroom(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class TenantLiftEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     NODE_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +107,7 @@ class NodeHeadroom(_message.Message):
     TENANT_HELD_FIELD_NUMBER: _ClassVar[int]
     TENANT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PUBLISHES_TENANT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_LIFT_FIELD_NUMBER: _ClassVar[int]
     node: str
     endpoint: str
     seq: int
@@ -142,7 +150,8 @@ class NodeHeadroom(_message.Message):
     tenant_held: _containers.ScalarMap[str, int]
     tenant_tokens: _containers.ScalarMap[str, int]
     publishes_tenant_tokens: bool
-    def __init__(self, node: _Optional[str] = ..., endpoint: _Optional[str] = ..., seq: _Optional[int] = ..., sample_time_unix_ns: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., safety_ratio: _Optional[float] = ..., used_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., reservations: _Optional[int] = ..., headroom_tokens: _Optional[int] = ..., healthy: _Optional[bool] = ..., reason: _Optional[str] = ..., capacity_source: _Optional[str] = ..., kv_usage: _Optional[float] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., period_ms: _Optional[int] = ..., engine_kind: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., capacity_rule: _Optional[str] = ..., usage_source: _Optional[str] = ..., unreserved_tokens: _Optional[int] = ..., engine_sample_age_ms: _Optional[int] = ..., prefix: _Optional[_Union[PrefixSummary, _Mapping]] = ..., decode_tokens_per_s: _Optional[float] = ..., releases: _Optional[_Iterable[_Union[ExpectedRelease, _Mapping]]] = ..., freed_tokens_total: _Optional[int] = ..., prefix_source: _Optional[str] = ..., heartbeat_ms: _Optional[int] = ..., role: _Optional[str] = ..., lend_tokens: _Optional[int] = ..., lend_max_prompt_tokens: _Optional[int] = ..., head: _Optional[_Union[HeadClaim, _Mapping]] = ..., max_model_len: _Optional[int] = ..., prefill_backlog_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., tenant_service: _Optional[_Mapping[str, float]] = ..., tenant_held: _Optional[_Mapping[str, int]] = ..., tenant_tokens: _Optional[_Mapping[str, int]] = ..., publishes_tenant_tokens: _Optional[bool] = ...) -> None: ...
+    tenant_lift: _containers.ScalarMap[str, float]
+    def __init__(self, node: _Optional[str] = ..., endpoint: _Optional[str] = ..., seq: _Optional[int] = ..., sample_time_unix_ns: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., safety_ratio: _Optional[float] = ..., used_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., reservations: _Optional[int] = ..., headroom_tokens: _Optional[int] = ..., healthy: _Optional[bool] = ..., reason: _Optional[str] = ..., capacity_source: _Optional[str] = ..., kv_usage: _Optional[float] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInfo, _Mapping]]] = ..., period_ms: _Optional[int] = ..., engine_kind: _Optional[str] = ..., engines: _Optional[_Iterable[str]] = ..., capacity_rule: _Optional[str] = ..., usage_source: _Optional[str] = ..., unreserved_tokens: _Optional[int] = ..., engine_sample_age_ms: _Optional[int] = ..., prefix: _Optional[_Union[PrefixSummary, _Mapping]] = ..., decode_tokens_per_s: _Optional[float] = ..., releases: _Optional[_Iterable[_Union[ExpectedRelease, _Mapping]]] = ..., freed_tokens_total: _Optional[int] = ..., prefix_source: _Optional[str] = ..., heartbeat_ms: _Optional[int] = ..., role: _Optional[str] = ..., lend_tokens: _Optional[int] = ..., lend_max_prompt_tokens: _Optional[int] = ..., head: _Optional[_Union[HeadClaim, _Mapping]] = ..., max_model_len: _Optional[int] = ..., prefill_backlog_tokens: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., tenant_service: _Optional[_Mapping[str, float]] = ..., tenant_held: _Optional[_Mapping[str, int]] = ..., tenant_tokens: _Optional[_Mapping[str, int]] = ..., publishes_tenant_tokens: _Optional[bool] = ..., tenant_lift: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class HeadClaim(_message.Message):
     __slots__ = ("tokens", "waiting_since_unix_ns", "rank", "slot_after_ms", "fair_service")
@@ -179,7 +188,7 @@ class PrefixSummary(_message.Message):
     def __init__(self, blocks: _Optional[_Iterable[int]] = ..., indexed_tokens: _Optional[int] = ..., saved_tokens: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "tokens", "lease_s", "holder", "prefix_blocks", "prefix_block_tokens", "output_tokens", "waiting_since_unix_ns", "rank", "hold_slot", "tenant", "cost", "output_weight", "reports_first_token", "fair_service")
+    __slots__ = ("request_id", "tokens", "lease_s", "holder", "prefix_blocks", "prefix_block_tokens", "output_tokens", "waiting_since_unix_ns", "rank", "hold_slot", "tenant", "cost", "output_weight", "reports_first_token", "fair_service", "lift")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +204,7 @@ class ReserveRequest(_message.Message):
     OUTPUT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     REPORTS_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FAIR_SERVICE_FIELD_NUMBER: _ClassVar[int]
+    LIFT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tokens: int
     lease_s: float
@@ -210,7 +220,8 @@ class ReserveRequest(_message.Message):
     output_weight: float
     reports_first_token: bool
     fair_service: float
-    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[int] = ..., lease_s: _Optional[float] = ..., holder: _Optional[str] = ..., prefix_blocks: _Optional[_Iterable[int]] = ..., prefix_block_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., waiting_since_unix_ns: _Optional[int] = ..., rank: _Optional[int] = ..., hold_slot: _Optional[bool] = ..., tenant: _Optional[str] = ..., cost: _Optional[float] = ..., output_weight: _Optional[float] = ..., reports_first_token: _Optional[bool] = ..., fair_service: _Optional[float] = ...) -> None: ...
+    lift: float
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[int] = ..., lease_s: _Optional[float] = ..., holder: _Optional[str] = ..., prefix_blocks: _Optional[_Iterable[int]] = ..., prefix_block_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., waiting_since_unix_ns: _Optional[int] = ..., rank: _Optional[int] = ..., hold_slot: _Optional[bool] = ..., tenant: _Optional[str] = ..., cost: _Optional[float] = ..., output_weight: _Optional[float] = ..., reports_first_token: _Optional[bool] = ..., fair_service: _Optional[float] = ..., lift: _Optional[float] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("granted", "reason", "headroom_tokens", "reserved_tokens", "lease_s", "charged_tokens", "cached_tokens", "reservations")
