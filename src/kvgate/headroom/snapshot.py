@@ -10,6 +10,7 @@ zero.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -329,11 +330,14 @@ def headroom_tokens(capacity: int, safety_ratio: float, observed: int | None, re
     return admissible(capacity, safety_ratio) - committed
 
 
-def summed_over_agents(
-    nodes: Sequence[NodeView], per_tenant: Callable[[NodeHeadroom], Mapping[str, _N] | None]
+def combined_over_agents(
+    nodes: Sequence[NodeView],
+    per_tenant: Callable[[NodeHeadroom], Mapping[str, _N] | None],
+    combine: Callable[[_N, _N], _N] = operator.add,
 ) -> dict[str, _N] | None:
-    """Each tenant's figure summed over the agents' latest messages, `per_tenant` reading it from one
-    (None: an agent that does not publish it); None when no agent does."""
+    """Each tenant's figure over the agents' latest messages, summed (or combined by `combine`: `max`
+    for a level, not an amount), `per_tenant` reading it from one (None: an agent that does not
+    publish it); None when no agent does."""
     totals: dict[str, _N] = {}
     published = False
     for node in nodes:
@@ -342,5 +346,5 @@ def summed_over_agents(
             continue
         published = True
         for tenant, figure in figures.items():
-            totals[tenant] = totals[tenant] + figure if tenant in totals else figure
+            totals[tenant] = combine(totals[tenant], figure) if tenant in totals else figure
     return totals if published else None

@@ -58,7 +58,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 
 from kvgate.config import FairnessConfig
-from kvgate.headroom.snapshot import NodeView, summed_over_agents
+from kvgate.headroom.snapshot import NodeView, combined_over_agents
 from kvgate.policy.tenant_book import TenantBook
 
 # Tenants remembered. Past this, the tenant with the least counter that waits for nothing is
@@ -74,18 +74,13 @@ ACTIVE_S = 10.0
 def agents_totals(nodes: Sequence[NodeView]) -> dict[str, float] | None:
     """Each tenant's service summed over the agents' latest messages (NodeHeadroom.tenant_service);
     None when no agent publishes any."""
-    return summed_over_agents(nodes, lambda headroom: headroom.tenant_service or None)
+    return combined_over_agents(nodes, lambda headroom: headroom.tenant_service or None)
 
 
 def agents_lifts(nodes: Sequence[NodeView]) -> dict[str, float]:
     """Each tenant's largest lift over the agents' latest messages (NodeHeadroom.tenant_lift): a lift
     is a level the tenant's counter was raised to, not service to add up."""
-    lifts: dict[str, float] = {}
-    for node in nodes:
-        if node.headroom is not None:
-            for tenant, lift in node.headroom.tenant_lift.items():
-                lifts[tenant] = max(lift, lifts.get(tenant, 0.0))
-    return lifts
+    return combined_over_agents(nodes, lambda headroom: headroom.tenant_lift, max) or {}
 
 
 class FairShare:
@@ -233,8 +228,9 @@ class FairShare:
         return served_at is not None and now - served_at <= ACTIVE_S
 
     def _lifted(self, tenant: str) -> float:
-        shared = self._shared_lift.get(tenant, 0.0) / self._book.weight(tenant) if self._shared_lift else 0.0
-        return max(self._lift.get(tenant, 0.0), shared)
+        own = self._lift.get(tenant, 0.0)
+        shared = self._shared_lift.get(tenant)
+        return own if shared is None else max(own, shared / self._book.weight(tenant))
 
     def _attained(self, tenant: str) -> float:
         if self._shared is not None:

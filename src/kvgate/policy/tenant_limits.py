@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvgate.config import TokenQuotaConfig
-from kvgate.headroom.snapshot import NodeView, summed_over_agents
+from kvgate.headroom.snapshot import NodeView, combined_over_agents
 from kvgate.policy.tenant_book import TenantBook
 
 # Quota buckets remembered; past this, the full ones are forgotten (they hold nothing to remember).
@@ -190,7 +190,7 @@ class TenantLimits:
 def agents_tokens(nodes: Sequence[NodeView]) -> dict[str, int] | None:
     """Each tenant's reserved tokens summed over the agents' latest messages (NodeHeadroom.tenant_tokens);
     None when no agent publishes them."""
-    return summed_over_agents(
+    return combined_over_agents(
         nodes, lambda headroom: headroom.tenant_tokens if headroom.publishes_tenant_tokens else None
     )
 
