@@ -6,6 +6,10 @@ same run: a bare asyncio timer's jitter, the CPU of an agent that samples nothin
 period itself (for lag), and a gRPC health Check on the same agent (for Reserve).
 Targets (issue 4): jitter p99 <= 10 ms, agent CPU <= 2% of a core, lag p99 <= 150 ms, Reserve p99 <= 2 ms.
 
+And what a request's Reserve, FirstToken and Release cost the agent and the caller in CPU, as messages
+on one Ledger stream (what gates and queues send) against the same three as unary calls (what they
+sent before), alternated on one agent.
+
 Also, in this process: what reading a big engine page costs (against one str.splitlines of it), and
 what NvmlPoller.latest() costs while NVML answers and while a call hangs (the figures the tests once
 held to wall-clock budgets of 2 ms and 10 ms).
@@ -27,6 +31,8 @@ from contextlib import contextmanager
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvgate._proto.headroom.v1 import headroom_pb2 as pb
+from kvgate._proto.headroom.v1 import headroom_pb2_grpc as pb_grpc
 from kvgate.agent.sources.engines import read_engine_page
 from kvgate.agent.sources.fake_engine import FakeEngineMetrics
 from kvgate.agent.sources.fake_nvml import FakeNvml, make_gpus
@@ -167,6 +173,46 @@ async def _round_trips(address: str, count: int) -> tuple[list[float], list[floa
     return reserve, health
 
 
+LEDGER_REQUESTS = 1500
+
+
+async def _request_cpu(pid: int, address: str) -> dict[str, tuple[float, float]]:
+    """Per request (Reserve, FirstToken, Release), CPU seconds of the agent and of this process, for
+    each way of calling, alternated twice on one agent (the best of the two per way)."""
+    client = AgentClient(address, 0.05, 1.0)
+    channel = grpc.aio.insecure_channel(address)
+    stub = pb_grpc.AgentStub(channel)  # type: ignore[no-untyped-call]
+
+    async def streamed(i: int) -> None:
+        await client.reserve(f"s{i}", 100, 60, "bench", 1.0, reports_first_token=True)
+        await client.first_token(f"s{i}", "bench", 1.0)
+        await client.release(f"s{i}", "bench", 1.0)
+
+    async def unary(i: int) -> None:
+        request = pb.ReserveRequest(request_id=f"u{i}", tokens=100, lease_s=60, holder="bench")
+        request.reports_first_token = True
+        await stub.Reserve(request, timeout=1.0)
+        await stub.FirstToken(pb.FirstTokenRequest(request_id=f"u{i}", holder="bench"), timeout=1.0)
+        await stub.Release(pb.ReleaseRequest(request_id=f"u{i}", holder="bench"), timeout=1.0)
+
+    best: dict[str, tuple[float, float]] = {}
+    try:
+        for way, request in (("unary", unary), ("stream", streamed)) * 2:
+            await request(-1)  # the stream is open, the channel connected
+            agent0, own0 = _cpu_s(pid), time.process_time()
+            for i in range(LEDGER_REQUESTS):
+                await request(i)
+            figures = (
+                (_cpu_s(pid) - agent0) / LEDGER_REQUESTS,
+                (time.process_time() - own0) / LEDGER_REQUESTS,
+            )
+            best[way] = min(best.get(way, figures), figures, key=sum)
+    finally:
+        await client.close()
+        await channel.close()
+    return best
+
+
 async def _run() -> None:
     engine = FakeEngineMetrics()
     url = await engine.start()
@@ -174,6 +220,7 @@ async def _run() -> None:
         baseline_jitter = await _timer_jitter(31)
         with _agent("--nvml", "off", "--capacity-tokens", "40000") as (address, pid):
             idle_cpu = await _cpu_share(pid, address, 6.0)
+            request_cpu = await _request_cpu(pid, address)
         with _agent("--nvml", "fake", "--fake-gpus", "8", "--engine-metrics", url) as (address, pid):
             jitter = await _stream_jitter(address, 62)
             cpu = await _cpu_share(pid, address, 6.0)
@@ -199,6 +246,13 @@ async def _run() -> None:
         f"  Reserve round trip p50/p99: {_pct(reserve, 0.5) * ms:.3f} / {_pct(reserve, 0.99) * ms:.3f} ms "
         f"(bare gRPC health Check p50/p99 {_pct(health, 0.5) * ms:.3f} / {_pct(health, 0.99) * ms:.3f} ms, "
         f"p50 x{statistics.median(reserve) / statistics.median(health):.2f}; target p99 <= 2 ms)"
+    )
+    (agent_unary, own_unary), (agent_stream, own_stream) = request_cpu["unary"], request_cpu["stream"]
+    print(
+        f"  a request's Reserve + FirstToken + Release, CPU: agent {agent_stream * ms:.3f} ms on the Ledger "
+        f"stream against {agent_unary * ms:.3f} ms unary (x{agent_stream / agent_unary:.2f}); caller "
+        f"{own_stream * ms:.3f} against {own_unary * ms:.3f} ms (x{own_stream / own_unary:.2f}); "
+        f"{LEDGER_REQUESTS} requests one at a time, best of two, agent ticking every period"
     )
 
 

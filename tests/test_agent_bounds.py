@@ -138,6 +138,13 @@ def test_a_reserve_larger_than_64_kib_is_refused_and_the_gates_largest_is_taken(
             largest.prefix_blocks.extend(range(2**63, 2**63 + blocks))
             largest.prefix_block_tokens = 4
             assert (await stub.Reserve(largest)).granted
+            # The gate sends it as a message of its Ledger stream, a few bytes larger.
+            ledger = stub.Ledger()
+            largest.request_id = "s" * MAX_ID_BYTES
+            await ledger.write(pb.LedgerCall(id=2**64 - 1, reserve=largest))
+            answer = await ledger.read()
+            assert answer.id == 2**64 - 1 and answer.reserve.granted
+            ledger.cancel()
             larger = pb.ReserveRequest(request_id="big", tokens=9_000 * 4)
             larger.prefix_blocks.extend(range(9_000))
             larger.prefix_block_tokens = 4

@@ -20,4 +20,4 @@ def test_generated_code_imports_from_its_own_package() -> None:
 
     assert headroom_pb2_grpc.kvgate_dot_headroom_dot_v1_dot_headroom__pb2 is headroom_pb2
     methods = headroom_pb2.DESCRIPTOR.services_by_name["Agent"].methods_by_name
-    assert set(methods) == {"Subscribe", "Reserve", "FirstToken", "Release", "Renew"}
+    assert set(methods) == {"Subscribe", "Reserve", "FirstToken", "Release", "Renew", "Ledger"}

@@ -8,7 +8,8 @@ into the NodeState, and pushes the NodeHeadroom to every subscriber when somethi
 changed, or a heartbeat has passed (kvgate.agent.push; every period with --heartbeat-ms 0).
 Ticks are scheduled on absolute deadlines so a slow sample delays one push, not all that follow.
 Reserve and Release run on the same event loop as the ledger and never await between check and
-charge: that is what makes this agent the single authority for its node.
+charge: that is what makes this agent the single authority for its node. Each is a unary call or a
+message on a caller's Ledger stream (what gates send: half the CPU a call), answered by the same code.
 
 Who holds a reservation is decided here: with client certificates required (mTLS), the caller's
 certificate identity, which no caller can claim for itself; otherwise the `holder` it sends. Callers
@@ -24,9 +25,10 @@ import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
@@ -62,6 +64,8 @@ NVML_FIRST_READING_S = 10.0
 # (8,000 at most: 64 KiB) of them. Larger ones get RESOURCE_EXHAUSTED before they are decoded.
 MAX_MESSAGE_BYTES = 64 * 1024
 MAX_SUBSCRIBER_BYTES = 128
+_Request = TypeVar("_Request", bound=Message)
+_Answer = TypeVar("_Answer", bound=Message)
 
 
 class EngineSource(Protocol):
@@ -277,6 +281,13 @@ class _AgentServicer(pb_grpc.AgentServicer):
         self._agent = agent
         # Client certificates are required: a caller's identity is its certificate's.
         self._authenticated = authenticated
+        # A Ledger message's call, by its field name, to what answers it.
+        self._ledger_calls: dict[str, Callable[[Any, str], Message]] = {
+            "reserve": self._reserve,
+            "release": self._release,
+            "renew": self._renew,
+            "first_token": self._first_token,
+        }
 
     async def Subscribe(
         self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext
@@ -293,24 +304,58 @@ class _AgentServicer(pb_grpc.AgentServicer):
         self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReserveResponse:
         holder = await self._holder(request.holder, context)
-        try:
-            outcome = self._agent.state.reserve(
-                request.request_id,
-                request.tokens,
-                request.lease_s,
-                holder,
-                prefix=chain_from_proto(request),
-                output_tokens=request.output_tokens,
-                waiting_since_unix_ns=request.waiting_since_unix_ns,
-                rank=request.rank,
-                fair_service=request.fair_service,
-                hold_slot=request.hold_slot,
-                charge=charge_from_proto(request),
-                reports_first_token=request.reports_first_token,
-            )
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            raise AssertionError("abort returns by raising") from exc
+        return await _or_abort(context, self._reserve, request, holder)
+
+    async def Release(
+        self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseResponse:
+        holder = await self._holder(request.holder, context)
+        return await _or_abort(context, self._release, request, holder)
+
+    async def FirstToken(
+        self, request: pb.FirstTokenRequest, context: grpc.aio.ServicerContext
+    ) -> pb.FirstTokenResponse:
+        holder = await self._holder(request.holder, context)
+        return await _or_abort(context, self._first_token, request, holder)
+
+    async def Renew(self, request: pb.RenewRequest, context: grpc.aio.ServicerContext) -> pb.RenewResponse:
+        holder = await self._holder(request.holder, context)
+        return await _or_abort(context, self._renew, request, holder)
+
+    async def Ledger(
+        self, calls: AsyncIterator[pb.LedgerCall], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.LedgerAnswer]:
+        """The four calls above as messages on one stream, answered in order (see the proto). Each is
+        answered before the next is read, and none awaits between check and charge."""
+        identity = await self._identity(context)
+        async for call in calls:
+            kind = call.WhichOneof("call")
+            if kind is None:
+                yield _refused(call.id, grpc.StatusCode.INVALID_ARGUMENT, "a LedgerCall names no call")
+                continue
+            request = getattr(call, kind)
+            handle = self._ledger_calls[kind]
+            try:
+                answer = pb.LedgerAnswer(id=call.id, **{kind: handle(request, identity or request.holder)})
+            except ValueError as exc:
+                answer = _refused(call.id, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            yield answer
+
+    def _reserve(self, request: pb.ReserveRequest, holder: str) -> pb.ReserveResponse:
+        outcome = self._agent.state.reserve(
+            request.request_id,
+            request.tokens,
+            request.lease_s,
+            holder,
+            prefix=chain_from_proto(request),
+            output_tokens=request.output_tokens,
+            waiting_since_unix_ns=request.waiting_since_unix_ns,
+            rank=request.rank,
+            fair_service=request.fair_service,
+            hold_slot=request.hold_slot,
+            charge=charge_from_proto(request),
+            reports_first_token=request.reports_first_token,
+        )
         self._agent.metrics.reserve(outcome.granted, outcome.reason)
         self._agent.changed.set()
         if outcome.reason == ReserveReason.GRANTED and request.prefix_blocks:
@@ -327,46 +372,27 @@ class _AgentServicer(pb_grpc.AgentServicer):
         )
         return reserve_to_proto(outcome)
 
-    async def Release(
-        self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ReleaseResponse:
-        holder = await self._holder(request.holder, context)
-        try:
-            outcome = self._agent.state.release(
-                request.request_id,
-                holder,
-                unanswered_reserve=request.unanswered_reserve,
-                generated_tokens=request.generated_tokens,
-            )
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            raise AssertionError("abort returns by raising") from exc
+    def _release(self, request: pb.ReleaseRequest, holder: str) -> pb.ReleaseResponse:
+        outcome = self._agent.state.release(
+            request.request_id,
+            holder,
+            unanswered_reserve=request.unanswered_reserve,
+            generated_tokens=request.generated_tokens,
+        )
         if outcome.released:
             self._agent.metrics.released(told_generated=request.generated_tokens > 0)
         self._agent.changed.set()
         return release_to_proto(outcome)
 
-    async def FirstToken(
-        self, request: pb.FirstTokenRequest, context: grpc.aio.ServicerContext
-    ) -> pb.FirstTokenResponse:
-        holder = await self._holder(request.holder, context)
-        try:
-            known = self._agent.state.first_token(request.request_id, holder)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            raise AssertionError("abort returns by raising") from exc
+    def _first_token(self, request: pb.FirstTokenRequest, holder: str) -> pb.FirstTokenResponse:
+        known = self._agent.state.first_token(request.request_id, holder)
         self._agent.metrics.first_token(known)
         if known:
             self._agent.changed.set()
         return pb.FirstTokenResponse(known=known)
 
-    async def Renew(self, request: pb.RenewRequest, context: grpc.aio.ServicerContext) -> pb.RenewResponse:
-        holder = await self._holder(request.holder, context)
-        try:
-            lapsed, lease_s = self._agent.state.renew(request.request_ids, holder, request.lease_s)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            raise AssertionError("abort returns by raising") from exc
+    def _renew(self, request: pb.RenewRequest, holder: str) -> pb.RenewResponse:
+        lapsed, lease_s = self._agent.state.renew(request.request_ids, holder, request.lease_s)
         self._agent.metrics.renewed(len(request.request_ids) - len(lapsed), len(lapsed))
         if lapsed:
             # Not always a fault: a Release that overtook the renewal leaves its id here too.
@@ -381,14 +407,36 @@ class _AgentServicer(pb_grpc.AgentServicer):
     async def _holder(self, claimed: str, context: grpc.aio.ServicerContext) -> str:
         """Who the caller holds reservations as: its certificate's identity under mTLS (what it
         claims is then only logged), else what it claims (the ledger bounds its length)."""
+        return await self._identity(context) or claimed
+
+    async def _identity(self, context: grpc.aio.ServicerContext) -> str | None:
+        """The caller's certificate identity under mTLS; None without."""
         if not self._authenticated:
-            return claimed
+            return None
         identities = context.peer_identities()
         if not identities:
             # The handshake required a certificate, so this is not expected to happen.
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "no client certificate identity")
             raise AssertionError("abort returns by raising")
         return _bounded(identities[0].decode("utf-8", "replace"))
+
+
+async def _or_abort(
+    context: grpc.aio.ServicerContext,
+    handle: Callable[[_Request, str], _Answer],
+    request: _Request,
+    holder: str,
+) -> _Answer:
+    """`handle`'s answer; a request it refuses (ValueError) ends the unary call with INVALID_ARGUMENT."""
+    try:
+        return handle(request, holder)
+    except ValueError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        raise AssertionError("abort returns by raising") from exc
+
+
+def _refused(call_id: int, code: grpc.StatusCode, message: str) -> pb.LedgerAnswer:
+    return pb.LedgerAnswer(id=call_id, error=pb.CallError(code=code.name, message=message))
 
 
 def _bounded(identity: str) -> str:
@@ -425,6 +473,11 @@ def _add_agent_service(servicer: _AgentServicer, server: grpc.aio.Server) -> Non
             servicer.Renew,
             request_deserializer=pb.RenewRequest.FromString,
             response_serializer=pb.RenewResponse.SerializeToString,
+        ),
+        "Ledger": grpc.stream_stream_rpc_method_handler(
+            servicer.Ledger,
+            request_deserializer=pb.LedgerCall.FromString,
+            response_serializer=pb.LedgerAnswer.SerializeToString,
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -53,7 +53,7 @@ StalePolicy = Literal["probe", "exclude"]
 # once for this request's first token, once for the requests queued behind it there, whose wait it
 # would otherwise lengthen. On the Mooncake replay (one run each, 2026-12-03) a weight of 1 gave long
 # TTFT p50 173 ms and 3.52M prefix-hit tokens, 2 gave 185 ms and 3.62M (holders always first, the
-# rule before: 267 ms and 3.65M).
+# rule before: 267 ms and 3.65M); 4, on 2026-12-04, 210 ms and 3.60M.
 CACHED_WEIGHT = 2
 
 

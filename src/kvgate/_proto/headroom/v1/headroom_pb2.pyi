@@ -298,3 +298,41 @@ class RenewResponse(_message.Message):
     lapsed: _containers.RepeatedScalarFieldContainer[str]
     lease_s: float
     def __init__(self, lapsed: _Optional[_Iterable[str]] = ..., lease_s: _Optional[float] = ...) -> None: ...
+
+class LedgerCall(_message.Message):
+    __slots__ = ("id", "reserve", "release", "renew", "first_token")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    RENEW_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    reserve: ReserveRequest
+    release: ReleaseRequest
+    renew: RenewRequest
+    first_token: FirstTokenRequest
+    def __init__(self, id: _Optional[int] = ..., reserve: _Optional[_Union[ReserveRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ..., renew: _Optional[_Union[RenewRequest, _Mapping]] = ..., first_token: _Optional[_Union[FirstTokenRequest, _Mapping]] = ...) -> None: ...
+
+class LedgerAnswer(_message.Message):
+    __slots__ = ("id", "reserve", "release", "renew", "first_token", "error")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    RENEW_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    reserve: ReserveResponse
+    release: ReleaseResponse
+    renew: RenewResponse
+    first_token: FirstTokenResponse
+    error: CallError
+    def __init__(self, id: _Optional[int] = ..., reserve: _Optional[_Union[ReserveResponse, _Mapping]] = ..., release: _Optional[_Union[ReleaseResponse, _Mapping]] = ..., renew: _Optional[_Union[RenewResponse, _Mapping]] = ..., first_token: _Optional[_Union[FirstTokenResponse, _Mapping]] = ..., error: _Optional[_Union[CallError, _Mapping]] = ...) -> None: ...
+
+class CallError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...

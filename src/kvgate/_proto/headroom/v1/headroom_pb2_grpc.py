@@ -60,6 +60,11 @@ class AgentStub:
                 request_serializer=kvgate_dot_headroom_dot_v1_dot_headroom__pb2.FirstTokenRequest.SerializeToString,
                 response_deserializer=kvgate_dot_headroom_dot_v1_dot_headroom__pb2.FirstTokenResponse.FromString,
                 _registered_method=True)
+        self.Ledger = channel.stream_stream(
+                '/kvgate.headroom.v1.Agent/Ledger',
+                request_serializer=kvgate_dot_headroom_dot_v1_dot_headroom__pb2.LedgerCall.SerializeToString,
+                response_deserializer=kvgate_dot_headroom_dot_v1_dot_headroom__pb2.LedgerAnswer.FromString,
+                _registered_method=True)
 
 
 class AgentServicer:
@@ -107,6 +112,17 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Ledger(self, request_iterator, context):
+        """Reserve, Release, Renew and FirstToken as messages on one long-lived stream per caller, each call
+        answered with its caller-chosen id, in the order sent. Same rules and bounds as the calls above
+        (each message at most 64 KiB); a call the unary method would end with a status is answered with
+        a CallError and the stream goes on. A stream message costs the agent about half what a unary call
+        does (docs/operations.md, "Reserve and Release on one stream").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -134,6 +150,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.FirstToken,
                     request_deserializer=kvgate_dot_headroom_dot_v1_dot_headroom__pb2.FirstTokenRequest.FromString,
                     response_serializer=kvgate_dot_headroom_dot_v1_dot_headroom__pb2.FirstTokenResponse.SerializeToString,
+            ),
+            'Ledger': grpc.stream_stream_rpc_method_handler(
+                    servicer.Ledger,
+                    request_deserializer=kvgate_dot_headroom_dot_v1_dot_headroom__pb2.LedgerCall.FromString,
+                    response_serializer=kvgate_dot_headroom_dot_v1_dot_headroom__pb2.LedgerAnswer.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -271,6 +292,33 @@ class Agent:
             '/kvgate.headroom.v1.Agent/FirstToken',
             kvgate_dot_headroom_dot_v1_dot_headroom__pb2.FirstTokenRequest.SerializeToString,
             kvgate_dot_headroom_dot_v1_dot_headroom__pb2.FirstTokenResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Ledger(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvgate.headroom.v1.Agent/Ledger',
+            kvgate_dot_headroom_dot_v1_dot_headroom__pb2.LedgerCall.SerializeToString,
+            kvgate_dot_headroom_dot_v1_dot_headroom__pb2.LedgerAnswer.FromString,
             options,
             channel_credentials,
             insecure,
