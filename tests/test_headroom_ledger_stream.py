@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import grpc
@@ -72,6 +73,18 @@ async def serve(servicer: Any, port: int = 0) -> tuple[grpc.aio.Server, int]:
     return server, port
 
 
+@asynccontextmanager
+async def calling(servicer: Any) -> AsyncIterator[AgentClient]:
+    """A client of `servicer`, served on 127.0.0.1."""
+    server, port = await serve(servicer)
+    c = client(f"127.0.0.1:{port}")
+    try:
+        yield c
+    finally:
+        await c.close()
+        await server.stop(0)
+
+
 def run(scenario: Callable[[], Any]) -> None:
     asyncio.run(scenario())
 
@@ -79,19 +92,14 @@ def run(scenario: Callable[[], Any]) -> None:
 def test_answers_that_come_back_in_another_order_reach_their_own_calls() -> None:
     async def scenario() -> None:
         servicer = _LedgerOnly(batch=4)
-        server, port = await serve(servicer)
-        c = client(f"127.0.0.1:{port}")
-        try:
+        async with calling(servicer) as c:
             sizes = [500, 5_000, 900, 2_000]
             outcomes = await asyncio.gather(
                 *(c.reserve(f"r{i}", tokens, 60, "g", timeout_s=10) for i, tokens in enumerate(sizes))
             )
-            assert [o.granted for o in outcomes] == [True, False, True, False]
-            assert servicer.streams == 1, "every call on the one stream"
-            assert len({call.id for call in servicer.calls}) == 4
-        finally:
-            await c.close()
-            await server.stop(0)
+        assert [o.granted for o in outcomes] == [True, False, True, False]
+        assert servicer.streams == 1, "every call on the one stream"
+        assert len({call.id for call in servicer.calls}) == 4
 
     run(scenario)
 
@@ -121,17 +129,12 @@ def test_a_refused_call_fails_alone_and_the_stream_goes_on() -> None:
 def test_a_call_left_unanswered_times_out_and_the_next_one_is_answered() -> None:
     async def scenario() -> None:
         servicer = _LedgerOnly(silent=True)
-        server, port = await serve(servicer)
-        c = client(f"127.0.0.1:{port}")
-        try:
+        async with calling(servicer) as c:
             with pytest.raises(AgentCallError, match="Reserve failed: DEADLINE_EXCEEDED"):
                 await c.reserve("r1", 500, 60, "g", timeout_s=0.2)
             servicer.silent = False
             assert (await c.reserve("r2", 500, 60, "g", timeout_s=10)).granted
-            assert servicer.streams == 1
-        finally:
-            await c.close()
-            await server.stop(0)
+        assert servicer.streams == 1
 
     run(scenario)
 
@@ -165,15 +168,10 @@ def test_calls_in_flight_when_the_agent_goes_fail_and_the_next_call_reaches_its_
 def test_an_agent_without_the_ledger_method_is_called_unary() -> None:
     async def scenario() -> None:
         servicer = _UnaryOnly()
-        server, port = await serve(servicer)
-        c = client(f"127.0.0.1:{port}")
-        try:
+        async with calling(servicer) as c:
             for i in range(3):
                 outcome = await c.reserve(f"r{i}", 500, 60, "g", timeout_s=10)
                 assert outcome.granted and outcome.headroom_tokens == 7
-            assert servicer.reserves == 3
-        finally:
-            await c.close()
-            await server.stop(0)
+        assert servicer.reserves == 3
 
     run(scenario)
