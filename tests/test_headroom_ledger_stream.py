@@ -19,6 +19,7 @@ from kvgate.agent.ledger import MAX_ID_BYTES
 from kvgate.agent.node import NodeSettings
 from kvgate.agent.server import Agent
 from kvgate.errors import AgentCallError
+from kvgate.headroom import client as client_module
 from kvgate.headroom.client import AgentClient
 
 
@@ -173,5 +174,37 @@ def test_an_agent_without_the_ledger_method_is_called_unary() -> None:
                 outcome = await c.reserve(f"r{i}", 500, 60, "g", timeout_s=10)
                 assert outcome.granted and outcome.headroom_tokens == 7
         assert servicer.reserves == 3
+
+    run(scenario)
+
+
+class _UpgradedLater(_UnaryOnly):
+    """An agent whose first Ledger stream is refused as an older agent's would be, and later ones answered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.streams = 0
+
+    async def Ledger(
+        self, calls: AsyncIterator[pb.LedgerCall], context: Any
+    ) -> AsyncIterator[pb.LedgerAnswer]:
+        self.streams += 1
+        if self.streams == 1:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        async for call in calls:
+            yield pb.LedgerAnswer(id=call.id, reserve=pb.ReserveResponse(granted=True, headroom_tokens=9))
+
+
+@pytest.mark.parametrize(("retry_s", "headroom"), [(0.0, 9), (3600.0, 7)])
+def test_the_stream_is_tried_again_once_the_retry_time_has_passed(
+    monkeypatch: pytest.MonkeyPatch, retry_s: float, headroom: int
+) -> None:
+    monkeypatch.setattr(client_module, "LEDGER_RETRY_S", retry_s)
+
+    async def scenario() -> None:
+        servicer = _UpgradedLater()
+        async with calling(servicer) as c:
+            assert (await c.reserve("r1", 500, 60, "g", timeout_s=10)).headroom_tokens == 7, "unary"
+            assert (await c.reserve("r2", 500, 60, "g", timeout_s=10)).headroom_tokens == headroom
 
     run(scenario)
