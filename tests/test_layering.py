@@ -26,6 +26,7 @@ IO_MODULES: dict[str, dict[str, str]] = {
         "client": "the gate's gRPC client of an agent",
         "credentials": "TLS files and gRPC channel credentials",
         "giveback": "tries a Release again after a pause (asyncio)",
+        "ledger_stream": "Reserve, Release, Renew and FirstToken as messages on one gRPC stream",
         "protogen": "runs grpcio-tools",
         "resolve": "DNS",
         "view": "the gate's Subscribe streams, Reserve and Release",
