@@ -149,6 +149,12 @@ def test_a_reserve_larger_than_64_kib_is_refused_and_the_gates_largest_is_taken(
             larger.prefix_blocks.extend(range(9_000))
             larger.prefix_block_tokens = 4
             assert await status_of(stub.Reserve(larger)) is grpc.StatusCode.RESOURCE_EXHAUSTED
+            # On a Ledger stream, a message past the bound ends the stream, not only its call.
+            ledger = stub.Ledger()
+            await ledger.write(pb.LedgerCall(id=3, reserve=larger))
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                await ledger.read()
+            assert ended.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
 
     run(scenario)
     with pytest.raises(ConfigError, match=r"placement\.max_blocks: must be <= 8000"):
