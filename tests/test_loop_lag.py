@@ -12,20 +12,20 @@ from waiting import until_async
 from kvgate.agent.in_process import FakeHeadroom, ManualClock
 from kvgate.config import AdmissionConfig, ModelConfig
 from kvgate.gate.admission import Admission
-from kvgate.gate.loop_lag import LoopLag
+from kvgate.gate.loop_lag import PROBES_PER_LIMIT, LoopLag
 from kvgate.policy import Reason, Refusal, Route
 from kvgate.policy.refusals import Refusals
 
 
 def test_a_blocked_loop_reads_as_behind_at_once_and_recovers() -> None:
     async def scenario() -> None:
-        lag = LoopLag()
+        lag = LoopLag(0.5 / PROBES_PER_LIMIT)  # admission.max_loop_lag_s's default
         probe = asyncio.create_task(lag.run())
         try:
             await until_async(lambda: lag.current_s() == 0.0 or lag.current_s() < 0.05, "a quiet loop")
-            await asyncio.sleep(0.06)  # the probe is asleep, due in at most INTERVAL_S
-            time.sleep(0.4)  # the loop is held: nothing runs until this returns
-            assert lag.current_s() >= 0.3, "read right after the block, before the probe woke"
+            await asyncio.sleep(0.01)  # the probe is asleep, due in at most one interval
+            time.sleep(0.4 + lag.interval_s)  # the loop is held: nothing runs until this returns
+            assert lag.current_s() >= 0.4, "read right after the block, before the probe woke"
             await until_async(lambda: lag.current_s() < 0.05, "the lag to fall once the loop runs freely")
         finally:
             probe.cancel()
@@ -63,7 +63,7 @@ def test_a_long_request_is_answered_at_once_while_the_loop_is_behind() -> None:
 
 def test_the_lag_reads_from_another_thread_as_the_metrics_exporter_does() -> None:
     async def scenario() -> None:
-        lag = LoopLag()
+        lag = LoopLag(0.05)
         probe = asyncio.create_task(lag.run())
         try:
             await asyncio.sleep(0.06)

@@ -9,20 +9,27 @@ more turns of a slow loop): 503 `gateway_overloaded` with Retry-After, or the as
 requests that may go there (kvgate.policy.overflow). Short requests are still routed: their answer
 costs no more than a refusal would.
 
-A probe sleeps `INTERVAL_S` over and over; how late it wakes is the lag. The lag read by a request is
+A probe sleeps one interval over and over; how late it wakes is the lag. The lag read by a request is
 the larger of the last probe's and how overdue the current probe already is, so a loop that was just
-blocked for a second reads a second behind at once, not one interval later.
+blocked for a second reads at least a second less one interval behind at once, not one interval later.
+
+The interval is a quarter of admission.max_loop_lag_s (`PROBES_PER_LIMIT`; 125 ms for the default
+0.5 s), so a lag reads at most a quarter of the limit short. Every wake-up of the process costs CPU:
+a bare uvloop process that sleeps 50 ms over and over spends 3.5 ms of CPU a second on this project's
+2-vCPU VM (about 175 µs a wake-up), and a probe every 50 ms was 4 of an idle gate's 4.5 ms/s
+(2026-12-05; docs/benchmarks.md, "What a wake-up costs").
 """
 
 from __future__ import annotations
 
 import asyncio
 
-INTERVAL_S = 0.05
+PROBES_PER_LIMIT = 4
 
 
 class LoopLag:
-    def __init__(self) -> None:
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
         self._last_s = 0.0
         self._due = 0.0  # the loop time the probe should wake at; 0 before it runs
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -38,6 +45,6 @@ class LoopLag:
         """Forever: probe the loop."""
         self._loop = loop = asyncio.get_running_loop()
         while True:
-            self._due = loop.time() + INTERVAL_S
-            await asyncio.sleep(INTERVAL_S)
+            self._due = loop.time() + self.interval_s
+            await asyncio.sleep(self.interval_s)
             self._last_s = max(0.0, loop.time() - self._due)

@@ -21,7 +21,7 @@ from kvgate.allocator import keep_big_buffers
 from kvgate.config import Config
 from kvgate.config.headroom import HeadroomSettings
 from kvgate.gate.admission import Admission, HeadroomSource
-from kvgate.gate.loop_lag import LoopLag
+from kvgate.gate.loop_lag import PROBES_PER_LIMIT, LoopLag
 from kvgate.gate.picker import EndpointPicker
 from kvgate.gate.pipeline import Pipeline, estimator_factory
 from kvgate.gate.processor import ExternalProcessor
@@ -79,7 +79,7 @@ async def serve(
     long_view, interactive_view = _view(config, config.headroom), _view(config, config.interactive_headroom)
     views = [view for view in (long_view, interactive_view) if view is not None]
     long = _long_source(config, long_view, interactive_view)
-    lag = LoopLag()
+    lag = LoopLag(config.admission.max_loop_lag_s / PROBES_PER_LIMIT)
     probing = asyncio.create_task(lag.run(), name="kvgate-loop-lag")
     observe(
         telemetry.meter,
