@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from kvgate.errors import ConfigError
 from kvgate.estimate import calibration
 from kvgate.estimate import fast as fast_module
+from kvgate.estimate import features as features_module
 from kvgate.estimate.exact import TokenizerFile, load_counter
 from kvgate.estimate.fast import FastEstimator
 from kvgate.estimate.features import (
@@ -319,3 +320,42 @@ def test_the_plain_screen_never_changes_the_answer(joined: str) -> None:
     test's: no trap window and no stray run or blob."""
     data = joined.encode("utf-8", "surrogatepass")[:FULL_SCAN_BYTES]
     assert is_plain(data) == (not _has_trap(data) and not stray_stretches(data))
+
+
+def _ascii_prose(size: int, seed: int) -> str:
+    """ASCII prose of `size` characters: the Mooncake replay's prompts are such (kvgate.demo.prompts)."""
+    words = text("english").encode("ascii", "ignore").decode().split()
+    rng = random.Random(seed)
+    out = " ".join(rng.choice(words) for _ in range(size // 3))
+    return out[:size]
+
+
+@pytest.mark.parametrize("size", [FULL_SCAN_BYTES // UTF8_MAX_BYTES + 1, 70_000, FULL_SCAN_BYTES])
+def test_a_plain_ascii_text_up_to_the_full_scan_is_read_directly_with_the_sampled_band(
+    fast: FastEstimator, size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ASCII text past a quarter of FULL_SCAN_BYTES (the most any text of that many characters
+    can encode to) but within it is one byte a character: it is read straight from its pairs when
+    plain, with the band the full sample gives it."""
+    prose = _ascii_prose(size, seed=size)
+    assert is_plain(prose.encode())
+    sampled = fast.band(sample(prose))
+    calls = []
+    monkeypatch.setattr(fast_module, "sample", lambda *args: calls.append(args) or sample(*args))
+    assert fast.estimate(prose) == sampled
+    assert not calls, "read directly, without the sample's trap and stray searches"
+
+
+@pytest.mark.parametrize("at", [0, 0.5, 1.0])
+def test_a_run_window_in_a_long_ascii_text_sends_it_to_the_sample(fast: FastEstimator, at: float) -> None:
+    """A whole window of one repeated character anywhere in a long text is found by the windows'
+    numpy probe as by the one-by-one probe, and the text is priced by `sample` (its run apart)."""
+    prose = _ascii_prose(60_000, seed=7)
+    start = int((len(prose) - 2 * WINDOW_BYTES) * at)
+    texted = prose[:start] + "=" * (2 * WINDOW_BYTES) + prose[start + 2 * WINDOW_BYTES :]
+    data = texted.encode()
+    assert features_module._has_run_window(data)
+    assert not is_plain(data)
+    whole_windows = range(0, len(data) - WINDOW_BYTES + 1, WINDOW_BYTES)
+    assert any(features_module._is_run_window(data, start) for start in whole_windows)
+    assert fast.estimate(texted) == fast.band(sample(texted))
