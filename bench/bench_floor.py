@@ -40,8 +40,16 @@ import uvloop
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from bench.bench_gate import PATH, Tally, _warn_if_busy, cpu_seconds, gate_config_text, running_stack
-from bench.loadgen import http_request, run_load
+from bench.bench_gate import (
+    PATH,
+    Tally,
+    _warn_if_busy,
+    cpu_seconds,
+    gate_config_text,
+    measure_base_rate,
+    running_stack,
+)
+from bench.loadgen import http_request
 from kvgate.demo.load import LazyBodies
 from kvgate.demo.scenario import builtin_scenario, load_scenario
 from kvgate.demo.trace import Window, compressed, plan_trace, read_trace, trace_file
@@ -49,7 +57,6 @@ from kvgate.localports import free_port
 
 TRACE = "mooncake_conversation_first_half"
 SPEED = 6.0
-ROUNDS = 2
 STEP_S = 30.0
 WARM_S = 3.0
 VARIANTS = ("b1", "c1")
@@ -80,24 +87,6 @@ async def idle_ms_per_s(pids: dict[str, int]) -> dict[str, float]:
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     await asyncio.sleep(IDLE_S)
     return {name: (cpu_seconds(pid) - before[name]) * 1000 / IDLE_S for name, pid in pids.items()}
-
-
-async def measure(
-    variants: dict[str, int | None], ports: dict[str, int], pids: dict[str, int], payload: bytes, rate: float
-) -> dict[str, Tally]:
-    """Each variant warmed, then ROUNDS steps of STEP_S at `rate`, the variants interleaved."""
-    for key in variants:
-        await run_load("127.0.0.1", ports[key], payload, rate, WARM_S)
-    tallies = {key: Tally() for key in variants}
-    for _ in range(ROUNDS):
-        for key, ext_proc_pid in variants.items():
-            watched = {"envoy": pids["envoy"]}
-            if ext_proc_pid is not None:
-                watched["ext_proc"] = ext_proc_pid
-            before = {name: cpu_seconds(pid) for name, pid in watched.items()}
-            result = await run_load("127.0.0.1", ports[key], payload, rate, STEP_S)
-            tallies[key].add(result, {name: cpu_seconds(pid) - before[name] for name, pid in watched.items()})
-    return tallies
 
 
 def wake_ups(pid: int) -> int:
@@ -165,13 +154,15 @@ def main() -> None:
             pids,
         ),
     ):
-        variants = {key: by_key[key].ext_proc_pid for key in VARIANTS}
-        servers = {"envoy": pids["envoy"], **{by_key[key].label: pid for key, pid in variants.items() if pid}}
+        variants = [by_key[key] for key in VARIANTS]
+        servers = {"envoy": pids["envoy"], **{v.label: v.ext_proc_pid for v in variants if v.ext_proc_pid}}
 
         async def run() -> tuple[dict[str, float], dict[str, Tally]]:
             idle = await idle_ms_per_s(servers)
-            ports = {key: by_key[key].port for key in VARIANTS}
-            return idle, await measure(variants, ports, pids, http_request(PATH, body), rate)
+            payload = http_request(PATH, body)
+            return idle, await measure_base_rate(
+                variants, pids, payload, rate=rate, step_s=STEP_S, warm_s=WARM_S
+            )
 
         idle, tallies = uvloop.run(run())
     print(f"idle, CPU ms a second ({IDLE_S:g} s, no traffic, after {SETTLE_S:g} s to settle):")

@@ -266,11 +266,18 @@ def check_routing(variant: Variant, body: bytes, pool: str = "interactive") -> N
 
 
 async def measure_base_rate(
-    variants: list[Variant], pids: dict[str, int], payload: bytes
+    variants: list[Variant],
+    pids: dict[str, int],
+    payload: bytes,
+    *,
+    rate: float = BASE_RATE,
+    step_s: float = STEP_S,
+    warm_s: float = 1.0,
 ) -> dict[str, Tally]:
-    """Warm every variant up, then run the 400 req/s step ROUNDS times, interleaving the variants."""
+    """Warm every variant up, then run a step of `rate` req/s ROUNDS times, interleaving the variants
+    (bench/bench_floor.py runs it at the Mooncake replay's rate)."""
     for variant in variants:
-        await run_load("127.0.0.1", variant.port, payload, BASE_RATE, 1.0)
+        await run_load("127.0.0.1", variant.port, payload, rate, warm_s)
     tallies = {variant.key: Tally() for variant in variants}
     for _ in range(ROUNDS):
         for variant in variants:
@@ -278,7 +285,7 @@ async def measure_base_rate(
             if variant.ext_proc_pid is not None:
                 watched["ext_proc"] = variant.ext_proc_pid
             before = {name: cpu_seconds(pid) for name, pid in watched.items()}
-            result = await run_load("127.0.0.1", variant.port, payload, BASE_RATE, STEP_S)
+            result = await run_load("127.0.0.1", variant.port, payload, rate, step_s)
             spent = {name: cpu_seconds(pid) - before[name] for name, pid in watched.items()}
             tallies[variant.key].add(result, spent)
     return tallies
