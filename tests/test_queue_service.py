@@ -457,6 +457,54 @@ def test_a_client_that_comes_back_with_its_request_id_gets_the_same_job(tmp_path
     run(scenario)
 
 
+def test_a_held_job_whose_client_left_before_it_started_is_cancelled_and_never_runs(tmp_path: Path) -> None:
+    """Run for nobody, it would hold a node and be charged to its tenant (kvgate.queue.holds)."""
+
+    async def scenario() -> None:
+        async with queue(tmp_path, "reattach_s: 0.6") as q:
+            q.source.update("node-a", used_tokens=9_500)
+            lost = asyncio.ensure_future(q.post(8000, x_request_id="req-left"))
+            await q.job_in("req-left", "queued")
+            lost.cancel()  # the client's connection dropped
+            job = await q.job_in("req-left", "cancelled")
+            assert job["error"]["code"] == "client_gone"
+            q.source.update("node-a", used_tokens=0)
+            after = await q.defer(8000)
+            (call,) = await q.engines.wait_calls(1)
+            assert call.job_id == after
+
+    run(scenario)
+
+
+def test_a_held_client_that_stays_connected_keeps_its_job_past_the_reattach_window(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with queue(tmp_path, "reattach_s: 0.6") as q:
+            q.source.update("node-a", used_tokens=9_500)
+            held = asyncio.ensure_future(q.post(8000, x_request_id="req-stays"))
+            await q.job_in("req-stays", "queued")
+            first = await _hold_until(q, "req-stays")
+            # Renewed twice past its first hold: the window has passed while the client waited.
+            await until_async(lambda: _renewed_past(q, "req-stays", first + 1.2), "the hold renewed")
+            assert (await q.job("req-stays"))["status"] == "queued"
+            q.source.update("node-a", used_tokens=0)
+            q.engines.answer((await q.engines.wait_calls(1))[0])
+            assert (await held).status == 200
+
+    run(scenario)
+
+
+async def _hold_until(q: Queue, request_id: str) -> float:
+    async with q.service.jobs.database.transaction() as tx:
+        ((until,),) = await tx.execute(
+            "SELECT expires_at FROM kvgate_jobs WHERE request_id = ?", (request_id,)
+        )
+    return float(until)
+
+
+async def _renewed_past(q: Queue, request_id: str, time_s: float) -> bool:
+    return await _hold_until(q, request_id) > time_s
+
+
 def test_requests_the_gate_did_not_estimate_are_estimated_and_refused_as_the_gate_would(
     tmp_path: Path,
 ) -> None:

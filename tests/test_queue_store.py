@@ -194,6 +194,61 @@ def test_renewing_keeps_claims_and_names_the_ones_lost(opener: Opener) -> None:
     run(scenario)
 
 
+def test_a_held_job_whose_hold_lapses_is_not_run_and_is_cancelled_until_its_client_comes_back(
+    opener: Opener,
+) -> None:
+    """A held job's client left (or its replica died): nothing renews its hold, and an engine would
+    otherwise run it for nobody, charged to its tenant (kvgate.queue.holds)."""
+
+    async def scenario() -> None:
+        async with opened(opener) as store:
+            held = dataclasses.replace(job(request_id="req-held"), hold_s=3600.0)
+            kept = await added(store, dataclasses.replace(job(), hold_s=3600.0))
+            lapsing, deferred = await added(store, held), await added(store, job())
+            # Renewed to end now: once the database clock moves on, the hold has lapsed.
+            await store.hold([lapsing], 0)
+            await store.hold([kept], 3600)
+            (waiting,) = await until_async(
+                lambda: _ids_once(store, lambda ids: lapsing not in ids), "the lapsed job out of the line"
+            )
+            assert waiting == {kept, deferred}
+            assert await store.claim(lapsing, "r1", "n", "res", 30) is None
+            assert await store.abandon() == [lapsing]
+            found = await store.get("req-held", "t")
+            assert found is not None and found.state is JobState.CANCELLED
+            assert found.error is not None and found.error.code == "client_gone"
+            assert await store.abandon() == []
+            # Its client comes back with the same request id: the same job, queued again and held.
+            back = await store.add(held, ROOMY)
+            assert not isinstance(back, QueueFull) and (back.id, back.state) == (lapsing, JobState.QUEUED)
+            assert back.error is None and back.finished_at is None
+            assert await store.claim(lapsing, "r1", "n", "res", 30) is not None
+
+    run(scenario)
+
+
+async def _ids_once(store: JobStore, wanted: Callable[[set[str]], bool]) -> tuple[set[str]] | None:
+    """The ids of the waiting jobs once `wanted` holds of them."""
+    ids = {w.id for w in await store.waiting(10)}
+    return (ids,) if wanted(ids) else None
+
+
+def test_a_batch_lines_window_is_no_hold_and_a_holds_lapse_is_no_batch_expiry(opener: Opener) -> None:
+    async def scenario() -> None:
+        async with opened(opener) as store:
+            batches = BatchStore(store.database, store, FileStore(store.database))
+            closed, late = batch_of(1, window_s=-1.0)
+            await batches.create(closed, late, ROOMY)
+            held = await added(store, dataclasses.replace(job(), hold_s=3600.0))
+            await store.hold([held, late[0].id], 0)
+            await until_async(lambda: _ids_once(store, lambda ids: not ids), "both out of the line")
+            assert await store.abandon() == [held]
+            assert await store.expire() == [closed.id]
+            assert [line.state for line in await batches.lines(closed.id)] == [JobState.EXPIRED]
+
+    run(scenario)
+
+
 def test_cancel_ends_a_waiting_job_and_leaves_an_ended_one_alone(opener: Opener) -> None:
     async def scenario() -> None:
         async with opened(opener) as store:

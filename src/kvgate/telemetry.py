@@ -96,6 +96,7 @@ QUEUE_TOKENS_WAITING = "kvgate.queue.tokens_waiting"
 QUEUE_RUNNING = "kvgate.queue.running"
 QUEUE_ADMISSIONS = "kvgate.queue.admissions"
 QUEUE_ATTEMPTS = "kvgate.queue.attempts"
+QUEUE_ABANDONED = "kvgate.queue.abandoned"
 QUEUE_INTERNAL_ERRORS = "kvgate.queue.internal_errors"
 QUEUE_DISPATCH_WAIT = "kvgate_queue_dispatch_wait_seconds"
 # OpenTelemetry hardware semantic conventions for GPUs.

@@ -17,6 +17,12 @@ class QueueSettings:
     # (openai: 600 s), and Envoy's route must wait longer than this (its stream idle timeout
     # defaults to 300 s).
     max_hold_s: float = field(default=300.0, metadata=at_least(1))
+    # A held job whose client left before it started (its connection closed, or the replica holding
+    # it died) waits this long for the client to come back with the same x-request-id, then is
+    # cancelled (`client_gone`) rather than run for nobody and charged to its tenant. The replica
+    # holding the connection renews it every third of this. 0: such a job stays and runs when its
+    # turn comes (kvgate before 2026-12-05).
+    reattach_s: float = field(default=15.0, metadata=at_least(0))
     # Finished jobs (their engine response) are kept this long for GET /v1/kvgate/jobs/{id}.
     result_ttl_s: float = field(default=3600.0, metadata=at_least(1))
     # Jobs queued or running, and tokens queued, past which new work is refused with 429.
@@ -63,6 +69,8 @@ class QueueSettings:
                 raise ConfigError(
                     f"queue.forward_headers[{i}]: {name!r} must be lower case and not an x-kvgate- header"
                 )
+        if 0 < self.reattach_s < 0.3:
+            raise ConfigError(f"queue.reattach_s must be 0 (off) or at least 0.3 s, got {self.reattach_s:g}")
         # Both are renewed every third of claim_lease_s: a shorter reservation could lapse between two.
         if self.reservation_lease_s < self.claim_lease_s:
             raise ConfigError("queue.reservation_lease_s must be >= queue.claim_lease_s")

@@ -13,8 +13,9 @@ own; only a job of the same tenant with that request id is attached to.
 Every request is committed to the store before anything is answered. A held request is answered
 with the engine's own status, headers and body (streamed as the engine streams, when the job runs on
 this replica). A job that has not started within `queue.max_hold_s` of its arrival is cancelled and
-answered 429, unless the client has gone: its job stays, and the client finds the answer by its
-x-request-id. A job that started is answered when it ends, however long the run.
+answered 429. A job whose client left before it started waits `queue.reattach_s` for the client to
+come back with the same x-request-id, then is cancelled (kvgate.queue.holds). A job that started is
+answered when it ends, however long the run, and kept for its client to find by its x-request-id.
 
 No 500 for anything a client sent: `error_boundary`, the whole app's middleware, answers what a
 handler raised from the one refusal table (kvgate.policy.refusals).
@@ -40,12 +41,13 @@ from kvgate.policy import Reason, Refusal
 from kvgate.policy.refusals import INTERNAL_ERROR, HttpAnswer, error_body, refusal_for
 from kvgate.policy.route import read_prefer
 from kvgate.queue import placement
+from kvgate.queue.holds import HeldClients
 from kvgate.queue.intake import Assessed, Intake, text_header
 from kvgate.queue.jobs import Job, JobError, JobRequest, JobState, NewJob, describe, new_id
 from kvgate.queue.live import LiveRun, LiveRuns, Signals
 from kvgate.queue.metrics import QueueMetrics
 from kvgate.queue.refusals import QueueRefusals
-from kvgate.queue.store import Limits, QueueFull
+from kvgate.queue.store import CLIENT_GONE, Limits, QueueFull
 from kvgate.request import Api, api_for_path
 
 log = logging.getLogger(__name__)
@@ -131,6 +133,7 @@ class JobsApp:
         refusals: QueueRefusals,
         metrics: QueueMetrics,
         executor: Executor,
+        held: HeldClients,
     ) -> None:
         self._config = config
         self._settings = config.queue
@@ -143,6 +146,7 @@ class JobsApp:
         self._refusals = refusals
         self._metrics = metrics
         self._executor = executor
+        self._held = held
         self._limits = Limits(config.queue.max_jobs, config.queue.max_tokens_waiting)
         self._forward = config.queue.forward_headers
 
@@ -178,7 +182,7 @@ class JobsApp:
                 contract, self._refusals.queue(Reason.EXCEEDS_NODE_CAPACITY, error.message, api)
             )
         try:
-            added = await self._store.add(self._new_job(request, assessed), self._limits)
+            added = await self._store.add(self._new_job(request, assessed, contract), self._limits)
         except StoreError:
             return self._refused(contract, self._refusals.store_unavailable())
         if isinstance(added, QueueFull):
@@ -192,7 +196,7 @@ class JobsApp:
         self._metrics.admitted(contract, str(answer.status))
         return respond(answer)
 
-    def _new_job(self, request: web.Request, assessed: Assessed) -> NewJob:
+    def _new_job(self, request: web.Request, assessed: Assessed, contract: str) -> NewJob:
         """The job to store; InvalidRequestError (400) for a header it keeps that is not text."""
         headers = {
             name: value
@@ -211,6 +215,7 @@ class JobsApp:
             request_id=text_header(request.headers, "x-request-id") or None,
             charge=assessed.charge,
             tenant_class=self._intake.tenant_class(request.headers),
+            hold_s=self._settings.reattach_s if contract == "held" and self._settings.reattach_s else None,
         )
 
     async def _accepted(self, job: Job) -> web.Response:
@@ -259,7 +264,7 @@ class JobsApp:
 
     async def _hold(self, request: web.Request, job: Job, arrived: float, api: Api) -> web.StreamResponse:
         deadline = arrived + self._settings.max_hold_s
-        with self._signals.watch(job.id) as watch:
+        with self._signals.watch(job.id) as watch, self._held.holding(job.id, request.transport):
             while True:
                 live = self._live.get(job.id)
                 # An attempt that already ended is in the store (its result is written before it ends).
@@ -329,7 +334,7 @@ class JobsApp:
         """The hold ran out: cancel the job and answer 429 (unless it ended meanwhile); None when it
         started meanwhile (its answer comes)."""
         if request.transport is None or request.transport.is_closing():
-            # Nobody to answer: the job stays, for the client to find by its request id.
+            # Nobody to answer: the job stays queue.reattach_s, for its client to come back for.
             return web.Response(status=499)
         error = JobError(HOLD_TIMEOUT, f"Held for {self._settings.max_hold_s:g} s without a node free.")
         try:
@@ -351,6 +356,9 @@ class JobsApp:
         error = job.error or JobError(job.state.value, f"The job ended {job.state.value}.")
         if job.state is JobState.CANCELLED and error.code == HOLD_TIMEOUT:
             return respond(self._refusals.hold_timeout(self._settings.max_hold_s, api), job.id)
+        if job.state is JobState.CANCELLED and error.code == CLIENT_GONE:
+            # Its hold lapsed while this client waited: this replica could not renew it in the store.
+            return respond(self._refusals.store_unavailable(), job.id)
         reason = _REASONS.get(error.code, Reason.JOB_CANCELLED)
         return respond(self._refusals.queue(reason, error.message, api), job.id)
 

@@ -3,7 +3,8 @@
     queued ──claim──► running ──finish──► succeeded | failed
       │  ▲               │
       │  └──requeue──────┘   engine dropped the connection, claim lease lost, replica shut down
-      ├──► cancelled         DELETE, hold timeout, batch cancel (a running job's call is aborted)
+      ├──► cancelled         DELETE, hold timeout, batch cancel (a running job's call is aborted),
+      │                      a held job's client gone for queue.reattach_s before it started
       ├──► expired           its batch's completion window passed
       └──► failed            too big for every node, or refused when its batch line was admitted
 
@@ -92,6 +93,9 @@ class NewJob:
     custom_id: str | None = None
     line: int | None = None
     expires_at: float | None = None
+    # A held job's hold: it expires this long after it is stored unless the replica holding its client
+    # renews it (None: no hold, a deferred job or a batch line).
+    hold_s: float | None = None
     # Set for a batch line refused at admission: it is stored already failed, for the error file.
     error: JobError | None = None
     charge: JobCharge | None = None

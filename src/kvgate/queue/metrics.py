@@ -14,6 +14,7 @@ from collections.abc import Callable
 from kvgate.names import OTHER_TENANTS
 from kvgate.queue.store import QueueStats
 from kvgate.telemetry import (
+    QUEUE_ABANDONED,
     QUEUE_ADMISSIONS,
     QUEUE_ATTEMPTS,
     QUEUE_DISPATCH_WAIT,
@@ -64,6 +65,13 @@ class QueueMetrics:
         self._attempts = Tally(
             m, QUEUE_ATTEMPTS, "{attempt}", "Engine calls of this replica by how they ended", ("result",)
         )
+        self._abandoned = Tally(
+            m,
+            QUEUE_ABANDONED,
+            "{job}",
+            "Held jobs cancelled because their client left before they started (queue.reattach_s)",
+            (),
+        )
         self._internal_errors = Tally(
             m,
             QUEUE_INTERNAL_ERRORS,
@@ -86,6 +94,9 @@ class QueueMetrics:
 
     def ended(self, result: str) -> None:
         self._attempts.add(result)
+
+    def abandoned(self, jobs: int) -> None:
+        self._abandoned.add(n=jobs)
 
     def internal_error(self, route: str) -> None:
         """`route`: the path pattern the request matched (a bounded set), never the path itself."""

@@ -4,8 +4,9 @@ housekeeping, and the HTTP app in front of them.
 Store events reach the parts that care: a new or requeued job wakes the dispatcher, an ended job
 wakes the held requests waiting on it, a cancelled one cuts its engine call if it runs here.
 Housekeeping, every second or so: requeue jobs whose claim lease ran out (another replica died),
-expire batch lines past their window, settle batches, refresh the metrics' figures, and now and
-then sweep: results older than `queue.result_ttl_s`, expired files and uploads past
+expire batch lines past their window, renew the holds of the held clients connected here and cancel
+the held jobs whose clients left (kvgate.queue.holds), settle batches, refresh the metrics' figures,
+and now and then sweep: results older than `queue.result_ttl_s`, expired files and uploads past
 `queue.upload_timeout_s`, batches ended long ago; then give the disk back (SQLite).
 """
 
@@ -35,6 +36,7 @@ from kvgate.queue.dispatcher import Dispatcher, HeadroomSource
 from kvgate.queue.engines import HttpEngines
 from kvgate.queue.files_http import FilesApi
 from kvgate.queue.filestore import FileStore
+from kvgate.queue.holds import HeldClients
 from kvgate.queue.intake import Intake
 from kvgate.queue.jobs import Job
 from kvgate.queue.live import LiveRuns, Signals
@@ -116,6 +118,7 @@ class QueueService:
         source = self._source
         self.signals = Signals()
         self.live = LiveRuns(self.signals)
+        self.held = HeldClients()
         self.metrics = QueueMetrics(lambda: self._stats, lambda: len(self.runner))
         self.runner = Runner(
             self.jobs,
@@ -153,6 +156,7 @@ class QueueService:
             refusals=refusals,
             metrics=self.metrics,
             executor=self._executor,
+            held=self.held,
         )
         self._files_api = FilesApi(config=config, files=self.files, intake=intake, refusals=refusals)
         self._batch_api = BatchApi(
@@ -257,8 +261,8 @@ class QueueService:
 
     async def _housekeeping(self) -> None:
         settings = self.config.queue
-        period = min(1.0, settings.claim_lease_s / 3)
-        due = dict.fromkeys(("stats", "settle", "sweep"), 0.0)
+        period = min(1.0, settings.claim_lease_s / 3, (settings.reattach_s or 3.0) / 3)
+        due = dict.fromkeys(("holds", "stats", "settle", "sweep"), 0.0)
         while True:
             await asyncio.sleep(period)
             now = self._clock()
@@ -269,6 +273,12 @@ class QueueService:
                     self._spawn(self._release_all(recovered))
                 for batch_id in await self.jobs.expire():
                     await self.settler.settle(batch_id)
+                if settings.reattach_s and now >= due["holds"]:
+                    # A third of the hold: two renewals may fail before a connected client's job lapses.
+                    # A lapsed job is never dispatched (the store's filter), so cancelling it can wait.
+                    due["holds"] = now + settings.reattach_s / 3
+                    await self.jobs.hold(self.held.connected(), settings.reattach_s)
+                    self.metrics.abandoned(len(await self.jobs.abandon()))
                 if now >= due["stats"]:
                     due["stats"] = now + _STATS_S
                     self._stats = await self.jobs.stats()

@@ -10,6 +10,12 @@ Every write to a job goes through this store, batch lines' included, and each tr
 (see kvgate.queue.database): `new` when a job may have become runnable, `done:ID` when a job ended,
 `cancel:ID` when a running job was cancelled (its owner aborts the engine call).
 
+A held job carries a hold in `expires_at` (a batch line's is its batch's window): the replica that
+holds its client renews it (`hold`), so a job whose client left, or whose replica died, lapses. A lapsed
+job is neither offered to the dispatcher nor claimed, and `abandon` cancels it (`client_gone`): an
+engine would otherwise run it for nobody, charged to its tenant. A client that comes back with the same
+request id revives it (`add`).
+
 What a client asks of a job (get, cancel, attach by request id) is asked within its tenant: another
 tenant's job is not found. A request id names at most one job of each tenant.
 """
@@ -37,6 +43,7 @@ from kvgate.queue.jobs import (
 )
 
 NEW = "new"
+CLIENT_GONE = "client_gone"
 DONE = "done:"
 CANCEL = "cancel:"
 
@@ -54,7 +61,8 @@ _INSERT = (
     "INSERT INTO kvgate_jobs (id, request_id, state, priority, tenant, tokens, model, stream, path, "
     "headers, body, created_at, expires_at, batch_id, custom_id, line, finished_at, error_code, "
     "error_message, charge_prompt_tokens, charge_output_tokens, tenant_class) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, {now}, ?, ?, ?, ?, {finished}, ?, ?, ?, ?, ?)"
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, {now}, COALESCE(?, {now} + ?), ?, ?, ?, {finished}, ?, ?, ?, "
+    "?, ?)"
 )
 # The states as the SQL below names them (kvgate.queue.database.literal): never spelled by hand.
 _QUEUED = literal(JobState.QUEUED)
@@ -88,6 +96,7 @@ class JobStore:
     def __init__(self, database: Database) -> None:
         self.database = database
         self._now = database.now_sql
+        self._unexpired = f"(expires_at IS NULL OR expires_at >= {self._now})"
 
     async def start(self) -> list[Job]:
         """Open the store; on an exclusive store, requeue what a dead process left running (returned,
@@ -111,13 +120,28 @@ class JobStore:
                     (job.tenant, job.request_id),
                 )
                 if rows:
-                    return job_from_row(rows[0])
+                    return await self._revived(tx, job_from_row(rows[0]), job.hold_s)
             full = await self._check_bounds(tx, limits, 1, job.tokens)
             if full is not None:
                 return full
             await self._insert(tx, [job])
             rows = await tx.execute(f"SELECT {JOB_COLUMNS} FROM kvgate_jobs WHERE id = ?", (job.id,))
             await tx.notify(NEW)
+        return job_from_row(rows[0])
+
+    async def _revived(self, tx: Tx, found: Job, hold_s: float | None) -> Job:
+        """`found` queued again when its client had gone before it started and has come back."""
+        if found.state is not JobState.CANCELLED or found.error is None or found.error.code != CLIENT_GONE:
+            return found
+        rows = await tx.execute(
+            f"UPDATE kvgate_jobs SET state = {_QUEUED}, finished_at = NULL, error_code = NULL, "
+            f"error_message = NULL, expires_at = {self._now} + ? WHERE id = ? AND state = "
+            f"{literal(JobState.CANCELLED)} RETURNING {JOB_COLUMNS}",
+            (hold_s, found.id),
+        )
+        if not rows:
+            return found
+        await tx.notify(NEW)
         return job_from_row(rows[0])
 
     async def add_many(self, tx: Tx, jobs: Sequence[NewJob], limits: Limits) -> QueueFull | None:
@@ -186,7 +210,8 @@ class JobStore:
         async with self.database.transaction() as tx:
             rows = await tx.execute(
                 f"SELECT {_WAITING_COLUMNS} FROM (SELECT {_WAITING_COLUMNS}, row_number() OVER (PARTITION BY "
-                f"priority, tenant ORDER BY seq) AS n FROM kvgate_jobs WHERE state = {_QUEUED}) AS heads "
+                f"priority, tenant ORDER BY seq) AS n FROM kvgate_jobs WHERE state = {_QUEUED} AND "
+                f"{self._unexpired}) AS heads "
                 "WHERE n <= ?",
                 (per_group,),
             )
@@ -212,8 +237,8 @@ class JobStore:
             rows = await tx.execute(
                 f"UPDATE kvgate_jobs SET state = {_RUNNING}, owner = ?, node = ?, reservation = ?, "
                 f"attempts = attempts + 1, started_at = {self._now}, lease_until = {self._now} + ? "
-                f"WHERE id = (SELECT id FROM kvgate_jobs WHERE id = ? AND state = {_QUEUED}"
-                f"{self.database.skip_locked}) RETURNING {JOB_COLUMNS}, {_REQUEST_COLUMNS}",
+                f"WHERE id = (SELECT id FROM kvgate_jobs WHERE id = ? AND state = {_QUEUED} AND "
+                f"{self._unexpired}{self.database.skip_locked}) RETURNING {JOB_COLUMNS}, {_REQUEST_COLUMNS}",
                 (owner, node, reservation, lease_s, job_id),
             )
         if not rows:
@@ -222,6 +247,32 @@ class JobStore:
         headers = tuple((str(k), str(v)) for k, v in json.loads(row[-2]))
         request = JobRequest(row[-3], headers, bytes(row[-1]))
         return job_from_row(row[:-3], request)
+
+    async def hold(self, job_ids: Sequence[str], hold_s: float) -> None:
+        """Renew the holds of held jobs whose clients are still connected to the caller."""
+        if not job_ids:
+            return
+        marks = ", ".join("?" * len(job_ids))
+        async with self.database.transaction() as tx:
+            await tx.execute(
+                f"UPDATE kvgate_jobs SET expires_at = {self._now} + ? WHERE id IN ({marks}) "
+                f"AND batch_id IS NULL AND state IN {_ACTIVE}",
+                (hold_s, *job_ids),
+            )
+
+    async def abandon(self) -> list[str]:
+        """Cancel the queued held jobs whose hold lapsed (see the module doc), each announced ended;
+        their ids."""
+        async with self.database.transaction() as tx:
+            rows = await tx.execute(
+                f"UPDATE kvgate_jobs SET state = {literal(JobState.CANCELLED)}, finished_at = {self._now}, "
+                f"error_code = '{CLIENT_GONE}', error_message = 'Its client left before it started and did "
+                "not come back for it.' WHERE state = "
+                f"{_QUEUED} AND batch_id IS NULL AND expires_at < {self._now} RETURNING id"
+            )
+            for (job_id,) in rows:
+                await tx.notify(DONE + job_id)
+        return [row[0] for row in rows]
 
     async def renew(self, owner: str, running: Sequence[str], lease_s: float) -> set[str]:
         """Extend the lease of `owner`'s running jobs; the ids of `running` it no longer holds."""
@@ -334,7 +385,8 @@ class JobStore:
             rows = await tx.execute(
                 f"UPDATE kvgate_jobs SET state = {literal(JobState.EXPIRED)}, finished_at = {self._now}, "
                 "error_code = 'batch_expired', error_message = 'This request could not be executed before "
-                f"the completion window expired.' WHERE state = {_QUEUED} AND expires_at < {self._now} "
+                f"the completion window expired.' WHERE state = {_QUEUED} AND batch_id IS NOT NULL AND "
+                f"expires_at < {self._now} "
                 "RETURNING id, batch_id"
             )
             for job_id, _ in rows:
@@ -386,6 +438,7 @@ def _insert_row(job: NewJob) -> tuple[object, ...]:
         json.dumps(job.request.headers),
         job.request.body,
         job.expires_at,
+        job.hold_s,
         job.batch_id,
         job.custom_id,
         job.line,
