@@ -462,9 +462,7 @@ def test_a_held_job_whose_client_left_before_it_started_is_cancelled_and_never_r
 
     async def scenario() -> None:
         async with queue(tmp_path, "reattach_s: 0.6") as q:
-            q.source.update("node-a", used_tokens=9_500)
-            lost = asyncio.ensure_future(q.post(8000, x_request_id="req-left"))
-            await q.job_in("req-left", "queued")
+            lost = await _held_on_a_full_node(q, "req-left")
             lost.cancel()  # the client's connection dropped
             job = await q.job_in("req-left", "cancelled")
             assert job["error"]["code"] == "client_gone"
@@ -479,9 +477,7 @@ def test_a_held_job_whose_client_left_before_it_started_is_cancelled_and_never_r
 def test_a_held_client_that_stays_connected_keeps_its_job_past_the_reattach_window(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with queue(tmp_path, "reattach_s: 0.6") as q:
-            q.source.update("node-a", used_tokens=9_500)
-            held = asyncio.ensure_future(q.post(8000, x_request_id="req-stays"))
-            await q.job_in("req-stays", "queued")
+            held = await _held_on_a_full_node(q, "req-stays")
             first = await _hold_until(q, "req-stays")
             # Renewed twice past its first hold: the window has passed while the client waited.
             await until_async(lambda: _renewed_past(q, "req-stays", first + 1.2), "the hold renewed")
@@ -491,6 +487,14 @@ def test_a_held_client_that_stays_connected_keeps_its_job_past_the_reattach_wind
             assert (await held).status == 200
 
     run(scenario)
+
+
+async def _held_on_a_full_node(q: Queue, request_id: str) -> asyncio.Future[aiohttp.ClientResponse]:
+    """A held request whose job waits in the queue: the node has no room for it."""
+    q.source.update("node-a", used_tokens=9_500)
+    held = asyncio.ensure_future(q.post(8000, x_request_id=request_id))
+    await q.job_in(request_id, "queued")
+    return held
 
 
 async def _hold_until(q: Queue, request_id: str) -> float:
