@@ -458,7 +458,7 @@ def test_a_client_that_comes_back_with_its_request_id_gets_the_same_job(tmp_path
 
 
 def test_a_held_job_whose_client_left_before_it_started_is_cancelled_and_never_runs(tmp_path: Path) -> None:
-    """Run for nobody, it would hold a node and be charged to its tenant (kvgate.queue.holds)."""
+    """Run for nobody, it would hold a node and be charged to its tenant (kvgate.queue.live)."""
 
     async def scenario() -> None:
         async with queue(tmp_path, "reattach_s: 0.6") as q:

@@ -198,7 +198,7 @@ def test_a_held_job_whose_hold_lapses_is_not_run_and_is_cancelled_until_its_clie
     opener: Opener,
 ) -> None:
     """A held job's client left (or its replica died): nothing renews its hold, and an engine would
-    otherwise run it for nobody, charged to its tenant (kvgate.queue.holds)."""
+    otherwise run it for nobody, charged to its tenant (kvgate.queue.live)."""
 
     async def scenario() -> None:
         async with opened(opener) as store:

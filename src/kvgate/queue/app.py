@@ -14,7 +14,7 @@ Every request is committed to the store before anything is answered. A held requ
 with the engine's own status, headers and body (streamed as the engine streams, when the job runs on
 this replica). A job that has not started within `queue.max_hold_s` of its arrival is cancelled and
 answered 429. A job whose client left before it started waits `queue.reattach_s` for the client to
-come back with the same x-request-id, then is cancelled (kvgate.queue.holds). A job that started is
+come back with the same x-request-id, then is cancelled (kvgate.queue.live). A job that started is
 answered when it ends, however long the run, and kept for its client to find by its x-request-id.
 
 No 500 for anything a client sent: `error_boundary`, the whole app's middleware, answers what a
@@ -41,7 +41,6 @@ from kvgate.policy import Reason, Refusal
 from kvgate.policy.refusals import INTERNAL_ERROR, HttpAnswer, error_body, refusal_for
 from kvgate.policy.route import read_prefer
 from kvgate.queue import placement
-from kvgate.queue.holds import HeldClients
 from kvgate.queue.intake import Assessed, Intake, text_header
 from kvgate.queue.jobs import Job, JobError, JobRequest, JobState, NewJob, describe, new_id
 from kvgate.queue.live import LiveRun, LiveRuns, Signals
@@ -133,7 +132,6 @@ class JobsApp:
         refusals: QueueRefusals,
         metrics: QueueMetrics,
         executor: Executor,
-        held: HeldClients,
     ) -> None:
         self._config = config
         self._settings = config.queue
@@ -146,7 +144,6 @@ class JobsApp:
         self._refusals = refusals
         self._metrics = metrics
         self._executor = executor
-        self._held = held
         self._limits = Limits(config.queue.max_jobs, config.queue.max_tokens_waiting)
         self._forward = config.queue.forward_headers
 
@@ -264,7 +261,7 @@ class JobsApp:
 
     async def _hold(self, request: web.Request, job: Job, arrived: float, api: Api) -> web.StreamResponse:
         deadline = arrived + self._settings.max_hold_s
-        with self._signals.watch(job.id) as watch, self._held.holding(job.id, request.transport):
+        with self._signals.watch(job.id, request.transport) as watch:
             while True:
                 live = self._live.get(job.id)
                 # An attempt that already ended is in the store (its result is written before it ends).

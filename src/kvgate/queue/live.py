@@ -4,6 +4,15 @@ A held client whose job runs here gets the engine's answer as it comes (a stream
 one whose job runs on another replica is woken by the store's events and reads the stored result.
 `Signals` is the wake-up: a held request waits on its job id, and anything that may have changed that
 job (it started here, it ended anywhere, the store asks everyone to look again) signals the id.
+
+`Signals` also knows, from those watches, which jobs have a held client still connected here: the
+holds this replica renews in the store (kvgate.queue.store, `hold`). A held job whose client left runs
+for nobody: its engine's work, and its tenant's charge, buy no answer. An engine does not do that
+either: vLLM aborts a request whose HTTP client disconnected (`vllm/entrypoints/utils.py`,
+`with_cancellation` and `listen_for_disconnect`). The queue cannot abort at once, since a held client
+may come back for its job with the same x-request-id (docs/queue.md, "Held"); so a hold that lapses
+(the client left, or the replica died with the connection) cancels the job unless it has started
+(`queue.reattach_s`).
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvgate.queue.jobs import JobError
 
@@ -99,21 +109,32 @@ class LiveRuns:
         self._signals.signal(job_id)
 
 
+class Connection(Protocol):
+    """What the hold's renewal reads of a held request's connection (aiohttp's transport)."""
+
+    def is_closing(self) -> bool: ...
+
+
 class Watch:
     """A held request's wake-up for one job, registered before it looks at the job, so that a change
-    between looking and waiting is not missed."""
+    between looking and waiting is not missed; `connection`: its client's (None: already gone)."""
 
-    def __init__(self, signals: Signals, job_id: str) -> None:
+    def __init__(self, signals: Signals, job_id: str, connection: Connection | None) -> None:
         self._signals = signals
         self._job_id = job_id
+        self.connection = connection
         self.event = asyncio.Event()
 
     def __enter__(self) -> Watch:
-        self._signals.add(self._job_id, self.event)
+        self._signals.add(self._job_id, self)
         return self
 
     def __exit__(self, *_exc: object) -> None:
-        self._signals.discard(self._job_id, self.event)
+        self._signals.discard(self._job_id, self)
+
+    @property
+    def connected(self) -> bool:
+        return self.connection is not None and not self.connection.is_closing()
 
     async def wait(self, timeout_s: float) -> None:
         # Not asyncio.wait_for: on Python 3.11 a cancel that meets the event being set is lost.
@@ -125,26 +146,30 @@ class Watch:
 
 class Signals:
     def __init__(self) -> None:
-        self._watches: dict[str, set[asyncio.Event]] = {}
+        self._watches: dict[str, set[Watch]] = {}
 
-    def watch(self, job_id: str) -> Watch:
-        return Watch(self, job_id)
+    def watch(self, job_id: str, connection: Connection | None = None) -> Watch:
+        return Watch(self, job_id, connection)
 
-    def add(self, job_id: str, event: asyncio.Event) -> None:
-        self._watches.setdefault(job_id, set()).add(event)
+    def add(self, job_id: str, watch: Watch) -> None:
+        self._watches.setdefault(job_id, set()).add(watch)
 
-    def discard(self, job_id: str, event: asyncio.Event) -> None:
-        events = self._watches.get(job_id)
-        if events is not None:
-            events.discard(event)
-            if not events:
+    def discard(self, job_id: str, watch: Watch) -> None:
+        watches = self._watches.get(job_id)
+        if watches is not None:
+            watches.discard(watch)
+            if not watches:
                 del self._watches[job_id]
 
     def signal(self, job_id: str) -> None:
-        for event in self._watches.get(job_id, ()):
-            event.set()
+        for watch in self._watches.get(job_id, ()):
+            watch.event.set()
 
     def signal_all(self) -> None:
-        for events in self._watches.values():
-            for event in events:
-                event.set()
+        for watches in self._watches.values():
+            for watch in watches:
+                watch.event.set()
+
+    def connected(self) -> list[str]:
+        """The jobs with a held client still connected here: the holds to renew."""
+        return [job_id for job_id, watches in self._watches.items() if any(w.connected for w in watches)]

@@ -5,7 +5,7 @@ Store events reach the parts that care: a new or requeued job wakes the dispatch
 wakes the held requests waiting on it, a cancelled one cuts its engine call if it runs here.
 Housekeeping, every second or so: requeue jobs whose claim lease ran out (another replica died),
 expire batch lines past their window, renew the holds of the held clients connected here and cancel
-the held jobs whose clients left (kvgate.queue.holds), settle batches, refresh the metrics' figures,
+the held jobs whose clients left (kvgate.queue.live), settle batches, refresh the metrics' figures,
 and now and then sweep: results older than `queue.result_ttl_s`, expired files and uploads past
 `queue.upload_timeout_s`, batches ended long ago; then give the disk back (SQLite).
 """
@@ -36,7 +36,6 @@ from kvgate.queue.dispatcher import Dispatcher, HeadroomSource
 from kvgate.queue.engines import HttpEngines
 from kvgate.queue.files_http import FilesApi
 from kvgate.queue.filestore import FileStore
-from kvgate.queue.holds import HeldClients
 from kvgate.queue.intake import Intake
 from kvgate.queue.jobs import Job
 from kvgate.queue.live import LiveRuns, Signals
@@ -118,7 +117,6 @@ class QueueService:
         source = self._source
         self.signals = Signals()
         self.live = LiveRuns(self.signals)
-        self.held = HeldClients()
         self.metrics = QueueMetrics(lambda: self._stats, lambda: len(self.runner))
         self.runner = Runner(
             self.jobs,
@@ -156,7 +154,6 @@ class QueueService:
             refusals=refusals,
             metrics=self.metrics,
             executor=self._executor,
-            held=self.held,
         )
         self._files_api = FilesApi(config=config, files=self.files, intake=intake, refusals=refusals)
         self._batch_api = BatchApi(
@@ -277,7 +274,7 @@ class QueueService:
                     # A third of the hold: two renewals may fail before a connected client's job lapses.
                     # A lapsed job is never dispatched (the store's filter), so cancelling it can wait.
                     due["holds"] = now + settings.reattach_s / 3
-                    await self.jobs.hold(self.held.connected(), settings.reattach_s)
+                    await self.jobs.hold(self.signals.connected(), settings.reattach_s)
                     self.metrics.abandoned(len(await self.jobs.abandon()))
                 if now >= due["stats"]:
                     due["stats"] = now + _STATS_S
