@@ -302,6 +302,38 @@ def test_a_head_holds_its_place_on_the_node_whose_releases_fit_it_first_only() -
     run(scenario)
 
 
+def test_room_that_frees_beside_the_heads_slot_goes_to_the_head_before_a_newcomer() -> None:
+    """The head holds its place on b. Node a's request ends: the head fits there now, but a's agent
+    holds nothing for it. A newcomer that arrives before the head is woken may take only what the
+    head leaves on a."""
+
+    async def scenario() -> None:
+        clock = ManualClock()
+        source = FakeHeadroom(clock, stale_after_s=60.0)
+        for name in ("a", "b"):
+            source.add_node(name, 40_000)
+            source.measure_decode_rate(name, RATE)
+        await source.reserve("a", "on-a", 30_000, output_tokens=round(9 * RATE))
+        await source.reserve("b", "on-b", 10_000, output_tokens=round(3 * RATE))
+        await source.reserve("b", "long-on-b", 20_000, output_tokens=round(60 * RATE))
+        admission = setup_gate(source, clock)
+        await admission.start()
+        head = asyncio.create_task(admit(admission, 20_000, "head"))
+        await until(lambda: clock.sleeping == 1)
+        assert ("b", "head", True) in source.reserves
+        await source.release("a", "on-a")  # 40k free on a
+        newcomer = asyncio.create_task(admit(admission, 25_000, "newcomer"))  # 40 - 20 = 20k beside
+        placed = await head
+        assert placed.ticket is not None and placed.ticket.agent == "a"
+        await until(lambda: clock.sleeping == 1)  # the newcomer, at the head now
+        assert not newcomer.done() and source.reserved_tokens("a") == 20_000
+        newcomer.cancel()
+        await asyncio.gather(newcomer, return_exceptions=True)
+        await admission.stop()
+
+    run(scenario)
+
+
 class Store:
     """The queue's store, in memory: the jobs waiting, and which were claimed where."""
 

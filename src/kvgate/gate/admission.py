@@ -44,10 +44,10 @@ from kvgate.headroom.snapshot import (
 )
 from kvgate.names import ANONYMOUS_TENANT, OTHER_TENANTS
 from kvgate.policy import Decision, Reason, Refusal, Route
-from kvgate.policy.endpoints import UNRESERVED_ENDPOINTS, Subset, least_busy, within
+from kvgate.policy.endpoints import UNRESERVED_ENDPOINTS, Subset, allowed, least_busy, within
 from kvgate.policy.fair_share import FairShare, agents_lifts, agents_totals
 from kvgate.policy.identity import Priorities
-from kvgate.policy.nodes import Affinity, NodeChoice, choose_nodes
+from kvgate.policy.nodes import Affinity, NodeChoice, choose_nodes, takes_now
 from kvgate.policy.overflow import interactive_saturated, no_healthy_node, overflow
 from kvgate.policy.pressure import PoolPressure
 from kvgate.policy.retry_forecast import RetryPlanner, RetrySettings
@@ -153,6 +153,7 @@ class _Ask:
     tenant: str = ANONYMOUS_TENANT
     # The prompt its tenant's charge counts (None: `tokens` less `output_tokens`).
     charged_prompt_tokens: int | None = None
+    subset: Subset = None  # the engines an endpoint picker's gateway allows it (None: any)
     # Agents whose Reserve went unanswered: their give-back is in flight, so this request does not
     # ask them again (the give-back could release the new grant).
     unanswered_by: set[str] = dataclasses.field(default_factory=set)
@@ -331,6 +332,7 @@ class Admission:
             self._wall_ns(),
             tenant,
             charged_prompt_tokens,
+            subset,
         )
         source = self._long if subset is None else _Within(self._long, subset)
         capped = self._over_limits(source, route, ask) if self._limits is not None else None
@@ -633,11 +635,19 @@ class Admission:
         refused = overflow(route, model, Reason.NO_CAPACITY, why, self._config.async_fallback)
         return Admitted(self._come_back(refused, source, ask.output_tokens))
 
-    def _local_claim(self, node: NodeView, ask: _Ask) -> HeadClaim | None:
-        """This gate's head, where it holds its place on `node` and `ask` is not it: the node's
-        messages may not show its claim yet."""
+    def _local_claim(self, node: NodeView, ask: _Ask | None) -> HeadClaim | None:
+        """This gate's head, where it holds its place on `node` or fits there now, and `ask` is not it.
+
+        Where it holds its place, the node's messages may not show its claim yet. Where it fits now,
+        it is woken to take the room, but the node's agent holds nothing for it there: a newcomer that
+        arrived before it ran (or a waiter behind it, woken by the same message) took the room first,
+        and the head waited on for its own slot (EASY backfilling starts the head wherever it fits)."""
         holding = self._holding
-        if holding is None or holding is ask or holding.holds_on != node.agent:
+        if holding is None or holding is ask:
+            return None
+        if holding.holds_on != node.agent and not (
+            allowed(node, holding.subset) and takes_now(node, holding.tokens, holding.output_tokens)
+        ):
             return None
         return holding.claim(self._fair_service(holding))
 
@@ -871,12 +881,7 @@ class Admission:
             self._queue.pulse()
             return
         nodes = self._long.snapshot()
-        holding = self._holding
-        local = (
-            {holding.holds_on: holding.claim(self._fair_service(holding))}
-            if holding is not None and holding.holds_on
-            else {}
-        )
+        local = {n.agent: claim for n in nodes if (claim := self._local_claim(n, None)) is not None}
 
         def fits(place: Place) -> bool:
             since = self._named_wait(place.waiting_since_unix_ns, head=False)  # woken behind the head

@@ -107,9 +107,9 @@ def choose_nodes(
     stale_own: list[NodeView] = []
     stale_lenders: list[NodeView] = []
     for node in nodes:
-        lender = _interactive(node)
-        if not node.usable or (lender and not _lends(node)) or not _serves(node, tokens):
+        if not _eligible(node, tokens):
             continue
+        lender = _interactive(node)
         if node.fresh:
             fresh.append(node)
         elif stale == "probe":
@@ -147,6 +147,17 @@ def choose_nodes(
     else:
         placement = Placement.COLD
     return NodeChoice(ordered, any_usable, tuple(cached[n.agent] for n in ordered), placement)
+
+
+def takes_now(node: NodeView, tokens: int, output_tokens: int = 0) -> bool:
+    """Whether a fresh, healthy node would be tried for a request of `tokens` now and has room for all
+    of it (none of its prompt counted as cached): as `choose_nodes` judges a node, on the safe side."""
+    return node.fresh and _eligible(node, tokens) and _fits(node, tokens, output_tokens, 0)
+
+
+def _eligible(node: NodeView, tokens: int) -> bool:
+    """A healthy node whose engine serves a request of `tokens`, and that lends if it serves chat."""
+    return node.usable and (not _interactive(node) or _lends(node)) and _serves(node, tokens)
 
 
 def _least_backlog_then_most_room(node: NodeView) -> tuple[float, int]:
