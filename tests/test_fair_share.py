@@ -595,6 +595,54 @@ def test_a_replica_orders_its_line_by_the_service_the_agents_saw_from_every_repl
     assert run(scenario) == ["b-here"]
 
 
+def test_a_request_may_not_pass_the_heads_other_replicas_hold_room_for_when_far_ahead_of_them() -> None:
+    fair = FairShare(FAIR)
+    fair.charge("a", 50_000.0)
+    fair.charge("b", 50_000.0)
+    fair.waits("b")
+    assert fair.may_pass("a", 5_000.0), "level with b, waiting here, and within the largest cost"
+    assert not fair.may_pass("a", 5_000.0, elsewhere=[0.0]), "far ahead of a head that waits elsewhere"
+    assert fair.may_pass("a", 5_000.0, elsewhere=[48_000.0])
+
+
+def test_a_gate_counts_the_heads_the_agents_publish_among_the_waiters_a_request_would_pass() -> None:
+    """Tenants a and c have each been served 50k by other replicas; another replica's b, served
+    nothing, holds its place on the full node n1. Here c waits for more than any node holds, and a's
+    request fits on n0. Level with c, a may pass this gate's line, but not b's place elsewhere: it
+    waits its turn. By this gate's line alone it went at once."""
+
+    async def scenario() -> None:
+        clock = ManualClock()
+        source = FakeHeadroom(clock, stale_after_s=5.0)
+        source.add_node("n0", 20_000)
+        source.add_node("n1", 20_000)
+        admission = Admission(
+            AdmissionConfig(max_wait_s=60.0), source, clock=clock, fairness=FairnessConfig(enabled=True)
+        )
+        await admission.start()
+        for tenant in ("a", "c"):
+            served = await source.reserve("n1", f"{tenant}-before", 1, charge=TenantCharge(tenant, 50_000.0))
+            assert served.granted
+            await source.release("n1", f"{tenant}-before")
+        await until(lambda: counters(admission).get("c", 0.0) >= 50_000)
+        assert (await source.reserve("n1", "full", 20_000)).granted
+        claim = await source.reserve("n1", "b-there", 10_000, hold_slot=True, waiting_since_unix_ns=1)
+        assert not claim.granted
+        await until(lambda: source.snapshot()[1].headroom.head is not None)  # type: ignore[union-attr]
+        waiting = asyncio.create_task(admission.admit(long_route(25_000), MODEL, None, "c-here", tenant="c"))
+        await until(lambda: admission.gauges().waiting == 1)
+        passer = asyncio.create_task(admission.admit(long_route(5_000), MODEL, None, "a-here", tenant="a"))
+        await until(lambda: admission.gauges().waiting == 2 or passer.done())
+        assert not passer.done(), "it went ahead of b's place on n1"
+        assert source.reserved_tokens("n0") == 0
+        for task in (waiting, passer):
+            task.cancel()
+        await asyncio.gather(waiting, passer, return_exceptions=True)
+        await admission.stop()
+
+    run(scenario)
+
+
 def backfilled(fair: FairShare, queues: dict[str, list[float]], steps: int, *, bounded: bool) -> float:
     """Serve backlogged tenants where room frees unevenly: the least counter's head when it fits, else
     another tenant's head that fits (backfill), held to may_pass when `bounded`. The largest weighted

@@ -463,7 +463,7 @@ class Admission:
         measured on admission's clock; max_wait_s 0 means one try and no waiting.
         """
         nodes = source.snapshot()
-        if self._may_pass(ask):
+        if self._may_pass(ask, nodes):
             admitted = await self._attempt(source, route, ask, nodes, choice)
             if admitted is not None:
                 return admitted
@@ -509,7 +509,7 @@ class Admission:
                 just_tried = False
                 if not choice.any_usable:
                     return Admitted(no_healthy_node(route))
-                if not self._queue.is_head(place) and self._may_pass(ask):
+                if not self._queue.is_head(place) and self._may_pass(ask, nodes):
                     # Woken behind the head: it fits beside the heads' slots by the latest messages.
                     admitted = await self._attempt(source, route, ask, nodes, choice)
                     if admitted is not None:
@@ -525,11 +525,22 @@ class Admission:
         full = overflow(route, model, Reason.QUEUE_FULL, why, self._config.async_fallback)
         return Admitted(self._come_back(full, source, ask.output_tokens))
 
-    def _may_pass(self, ask: _Ask) -> bool:
-        """With fair shares, whether `ask` may take room ahead of the line (kvgate.policy.fair_share)."""
+    def _may_pass(self, ask: _Ask, nodes: Sequence[NodeView]) -> bool:
+        """With fair shares, whether `ask` may take room ahead of the line (kvgate.policy.fair_share):
+        ahead of this gate's waiters and of the heads the agents hold room for, which may wait in
+        another replica's line or in the queue. This gate's line alone shows none of them: with two
+        gates and a flooding tenant's requests all on the first, that line often holds the flooding
+        tenant alone, and its arrivals could go ahead of every waiter on the other gate."""
         if self._fair is None:
             return True
-        return self._fair.may_pass(ask.tenant, self._cost(ask), ask.rank)
+        elsewhere = [
+            head.fair_service
+            for node in nodes
+            if node.headroom is not None
+            and (head := node.headroom.head) is not None
+            and head.rank <= ask.rank
+        ]
+        return self._fair.may_pass(ask.tenant, self._cost(ask), ask.rank, elsewhere)
 
     def _join_line(self, ask: _Ask) -> Place | None:
         """A place in the line (None: it is full); with fair shares its tenant waits from now."""

@@ -14,7 +14,9 @@ Backfill keeps to that bound: a request that would go ahead of the line (it fits
 not, or it arrives while others wait) may do so only while its tenant's counter, with its own cost,
 stays within the largest weighted cost of the least counter of the other tenants waiting
 (`may_pass`). Otherwise it waits its turn: a tenant's small requests cannot take what frees around a
-big head until their tenant is far ahead.
+big head until their tenant is far ahead. The other tenants waiting are this replica's and the heads
+of the others' lines: each node's agent publishes the first waiter it holds room for, with the
+counter it waits at (kvgate.headroom.snapshot.HeadClaim), and the gate passes those in.
 
 With several replicas (gates, and `kvgate queue`'s), a tenant's requests wait in several lines, and
 one line emptying does not make the tenant idle. VTC lifts a tenant whose one queue went from empty to
@@ -55,7 +57,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from kvgate.config import FairnessConfig
 from kvgate.headroom.snapshot import NodeView, combined_over_agents
@@ -178,11 +180,13 @@ class FairShare:
         else:
             del self._waiting[tenant, rank]
 
-    def may_pass(self, tenant: str, cost: float, rank: int = 0) -> bool:
+    def may_pass(self, tenant: str, cost: float, rank: int = 0, elsewhere: Iterable[float] = ()) -> bool:
         """Whether a request of `tenant` at `rank` costing `cost` may go ahead of the other tenants'
         waiters of its rank or a more important one: none waits, or its tenant's counter with it stays
-        within the largest weighted cost of theirs."""
+        within the largest weighted cost of theirs. `elsewhere`: the counters the heads of other
+        replicas' lines wait at (of that rank or a more important one), as the agents publish them."""
         others = [self.counter(t) for t in self._waiting_at(rank) if t != tenant]
+        others.extend(elsewhere)
         if not others:
             return True
         weighted = cost / self._book.weight(tenant)
