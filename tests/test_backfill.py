@@ -14,10 +14,10 @@ from test_admission import long_route, refused, run, until
 from kvgate.agent.backfill import CLAIM_TTL_S, Waiter, WaitingClaims
 from kvgate.agent.in_process import FakeHeadroom, ManualClock
 from kvgate.agent.node import NodeSettings, NodeState
-from kvgate.config import AdmissionConfig, ModelConfig
+from kvgate.config import AdmissionConfig, FairnessConfig, ModelConfig
 from kvgate.gate.admission import Admission, Admitted
 from kvgate.headroom.shadow import ahead_of, room_behind, slot_after_s
-from kvgate.headroom.snapshot import ExpectedRelease, HeadClaim, ReserveReason
+from kvgate.headroom.snapshot import ExpectedRelease, HeadClaim, ReserveReason, TenantCharge
 from kvgate.policy import Reason
 from kvgate.queue.dispatcher import Dispatcher
 from kvgate.queue.jobs import Job, JobError, JobState, Waiting
@@ -279,16 +279,22 @@ def test_a_fresh_arrival_goes_at_once_beside_the_slot_and_joins_the_line_when_it
     run(scenario)
 
 
+async def two_nodes_freeing_b_first(clock: ManualClock) -> FakeHeadroom:
+    """Nodes a and b of 40k, 10k free on each; 30k frees on a in 9 s, 10k on b in 3 s."""
+    source = FakeHeadroom(clock, stale_after_s=60.0)
+    for name in ("a", "b"):
+        source.add_node(name, 40_000)
+        source.measure_decode_rate(name, RATE)
+    await source.reserve("a", "on-a", 30_000, output_tokens=round(9 * RATE))
+    await source.reserve("b", "on-b", 10_000, output_tokens=round(3 * RATE))
+    await source.reserve("b", "long-on-b", 20_000, output_tokens=round(60 * RATE))
+    return source
+
+
 def test_a_head_holds_its_place_on_the_node_whose_releases_fit_it_first_only() -> None:
     async def scenario() -> None:
         clock = ManualClock()
-        source = FakeHeadroom(clock, stale_after_s=60.0)
-        for name in ("a", "b"):
-            source.add_node(name, 40_000)
-            source.measure_decode_rate(name, RATE)
-        await source.reserve("a", "on-a", 30_000, output_tokens=round(9 * RATE))  # frees in 9 s
-        await source.reserve("b", "on-b", 10_000, output_tokens=round(3 * RATE))  # frees in 3 s
-        await source.reserve("b", "long-on-b", 20_000, output_tokens=round(60 * RATE))
+        source = await two_nodes_freeing_b_first(clock)
         admission = setup_gate(source, clock)
         head = asyncio.create_task(admit(admission, 20_000, "head"))
         await until(lambda: clock.sleeping == 1)
@@ -309,13 +315,7 @@ def test_room_that_frees_beside_the_heads_slot_goes_to_the_head_before_a_newcome
 
     async def scenario() -> None:
         clock = ManualClock()
-        source = FakeHeadroom(clock, stale_after_s=60.0)
-        for name in ("a", "b"):
-            source.add_node(name, 40_000)
-            source.measure_decode_rate(name, RATE)
-        await source.reserve("a", "on-a", 30_000, output_tokens=round(9 * RATE))
-        await source.reserve("b", "on-b", 10_000, output_tokens=round(3 * RATE))
-        await source.reserve("b", "long-on-b", 20_000, output_tokens=round(60 * RATE))
+        source = await two_nodes_freeing_b_first(clock)
         admission = setup_gate(source, clock)
         await admission.start()
         head = asyncio.create_task(admit(admission, 20_000, "head"))
@@ -399,6 +399,43 @@ def test_the_queue_backfills_behind_a_job_that_does_not_fit() -> None:
         await source.release("a", "busy")
         source.tick()
         await until(lambda: "big" in store.claimed)
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+
+    run(scenario)
+
+
+def test_the_queue_holds_back_a_tenant_far_ahead_of_the_head_it_would_go_beside() -> None:
+    """As above, with fair shares: the small job's tenant has been served 100k by the agents' count,
+    the big job's nothing. The small job fits beside the big one's slot but waits its turn."""
+
+    async def scenario() -> None:
+        clock = ManualClock()
+        source = node_with(clock, 40_000)
+        served = await source.reserve("a", "before", 1, charge=TenantCharge("t2", 100_000.0))
+        assert served.granted
+        await source.release("a", "before")
+        await hold(source, "busy", 25_000, 5.0)
+        big = Waiting("big", 1, "t1", 30_000, 1, created_at=10.0)
+        small = Waiting("small", 1, "t2", 10_000, 2, created_at=11.0)
+        store = Store(big, small)
+        dispatcher = Dispatcher(
+            store,
+            source,
+            Launcher(),
+            "q1",
+            claim_lease_s=60.0,
+            clock=clock,
+            fairness=FairnessConfig(enabled=True),
+        )
+        running = asyncio.create_task(dispatcher.run())
+        await until(lambda: ("a", "big/1/q1", True) in source.reserves)  # the head holds its place
+        for _ in range(100):  # the loop finishes its round; no time passes
+            await asyncio.sleep(0)
+        assert not store.claimed, "t2 is 100k ahead of t1: its job did not go beside t1's"
+        await source.release("a", "busy")
+        source.tick()
+        await until(lambda: set(store.claimed) == {"big", "small"})
         running.cancel()
         await asyncio.gather(running, return_exceptions=True)
 

@@ -125,7 +125,8 @@ class Blockers:
         self._free = free
 
     async def _each(self, reserve: bool) -> None:
-        view = HeadroomView(HeadroomSettings(agents=tuple(self._agents)))
+        # The test's own calls, not the gate's: a busy CI host can take longer than the gate's 50 ms.
+        view = HeadroomView(HeadroomSettings(agents=tuple(self._agents), reserve_timeout_s=10.0))
         await view.start()
         try:
             for agent in self._agents:

@@ -45,7 +45,7 @@ from kvgate.headroom.snapshot import (
 from kvgate.names import ANONYMOUS_TENANT, OTHER_TENANTS
 from kvgate.policy import Decision, Reason, Refusal, Route
 from kvgate.policy.endpoints import UNRESERVED_ENDPOINTS, Subset, allowed, least_busy, within
-from kvgate.policy.fair_share import FairShare, agents_lifts, agents_totals
+from kvgate.policy.fair_share import FairShare, agents_lifts, agents_totals, heads_elsewhere
 from kvgate.policy.identity import Priorities
 from kvgate.policy.nodes import Affinity, NodeChoice, choose_nodes, takes_now
 from kvgate.policy.overflow import interactive_saturated, no_healthy_node, overflow
@@ -533,13 +533,7 @@ class Admission:
         tenant alone, and its arrivals could go ahead of every waiter on the other gate."""
         if self._fair is None:
             return True
-        elsewhere = [
-            head.fair_service
-            for node in nodes
-            if node.headroom is not None
-            and (head := node.headroom.head) is not None
-            and head.rank <= ask.rank
-        ]
+        elsewhere = heads_elsewhere(nodes, ask.rank)
         return self._fair.may_pass(ask.tenant, self._cost(ask), ask.rank, elsewhere)
 
     def _join_line(self, ask: _Ask) -> Place | None:

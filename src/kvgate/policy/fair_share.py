@@ -85,6 +85,16 @@ def agents_lifts(nodes: Sequence[NodeView]) -> dict[str, float]:
     return combined_over_agents(nodes, lambda headroom: headroom.tenant_lift, max) or {}
 
 
+def heads_elsewhere(nodes: Sequence[NodeView], rank: int) -> list[float]:
+    """The counters the agents' heads wait at (NodeHeadroom.head), of `rank` or a more important one:
+    the first waiter of each replica's line that holds its place on a node, for `FairShare.may_pass`."""
+    return [
+        head.fair_service
+        for node in nodes
+        if node.headroom is not None and (head := node.headroom.head) is not None and head.rank <= rank
+    ]
+
+
 class FairShare:
     def __init__(
         self,

@@ -13,7 +13,10 @@ the node whose expected releases fit it first (kvgate.policy.slot), and that age
 slot needs against everything behind it. Jobs after it in the fair order are still tried, each where
 it fits beside the heads' slots by the latest messages (at most `MAX_PASSED` jobs without room per
 round), so a big job no longer idles the room small ones could use, and is delayed at most to its
-slot. The loop then waits for the headroom stream, a job that ends here, or a store event.
+slot. With fair shares a job goes beside the head only while its tenant is within reach of the
+tenants waiting here and of the heads the agents hold room for, as in a gate's line
+(`FairShare.may_pass`): a tenant far ahead cannot take, job after job, what frees around a light
+tenant's head. The loop then waits for the headroom stream, a job that ends here, or a store event.
 
 Reserve comes before the claim: the reservation id names this replica, so when two replicas reserve
 for the same job only the one whose claim lands keeps it, and the other gives its reservation back.
@@ -33,7 +36,7 @@ from kvgate.config import FairnessConfig
 from kvgate.errors import HeadroomError, StoreError
 from kvgate.headroom import giveback
 from kvgate.headroom.snapshot import HeadClaim, NodeView, ReleaseOutcome, ReserveOutcome, TenantCharge
-from kvgate.policy.fair_share import agents_lifts, agents_totals
+from kvgate.policy.fair_share import agents_lifts, agents_totals, heads_elsewhere
 from kvgate.policy.nodes import StalePolicy, choose_nodes
 from kvgate.policy.slot import fits_beside_heads, slot_node
 from kvgate.queue import placement
@@ -183,11 +186,15 @@ class Dispatcher:
         self._updated = False
         self._observe_service(self._source.snapshot())
         passed: set[str] = set()  # jobs this round found no room for: the first is the head
-        while (job := self._fair.next(passed)) is not None and len(passed) < MAX_PASSED:
+        held_back: set[tuple[int, str]] = set()  # tenants too far ahead to go beside the head
+        while (job := self._fair.next(passed, held_back)) is not None and len(passed) < MAX_PASSED:
             nodes = self._source.snapshot()
             if placement.fit(nodes, job.tokens) is Fit.TOO_BIG:
                 await self._store.fail_waiting(job.id, placement.too_big_error(nodes, job.tokens))
                 self._fair.drop(job)
+                continue
+            if passed and self._fair_shares and not self._may_pass(job, nodes):
+                held_back.add((job.priority, job.tenant))
                 continue
             if not await self._dispatch(job, nodes, head=not passed):
                 passed.add(job.id)
@@ -200,6 +207,12 @@ class Dispatcher:
             self._wake.set()  # room may have freed while this round ran: look again now
         if not passed:
             await self._let_go()
+
+    def _may_pass(self, job: Waiting, nodes: Sequence[NodeView]) -> bool:
+        """Whether `job`, behind the round's head, may go beside it: only within reach of the tenants
+        waiting here and of the heads the agents hold room for, as a gate's waiter may
+        (kvgate.policy.fair_share). Held back, its tenant's jobs wait their turn."""
+        return self._fair.may_pass(job, heads_elsewhere(nodes, job.priority))
 
     def _observe_service(self, nodes: Sequence[NodeView]) -> None:
         """Each tenant's service as the agents count it, every gate's and queue replica's grants alike

@@ -83,11 +83,17 @@ class FairQueue:
         agents order waiters of one rank by it (ReserveRequest.fair_service)."""
         return self._fair.counter(tenant)
 
-    def next(self, passed: Container[str] = frozenset()) -> Waiting | None:
+    def next(
+        self, passed: Container[str] = frozenset(), held_back: Container[_Group] = frozenset()
+    ) -> Waiting | None:
         """The job to dispatch next (it stays waiting until `dispatched` or `drop`), leaving out the
-        ids in `passed` (jobs this round found no room for, which later ones may go beside)."""
+        ids in `passed` (jobs this round found no room for, which later ones may go beside) and the
+        (priority, tenant) groups `held_back` (too far ahead to go beside them: `may_pass`)."""
         best: tuple[int, float, float, int, Waiting] | None = None
-        for (priority, tenant), jobs in self._groups.items():
+        for group, jobs in self._groups.items():
+            if group in held_back:
+                continue
+            priority, tenant = group
             head = next((job for job in jobs if job.id not in passed), None)
             if head is None:
                 continue
@@ -95,6 +101,13 @@ class FairQueue:
             if best is None or candidate[:4] < best[:4]:
                 best = candidate
         return best[4] if best is not None else None
+
+    def may_pass(self, job: Waiting, elsewhere: Iterable[float]) -> bool:
+        """Whether `job` may go ahead of the jobs waiting here before it, and of the heads waiting at
+        the counters `elsewhere` (other replicas' and the gates' lines), by the gate's rule: its
+        tenant's counter with its cost stays within the largest cost of theirs
+        (kvgate.policy.fair_share)."""
+        return self._fair.may_pass(job.tenant, self.charge_of(job).cost, job.priority, elsewhere)
 
     def charge_of(self, job: Waiting) -> TenantCharge:
         """What `job`'s tenant is charged when it is dispatched, as its Reserve carries it."""
