@@ -104,6 +104,17 @@ def test_the_service_gap_is_how_far_two_backlogged_tenants_drift_apart() -> None
     assert figures["jain_windows"] >= 1 and figures["jain_min"] < 1.0
 
 
+def test_jain_compares_tenants_over_the_steps_in_which_all_of_them_are_backlogged() -> None:
+    """a waits all 10 s, b the first 6 (past half the window): each is served 1,000 a second while it
+    waits. Over the whole window b reads as served 60 % of a; while both wait, alike."""
+    results = [served("a", 0.0, 10.0, 11.0), served("b", 0.0, 6.0, 7.0)]
+    results += [served(t, 0.0, float(i), float(i), prompt=1_000) for t in ("a", "b") for i in range(1, 6)]
+    results += [served("a", 0.0, float(i), float(i), prompt=1_000) for i in range(6, 10)]
+    weights = {"a": 1.0, "b": 1.0}
+    figures = fairness_figures(results, {}, (), weights, step_s=1.0, window_s=10.0)
+    assert figures["jain_windows"] == 1 and figures["jain_min"] == pytest.approx(1.0)
+
+
 # --- the scenario --------------------------------------------------------------------------------
 
 

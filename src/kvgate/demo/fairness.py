@@ -10,7 +10,11 @@ of its long requests waits for its first token all through it.
   the difference of their weighted service moves (VTC's accumulated service gap); `largest_request_cost`,
   the largest weighted cost of one served request, in the same units (VTC bounds the gap by twice it).
 - `jain_mean` / `jain_min`: Jain's index of the weighted service of the tenants backlogged in at least
-  half of each `window_s` window (windows with two or more such tenants).
+  half of each `window_s` window (windows with two or more such tenants), given in the steps of the
+  window in which all of them are backlogged. Taken over the whole window, a tenant backlogged for
+  35 s of it and served as fast as the others meanwhile read as served 60 % of their part: on the
+  fairness scenario D, whose last requests of its minute on still wait into its minute off, pulled
+  that window's index to 0.94-0.96 (2026-12-05; the issue's "while tenants are backlogged").
 - `share` of a tenant: its part of the service given in contended steps (two tenants or more
   backlogged); `fair_share`: its weighted max-min share of that service, given what each tenant asked
   for in those steps (water-filling by weight, no tenant above its demand), filled window by window
@@ -151,8 +155,9 @@ def jain_windows(
     for start in range(0, steps - per_window + 1, per_window):
         window = range(start, start + per_window)
         busy = [t for t, row in backlog.items() if sum(row[i] for i in window) * 2 >= per_window]
-        if len(busy) >= 2:
-            indices.append(jain([sum(_at(service, t, i) for i in window) for t in busy]))
+        together = [i for i in window if all(backlog[t][i] for t in busy)]
+        if len(busy) >= 2 and together:
+            indices.append(jain([sum(_at(service, t, i) for i in together) for t in busy]))
     return indices
 
 
