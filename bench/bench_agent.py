@@ -8,7 +8,9 @@ Targets (issue 4): jitter p99 <= 10 ms, agent CPU <= 2% of a core, lag p99 <= 15
 
 And what a request's Reserve, FirstToken and Release cost the agent and the caller in CPU, as messages
 on one Ledger stream (what gates and queues send) against the same three as unary calls (what they
-sent before), alternated on one agent.
+sent before), alternated on one agent. And what a gate's own Reserves and Releases cost when the agent
+counts their answers as told to it (it reserves under the name it subscribes with) against when it does
+not (another name: sent every change, as before this change): kvgate.agent.subscribers.
 
 Also, in this process: what reading a big engine page costs (against one str.splitlines of it), and
 what NvmlPoller.latest() costs while NVML answers and while a call hangs (the figures the tests once
@@ -51,8 +53,12 @@ LAUNCH = (
 
 
 @contextmanager
-def _agent(*flags: str) -> Iterator[tuple[str, int]]:
+def _agent(*flags: str, defaults: bool = False) -> Iterator[tuple[str, int]]:
+    """An agent process; unless `defaults`, one that sends and scrapes every period, as the jitter and
+    lag figures mean it (an agent sends on change and scrapes a quiet engine every 500 ms by default:
+    docs/operations.md, "Agent stream")."""
     port = free_port()
+    every_period = () if defaults else ("--heartbeat-ms", "0", "--idle-scrape-ms", "0")
     argv = [
         "agent",
         "--listen",
@@ -61,12 +67,7 @@ def _agent(*flags: str) -> Iterator[tuple[str, int]]:
         "127.0.0.1:8000",
         "--period-ms",
         "100",
-        # Every period, as the jitter and lag figures mean it: an agent sends on change and scrapes a
-        # quiet engine every 500 ms by default (docs/operations.md, "Agent stream").
-        "--heartbeat-ms",
-        "0",
-        "--idle-scrape-ms",
-        "0",
+        *every_period,
         "--metrics-listen",
         "off",
         *flags,
@@ -174,6 +175,8 @@ async def _round_trips(address: str, count: int) -> tuple[list[float], list[floa
 
 
 LEDGER_REQUESTS = 1500
+OWN_CALLS = 400
+OWN_CALLS_PER_S = 20
 
 
 async def _request_cpu(pid: int, address: str) -> dict[str, tuple[float, float]]:
@@ -213,6 +216,58 @@ async def _request_cpu(pid: int, address: str) -> dict[str, tuple[float, float]]
     return best
 
 
+async def _own_calls() -> dict[str, tuple[float, float, int]]:
+    """An agent at its defaults (on change, 1 s heartbeat) and a gate's view that reserves 20 times a
+    second and releases each grant 10 later, once under the name it subscribes with (the agent counts
+    the answers' figures as told to it) and once under another (sent every change, as before): per
+    Reserve and Release, the agent's CPU and this process's, and the messages the view got in all."""
+    figures: dict[str, tuple[float, float, int]] = {}
+    engine = FakeEngineMetrics(kv_usage=0.1)  # usage that does not move: the calls are the only change
+    url = await engine.start()
+    with _agent("--nvml", "off", "--engine-metrics", url, defaults=True) as (address, pid):
+        for way, holder in (("another holder", "bench-other"), ("its own", None)) * 2:
+            view = HeadroomView(HeadroomSettings(agents=(address,)), subscriber="bench", holder=holder)
+            await view.start()
+            try:
+                figures[way] = min(
+                    figures.get(way, (1.0, 1.0, 0)), await _paced_calls(view, pid), key=lambda f: f[0] + f[1]
+                )
+            finally:
+                await view.stop()
+    await engine.stop()
+    return figures
+
+
+async def _paced_calls(view: HeadroomView, pid: int) -> tuple[float, float, int]:
+    while not view.snapshot()[0].connected:
+        await view.wait_update(1.0)
+    node = view.snapshot()[0].agent
+    messages = 0
+
+    async def count() -> None:
+        nonlocal messages
+        while True:
+            messages += await view.wait_update(5.0)
+
+    counting = asyncio.create_task(count())
+    loop = asyncio.get_running_loop()
+    agent0, own0, due = _cpu_s(pid), time.process_time(), loop.time()
+    live: list[str] = []
+    try:
+        for i in range(OWN_CALLS):
+            due += 1 / OWN_CALLS_PER_S
+            await asyncio.sleep(max(0.0, due - loop.time()))
+            assert (await view.reserve(node, f"o{i}", 2_000, output_tokens=100)).granted
+            live.append(f"o{i}")
+            if len(live) > 10:
+                await view.release(node, live.pop(0))
+        for request_id in live:
+            await view.release(node, request_id)
+    finally:
+        counting.cancel()
+    return (_cpu_s(pid) - agent0) / OWN_CALLS, (time.process_time() - own0) / OWN_CALLS, messages
+
+
 async def _run() -> None:
     engine = FakeEngineMetrics()
     url = await engine.start()
@@ -226,6 +281,7 @@ async def _run() -> None:
             cpu = await _cpu_share(pid, address, 6.0)
             lags = await _view_lag(engine, address, 40)
             reserve, health = await _round_trips(address, 1000)
+        own_calls = await _own_calls()
     finally:
         await engine.stop()
     ms = 1000.0
@@ -253,6 +309,17 @@ async def _run() -> None:
         f"stream against {agent_unary * ms:.3f} ms unary (x{agent_stream / agent_unary:.2f}); caller "
         f"{own_stream * ms:.3f} against {own_unary * ms:.3f} ms (x{own_stream / own_unary:.2f}); "
         f"{LEDGER_REQUESTS} requests one at a time, best of two, agent ticking every period"
+    )
+    (agent_other, own_other, sent_other), (agent_own, own_own, sent_own) = (
+        own_calls["another holder"],
+        own_calls["its own"],
+    )
+    print(
+        f"  a gate's own Reserve + Release, {OWN_CALLS_PER_S}/s at the agent's defaults, per pair: stream "
+        f"messages to it {sent_own / OWN_CALLS:.2f} against {sent_other / OWN_CALLS:.2f} when it reserves "
+        f"under another name; CPU agent {agent_own * ms:.3f} against {agent_other * ms:.3f} ms "
+        f"(x{agent_own / agent_other:.2f}), caller {own_own * ms:.3f} against {own_other * ms:.3f} ms "
+        f"(x{own_own / own_other:.2f}); {OWN_CALLS} pairs, best of two"
     )
 
 

@@ -15,11 +15,13 @@ from waiting import PATIENCE_S, until_async
 from kvgate.agent.cli import register, settings_from_args
 from kvgate.agent.in_process import FakeHeadroom, ManualClock
 from kvgate.agent.node import NodeSettings
-from kvgate.agent.push import USAGE_TOLERANCE, changed
+from kvgate.agent.push import USAGE_TOLERANCE, Cause, StreamPacer, changed
 from kvgate.agent.server import Agent
 from kvgate.agent.sources.engines import EngineKind, EngineReading, PageState
+from kvgate.agent.subscribers import Latest
 from kvgate.config.headroom import HeadroomSettings, hung_after, stale_after
 from kvgate.errors import ConfigError
+from kvgate.headroom.snapshot import ExpectedRelease, LedgerFigures
 from kvgate.headroom.view import HeadroomView
 
 PERIOD_S = 0.1
@@ -66,8 +68,11 @@ async def ticks(agent: Agent, clock: ManualClock, n: int) -> None:
 
 
 def run(agent_settings: NodeSettings, engine: Engine | None = None) -> tuple[Agent, ManualClock]:
+    """An agent on the test's clock, followed by one gate that makes no calls of its own."""
     clock = ManualClock(100.0)
-    return Agent(agent_settings, engine, clock=clock), clock
+    agent = Agent(agent_settings, engine, clock=clock)
+    agent.stream.add("a gate", None)
+    return agent, clock
 
 
 def test_no_change_sends_nothing_until_the_heartbeat() -> None:
@@ -100,6 +105,57 @@ def test_a_change_is_sent_within_one_period() -> None:
         assert agent.stream.published == 3
 
     asyncio.run(scenario())
+
+
+def test_a_callers_own_reserve_and_release_send_it_no_message_and_others_still_hear_of_them() -> None:
+    async def scenario() -> None:
+        clock = ManualClock(100.0)
+        # Usage read from an engine that does not move: a reservation-only node's usage is its
+        # reservations, which the answers do not tell.
+        agent = Agent(settings(idle_scrape_s=None), Engine(), clock=clock)
+        caller = agent.stream.add("caller", None)
+        await agent.tick()
+        await ticks(agent, clock, 3)
+        assert caller.sent == 1
+        granted = agent.state.reserve("r", 5_000, 0, "caller")
+        assert granted.granted and granted.after is not None and granted.after.reserved_tokens == 5_000
+        agent.answered("caller", granted.after)
+        assert not agent.changed.is_set()  # nobody else to tell: no early tick
+        await ticks(agent, clock, 2)
+        assert caller.sent == 1
+        other = agent.stream.add("another gate", agent.latest())
+        assert other.sent == 0 and agent.stream.published == 1  # the latest, put in its mailbox at once
+        released = agent.state.release("r", "caller")
+        assert released.after is not None and released.after.freed_tokens_total == 5_000
+        agent.answered("caller", released.after)
+        assert agent.changed.is_set()  # the other gate has yet to hear of it
+        await ticks(agent, clock, 1)
+        assert (caller.sent, other.sent) == (1, 1)
+        # What the caller's calls did not change still reaches it: here, a grant to another holder.
+        assert agent.state.reserve("theirs", 5_000, 0, "another gate").granted
+        await ticks(agent, clock, 1)
+        assert (caller.sent, other.sent) == (2, 2)
+
+    asyncio.run(scenario())
+
+
+def test_a_forecast_an_answer_told_counts_from_the_subscribers_last_message() -> None:
+    agent, _ = run(settings(capacity_tokens=CAPACITY))
+    base = agent.state.snapshot(0)
+    pacer = StreamPacer(PERIOD_S, 5.0)
+    pacer.sent(base, 10.0)
+    told = LedgerFigures(50_000, 40_000, 2, 0, (ExpectedRelease(2.0, 20_000), ExpectedRelease(5.0, 20_000)))
+    pacer.told(told, 10.5)
+    same = dataclasses.replace(
+        base,
+        headroom_tokens=50_000,
+        reserved_tokens=40_000,
+        reservations=2,
+        releases=(ExpectedRelease(1.5, 20_000), ExpectedRelease(4.5, 20_000)),
+    )
+    assert pacer.due(same, 11.0) is None  # 1 s after the message, 0.5 s after the answer: as told
+    late = dataclasses.replace(same, releases=(ExpectedRelease(2.5, 20_000), ExpectedRelease(4.5, 20_000)))
+    assert pacer.due(late, 11.0) == Cause.CHANGE
 
 
 def test_usage_that_creeps_within_the_tolerance_sends_nothing() -> None:
@@ -216,10 +272,10 @@ def test_a_quiet_agent_is_neither_stale_nor_dropped_as_hung_by_a_real_view() -> 
         listens = 0
         listen = agent.stream.listen
 
-        def counting() -> AsyncIterator[bytes]:
+        def counting(holder: str, latest: Latest) -> AsyncIterator[bytes]:
             nonlocal listens
             listens += 1
-            return listen()
+            return listen(holder, latest)
 
         agent.stream.listen = counting  # type: ignore[method-assign]
         port = await agent.start("127.0.0.1:0")
@@ -235,6 +291,39 @@ def test_a_quiet_agent_is_neither_stale_nor_dropped_as_hung_by_a_real_view() -> 
             await until_async(lambda: view.snapshot()[0].age_s < 0.5, "the heartbeat to reach the view")
             node = view.snapshot()[0]
             assert node.connected and node.fresh and listens == 1
+        finally:
+            await view.stop()
+            await agent.stop(grace_s=0.1)
+
+    asyncio.run(scenario())
+
+
+def test_a_view_takes_its_own_calls_figures_from_the_answers_and_is_sent_no_message_for_them() -> None:
+    """Through gRPC: the gate's view reserves and releases as the name it subscribes with, so the
+    agent counts the answers as told to that subscription."""
+
+    async def scenario() -> None:
+        engine = Engine()
+        agent = Agent(settings(idle_scrape_s=None, heartbeat_s=10.0), engine)
+        port = await agent.start("127.0.0.1:0")
+        view = HeadroomView(HeadroomSettings(agents=(f"127.0.0.1:{port}",)), subscriber="gate-1")
+        await view.start()
+        try:
+            await until_async(lambda: view.snapshot()[0].connected, "the view's first message")
+            node = view.snapshot()[0].agent
+            sent = agent.stream.published
+            assert (await view.reserve(node, "r", 5_000)).granted
+            reserved = view.snapshot()[0].headroom
+            assert reserved is not None and (reserved.reserved_tokens, reserved.reservations) == (5_000, 1)
+            assert (await view.release(node, "r")).released
+            released = view.snapshot()[0].headroom
+            assert released is not None and (released.reserved_tokens, released.reservations) == (0, 0)
+            assert released.freed_tokens_total == 5_000
+            for _ in range(3):
+                await agent.tick()
+            assert agent.stream.published == sent
+            engine.used += 2 * int(USAGE_TOLERANCE * CAPACITY)  # what the calls did not change is sent
+            await until_async(lambda: agent.stream.published == sent + 1, "the usage's message", PATIENCE_S)
         finally:
             await view.stop()
             await agent.stop(grace_s=0.1)

@@ -15,7 +15,13 @@ from kvgate.agent.node import NodeSettings, NodeState
 from kvgate.agent.releases import expected_releases
 from kvgate.agent.sources.engines import read_engine_page
 from kvgate.headroom import wire
-from kvgate.headroom.snapshot import ExpectedRelease, ReleaseOutcome, ReserveOutcome, ReserveReason
+from kvgate.headroom.snapshot import (
+    ExpectedRelease,
+    LedgerFigures,
+    ReleaseOutcome,
+    ReserveOutcome,
+    ReserveReason,
+)
 from kvgate.headroom.wire import HeadroomEncoder, chain_from_proto, headroom_from_proto, reserve_request
 
 BUDGET = Budget(100_000, 1.0, 0, True)
@@ -149,16 +155,27 @@ def test_the_agents_answers_are_the_types_a_gate_reads_and_cross_the_wire_whole(
     """The ledger answers the contract's ReserveOutcome and ReleaseOutcome, and the wire carries each
     field for field: a gate reads exactly what the agent's ledger said."""
     state = NodeState(NodeSettings("n", "e:1", capacity_tokens=40_000), ManualClock(0.0), False, False)
+    state.decode_rate.observe(0.0, 0, 1)
+    state.decode_rate.observe(1.0, 25, 1)
     granted = state.reserve("r1", 12_000, 30, output_tokens=700)
     refused = state.reserve("r2", 30_000, 30)
-    assert granted == ReserveOutcome(True, ReserveReason.GRANTED, 24_000, 12_000, 30.0, 12_000, 0, 1)
-    assert refused == ReserveOutcome(False, ReserveReason.INSUFFICIENT_HEADROOM, 24_000, 12_000, 0.0, 0, 0, 1)
+    # The figures a stream message would show next: 700 output tokens at 25 a second end in 28 s, and
+    # the headroom counts their projection (the grant's own headroom_tokens does not).
+    after = LedgerFigures(23_300, 12_000, 1, 0, (ExpectedRelease(28.0, 12_000),))
+    assert granted == ReserveOutcome(True, ReserveReason.GRANTED, 24_000, 12_000, 30.0, 12_000, 0, 1, after)
+    assert refused == ReserveOutcome(
+        False, ReserveReason.INSUFFICIENT_HEADROOM, 23_300, 12_000, 0.0, 0, 0, 1, after
+    )
     for outcome in (granted, refused):
         sent = pb.ReserveResponse.FromString(wire.reserve_to_proto(outcome).SerializeToString())
         assert wire.reserve_from_proto(sent) == outcome
     # A reservation-only node: its usage is its reservations, so the answer counts the release.
     released, again = state.release("r1"), state.release("r1")
-    assert (released, again) == (ReleaseOutcome(True, 36_000, 0), ReleaseOutcome(False, 36_000, 0))
+    freed = LedgerFigures(36_000, 0, 0, 12_000, ())
+    assert (released, again) == (
+        ReleaseOutcome(True, 36_000, 0, 0, freed),
+        ReleaseOutcome(False, 36_000, 0, 0, freed),
+    )
     for outcome in (released, again):
         sent_back = pb.ReleaseResponse.FromString(wire.release_to_proto(outcome).SerializeToString())
         assert wire.release_from_proto(sent_back) == outcome

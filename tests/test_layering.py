@@ -35,7 +35,7 @@ IO_MODULES: dict[str, dict[str, str]] = {
     "agent": {
         "server": "the agent's gRPC server",
         "metrics": "the agent's Prometheus endpoint",
-        "broadcast": "fans snapshots out to subscribers' asyncio queues",
+        "subscribers": "each stream subscriber's asyncio mailbox and pacer",
         "cli": "`kvgate agent`",
         "in_process": "in-process agents behind the gate's asyncio interface, for tests",
         "sources.fake_engine": "a fake engine /metrics over HTTP, for tests",

@@ -14,7 +14,8 @@ Pure (no gRPC, no I/O):
     capacity        KV bytes per token from a model's shape; static capacity over free GPU memory
     status          what an agent sees, as `kvgate status` prints it (text or JSON)
 Adapters:
-    server, broadcast, metrics  the agent's gRPC server, its fan-out and its Prometheus endpoint
+    server, metrics             the agent's gRPC server and its Prometheus endpoint
+    subscribers                 who follows the stream, and what each already knows
     cli                         `kvgate agent` and `kvgate status`
     in_process                  in-process agents behind the gate's interface, for tests
     sources                     what the agent reads: engine pages, NVML, and their fakes

@@ -68,7 +68,8 @@ class AgentMetrics:
             m,
             AGENT_STREAM_MESSAGES,
             "{message}",
-            "Stream messages sent, by cause: first, change, heartbeat, or period (--heartbeat-ms 0)",
+            "Stream messages sent, one per subscriber sent to, by cause: first, change, heartbeat, or period "
+            "(--heartbeat-ms 0)",
             ("cause",),
         )
         self._scrapes = Tally(m, AGENT_ENGINE_SCRAPES, "{scrape}", "Engine metrics scrapes", ())

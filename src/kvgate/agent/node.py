@@ -33,6 +33,7 @@ that found no room holds its slot, and whoever is behind it takes only what leav
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -57,6 +58,7 @@ from kvgate.agent.tenant_service import TenantService
 from kvgate.headroom.snapshot import (
     CapacitySource,
     ExpectedRelease,
+    LedgerFigures,
     NodeHeadroom,
     NodeRole,
     NvmlReading,
@@ -338,7 +340,7 @@ class NodeState:
                 self.tenant_service.granted(
                     request_id, charge, output_tokens, result.charged_tokens, reserved=tokens
                 )
-        return result
+        return dataclasses.replace(result, after=self._figures(self.budget()))
 
     def _releases(self) -> tuple[ExpectedRelease, ...]:
         """When the live reservations are expected to end, from now."""
@@ -387,7 +389,21 @@ class NodeState:
             self.tenant_service.ended(request_id, output, ran=not unanswered_reserve)
         # A waiter that went elsewhere or gave up says so with a Release: its claim goes with it.
         self.claims.drop(Waiter(holder, request_id))
-        return self.ledger.release_answer(released, self.budget(), output)
+        budget = self.budget()
+        answer = self.ledger.release_answer(released, budget, output)
+        return dataclasses.replace(answer, after=self._figures(budget))
+
+    def _figures(self, budget: Budget) -> LedgerFigures:
+        """The figures a call changed, as the next stream message would show them (by the budget after
+        the call: a reservation-only node's usage is its reservations): its caller's view takes them at
+        once, so the stream need not send it what the call alone changed (kvgate.agent.subscribers)."""
+        return LedgerFigures(
+            self.ledger.headroom(budget),
+            self.ledger.reserved_tokens,
+            self.ledger.count,
+            self.ledger.freed_tokens,
+            self._releases(),
+        )
 
     def renew(self, request_ids: Sequence[str], holder: str, lease_s: float) -> tuple[list[str], float]:
         """Extend `holder`'s leases of `request_ids`: the ids it holds nothing under, and the lease."""

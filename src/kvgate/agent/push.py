@@ -1,10 +1,12 @@
 """When the agent's stream sends: when something a gate acts on changed, at most once a period, and
 at least every heartbeat.
 
-Pure. The sampling loop builds the node's NodeHeadroom every period; this says whether to send it.
-Encoding and sending a message to each subscriber is most of an idle agent's cost (about 0.5 ms per
-message per subscriber, against 0.06 ms to build it: shared/research/admission-efficiency.md, section
-2), and an idle node's figures do not move. So a message goes out when, against the last one sent:
+Pure. The sampling loop builds the node's NodeHeadroom every period; this says whether to send it to
+one subscriber (each has its own pacer: kvgate.agent.subscribers). Encoding and sending a message to
+each subscriber is most of an idle agent's cost (about 0.5 ms per message per subscriber, against
+0.06 ms to build it: shared/research/admission-efficiency.md, section 2), and an idle node's figures
+do not move. So a message goes out when, against what the subscriber knows (the last message sent to
+it, and the figures the answers to its own calls told it since: `told`):
 - anything the gates' policy or ledger view reads changed: health and its reason, capacity and where
   it comes from, the admissible ratio, reserved tokens, reservations, tokens freed, the prefix
   summary's generation, the soft-pool role and lend cap, the waiter a head claim is for, the engine
@@ -24,9 +26,10 @@ A heartbeat of 0 sends every period: what agents did before, and the compatibili
 
 from __future__ import annotations
 
+import dataclasses
 from enum import StrEnum
 
-from kvgate.headroom.snapshot import ExpectedRelease, HeadClaim, NodeHeadroom
+from kvgate.headroom.snapshot import ExpectedRelease, HeadClaim, LedgerFigures, NodeHeadroom
 
 USAGE_TOLERANCE = 0.01
 DECODE_RATE_TOLERANCE = 0.1
@@ -67,6 +70,22 @@ class StreamPacer:
     def sent(self, headroom: NodeHeadroom, now: float) -> None:
         self._last = headroom
         self._sent_at = now
+
+    def told(self, figures: LedgerFigures, now: float) -> None:
+        """The subscriber had `figures` at `now` in the answer to a call of its own, and took them into its
+        view: from now on they are what it knows of them, as if sent with its last message (so the
+        forecast is kept counting from that message, as the subscriber ages it)."""
+        if self._last is None:
+            return
+        since_message = now - self._sent_at
+        self._last = dataclasses.replace(
+            self._last,
+            headroom_tokens=figures.headroom_tokens,
+            reserved_tokens=figures.reserved_tokens,
+            reservations=figures.reservations,
+            freed_tokens_total=figures.freed_tokens_total,
+            releases=tuple(ExpectedRelease(r.after_s + since_message, r.tokens) for r in figures.releases),
+        )
 
 
 def changed(before: NodeHeadroom, after: NodeHeadroom, elapsed_s: float, tolerance: float) -> str:

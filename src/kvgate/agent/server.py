@@ -34,17 +34,16 @@ from grpc_health.v1.health import aio as health_aio
 
 from kvgate._proto.headroom.v1 import headroom_pb2 as pb
 from kvgate._proto.headroom.v1 import headroom_pb2_grpc as pb_grpc
-from kvgate.agent.broadcast import Broadcast
 from kvgate.agent.cadence import ScrapeCadence
 from kvgate.agent.kv_events import Batch
 from kvgate.agent.ledger import MAX_ID_BYTES
 from kvgate.agent.metrics import AgentMetrics
 from kvgate.agent.node import NodeSettings, NodeState
-from kvgate.agent.push import StreamPacer
 from kvgate.agent.sources.engines import EngineReading
+from kvgate.agent.subscribers import Latest, Subscribers
 from kvgate.errors import HeadroomError
 from kvgate.headroom.credentials import add_port
-from kvgate.headroom.snapshot import NodeHeadroom, NvmlReading, ReserveReason
+from kvgate.headroom.snapshot import LedgerFigures, NodeHeadroom, NvmlReading, ReserveReason
 from kvgate.headroom.wire import (
     HeadroomEncoder,
     chain_from_proto,
@@ -104,8 +103,8 @@ class Agent:
     ) -> None:
         self.settings = settings
         self.state = NodeState(settings, clock, uses_engine=engine is not None, uses_nvml=nvml is not None)
-        # Serialized NodeHeadroom messages: encoded once per message sent, whatever the number of subscribers.
-        self.stream: Broadcast[bytes] = Broadcast()
+        # Who follows the stream; a message is encoded once, whatever the number it goes to.
+        self.stream = Subscribers(settings.period_s, settings.heartbeat_s)
         self._encoder = HeadroomEncoder()
         self._engine = engine
         self._nvml = nvml
@@ -116,8 +115,8 @@ class Agent:
         self._server: grpc.aio.Server | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._latest: NodeHeadroom | None = None
+        self._latest_at = 0.0
         self._clock = clock
-        self._pacer = StreamPacer(settings.period_s, settings.heartbeat_s)
         self._cadence = ScrapeCadence(settings.period_s, settings.idle_scrape_s or settings.period_s)
         # Set by a Reserve or Release that may have changed what the stream shows: the next tick comes
         # early (see _run).
@@ -211,12 +210,9 @@ class Agent:
                 lapsed.holder,
             )
         headroom = self.state.snapshot(self._wall_clock_ns())
-        self._latest = headroom
         now = self._clock()
-        cause = self._pacer.due(headroom, now)
-        if cause is not None:
-            self.stream.publish(self._encoder.encode(headroom))
-            self._pacer.sent(headroom, now)
+        self._latest, self._latest_at = headroom, now
+        for cause in self.stream.offer(headroom, now, self._encoder.encode):
             self.metrics.sent(cause)
         if headroom.healthy != self._healthy:
             self._healthy = headroom.healthy
@@ -233,6 +229,18 @@ class Agent:
                 headroom.reason,
             )
         return headroom
+
+    def latest(self) -> Latest:
+        """The last sample, its message and when it was taken: what a new subscriber gets at once."""
+        if self._latest is None:
+            return None
+        return self._latest, self._encoder.encode(self._latest), self._latest_at
+
+    def answered(self, holder: str, figures: LedgerFigures | None) -> None:
+        """A Reserve or Release of `holder` was answered with `figures`: its own subscription knows them
+        now, and the next tick comes early only when another subscriber has yet to hear of them."""
+        if figures is None or self.stream.told(holder, figures, self._clock()):
+            self.changed.set()
 
     async def _run(self) -> None:
         """Tick every period while the node is under pressure (kvgate.agent.cadence), every idle
@@ -297,7 +305,9 @@ class _AgentServicer(pb_grpc.AgentServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, f"subscriber is longer than {MAX_SUBSCRIBER_BYTES} bytes"
             )
         log.info("subscriber %r (%s) connected", request.subscriber, context.peer())
-        async for message in self._agent.stream.listen():
+        # Known as whom its calls are made as (see kvgate.agent.subscribers).
+        holder = await self._identity(context) or request.subscriber
+        async for message in self._agent.stream.listen(holder, self._agent.latest()):
             yield message
 
     async def Reserve(
@@ -357,7 +367,7 @@ class _AgentServicer(pb_grpc.AgentServicer):
             reports_first_token=request.reports_first_token,
         )
         self._agent.metrics.reserve(outcome.granted, outcome.reason)
-        self._agent.changed.set()
+        self._agent.answered(holder, outcome.after)
         if outcome.reason == ReserveReason.GRANTED and request.prefix_blocks:
             self._agent.metrics.prefix_granted(outcome.cached_tokens, request.tokens - outcome.charged_tokens)
         log.debug(
@@ -381,7 +391,7 @@ class _AgentServicer(pb_grpc.AgentServicer):
         )
         if outcome.released:
             self._agent.metrics.released(told_generated=request.generated_tokens > 0)
-        self._agent.changed.set()
+        self._agent.answered(holder, outcome.after)
         return release_to_proto(outcome)
 
     def _first_token(self, request: pb.FirstTokenRequest, holder: str) -> pb.FirstTokenResponse:

@@ -283,6 +283,19 @@ class ReserveReason(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class LedgerFigures:
+    """What a Reserve or Release changed of the figures a NodeHeadroom carries, as of its answer: the
+    caller takes them into its view at once, and the agent sends it no stream message for them
+    (kvgate.agent.subscribers). `releases` count from the answer."""
+
+    headroom_tokens: int
+    reserved_tokens: int
+    reservations: int
+    freed_tokens_total: int
+    releases: tuple[ExpectedRelease, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class ReserveOutcome:
     """The agent's answer to a Reserve, as its ledger gives it (kvgate.agent.ledger) and as a gate
     reads it off the wire (kvgate.headroom.wire). A refusal (`granted` False, with `reason`) is an
@@ -300,6 +313,7 @@ class ReserveOutcome:
     # Tokens of the chain's prefix the agent expects the engine to find in its prefix cache.
     cached_tokens: int = 0
     reservations: int = 0  # live reservations on the node after this decision
+    after: LedgerFigures | None = None  # None: from an agent that does not tell them
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,6 +325,7 @@ class ReleaseOutcome:
     reserved_tokens: int
     # What the agent settled the reservation's output on (read, else measured); 0: unknown.
     settled_output_tokens: int = 0
+    after: LedgerFigures | None = None  # as ReserveOutcome.after
 
 
 def admissible(capacity: int, safety_ratio: float) -> int:

@@ -42,6 +42,7 @@ from kvgate.headroom.client import AgentClient, HeadroomStream
 from kvgate.headroom.credentials import ChannelSecurity
 from kvgate.headroom.resolve import Resolver, resolve_agents
 from kvgate.headroom.snapshot import (
+    ExpectedRelease,
     NodeHeadroom,
     NodeView,
     PrefixChain,
@@ -218,7 +219,7 @@ class HeadroomView:
             charge=charge,
             reports_first_token=reports_first_token,
         )
-        self._merge(link, outcome.headroom_tokens, outcome.reserved_tokens, outcome.reservations)
+        self._merge(link, outcome)
         if outcome.granted and charge is not None:
             self._merge_service(link, charge, outcome.charged_tokens, tokens)
         if outcome.granted:
@@ -245,7 +246,7 @@ class HeadroomView:
             unanswered=unanswered,
             generated_tokens=generated_tokens,
         )
-        self._merge(link, outcome.headroom_tokens, outcome.reserved_tokens)
+        self._merge(link, outcome)
         return outcome
 
     async def renew(self, node: str, request_ids: Sequence[str]) -> frozenset[str]:
@@ -283,18 +284,35 @@ class HeadroomView:
             latest, tenant_service=service, tenant_held=held, tenant_tokens=reserved
         )
 
-    @staticmethod
-    def _merge(
-        link: _Link, headroom_tokens: int, reserved_tokens: int, reservations: int | None = None
-    ) -> None:
-        # The agent's answer is newer than the last pushed sample; keep the sample's age, though.
-        if link.latest is not None:
-            link.latest = dataclasses.replace(
-                link.latest,
-                headroom_tokens=headroom_tokens,
-                reserved_tokens=reserved_tokens,
-                reservations=link.latest.reservations if reservations is None else reservations,
+    def _merge(self, link: _Link, outcome: ReserveOutcome | ReleaseOutcome) -> None:
+        """The agent's answer is newer than the last pushed sample: its figures replace the sample's,
+        which keeps its age (so the forecast it tells is shifted to count from the sample). An answer
+        that tells `after` is all the stream will say of what the call changed (kvgate.agent.subscribers);
+        one from an agent before it tells headroom and reserved tokens alone."""
+        latest = link.latest
+        if latest is None:
+            return
+        after = outcome.after
+        if after is None:
+            reservations = (
+                outcome.reservations if isinstance(outcome, ReserveOutcome) else latest.reservations
             )
+            link.latest = dataclasses.replace(
+                latest,
+                headroom_tokens=outcome.headroom_tokens,
+                reserved_tokens=outcome.reserved_tokens,
+                reservations=reservations,
+            )
+            return
+        age_s = self._clock() - link.received_at
+        link.latest = dataclasses.replace(
+            latest,
+            headroom_tokens=after.headroom_tokens,
+            reserved_tokens=after.reserved_tokens,
+            reservations=after.reservations,
+            freed_tokens_total=after.freed_tokens_total,
+            releases=tuple(ExpectedRelease(r.after_s + age_s, r.tokens) for r in after.releases),
+        )
 
     def _merge_prefill(self, link: _Link, uncached_prompt_tokens: int) -> None:
         """The grant's prompt joins the node's prefill backlog before the agent's next message says so.

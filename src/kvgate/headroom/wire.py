@@ -14,6 +14,7 @@ from kvgate.headroom.snapshot import (
     ExpectedRelease,
     GpuReading,
     HeadClaim,
+    LedgerFigures,
     NodeHeadroom,
     NodeRole,
     PrefixChain,
@@ -185,6 +186,32 @@ def reserve_to_proto(o: ReserveOutcome) -> pb.ReserveResponse:
         charged_tokens=o.charged_tokens,
         cached_tokens=o.cached_tokens,
         reservations=o.reservations,
+        after=_figures_to_proto(o.after),
+    )
+
+
+def _figures_to_proto(f: LedgerFigures | None) -> pb.LedgerFigures | None:
+    if f is None:
+        return None
+    return pb.LedgerFigures(
+        headroom_tokens=f.headroom_tokens,
+        reserved_tokens=f.reserved_tokens,
+        reservations=f.reservations,
+        freed_tokens_total=f.freed_tokens_total,
+        releases=[pb.ExpectedRelease(after_ms=round(r.after_s * 1000), tokens=r.tokens) for r in f.releases],
+    )
+
+
+def _figures_from_proto(m: pb.ReserveResponse | pb.ReleaseResponse) -> LedgerFigures | None:
+    if not m.HasField("after"):
+        return None
+    f = m.after
+    return LedgerFigures(
+        f.headroom_tokens,
+        f.reserved_tokens,
+        f.reservations,
+        f.freed_tokens_total,
+        tuple(ExpectedRelease(r.after_ms / 1000, r.tokens) for r in f.releases),
     )
 
 
@@ -198,6 +225,7 @@ def reserve_from_proto(m: pb.ReserveResponse) -> ReserveOutcome:
         charged_tokens=m.charged_tokens,
         cached_tokens=m.cached_tokens,
         reservations=m.reservations,
+        after=_figures_from_proto(m),
     )
 
 
@@ -207,11 +235,14 @@ def release_to_proto(o: ReleaseOutcome) -> pb.ReleaseResponse:
         headroom_tokens=o.headroom_tokens,
         reserved_tokens=o.reserved_tokens,
         settled_output_tokens=o.settled_output_tokens,
+        after=_figures_to_proto(o.after),
     )
 
 
 def release_from_proto(m: pb.ReleaseResponse) -> ReleaseOutcome:
-    return ReleaseOutcome(m.released, m.headroom_tokens, m.reserved_tokens, m.settled_output_tokens)
+    return ReleaseOutcome(
+        m.released, m.headroom_tokens, m.reserved_tokens, m.settled_output_tokens, _figures_from_proto(m)
+    )
 
 
 def headroom_from_proto(m: pb.NodeHeadroom, previous: PrefixSummary = NO_PREFIXES) -> NodeHeadroom:

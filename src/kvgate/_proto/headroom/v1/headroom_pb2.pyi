@@ -224,7 +224,7 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[int] = ..., lease_s: _Optional[float] = ..., holder: _Optional[str] = ..., prefix_blocks: _Optional[_Iterable[int]] = ..., prefix_block_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., waiting_since_unix_ns: _Optional[int] = ..., rank: _Optional[int] = ..., hold_slot: _Optional[bool] = ..., tenant: _Optional[str] = ..., cost: _Optional[float] = ..., output_weight: _Optional[float] = ..., reports_first_token: _Optional[bool] = ..., fair_service: _Optional[float] = ..., lift: _Optional[float] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("granted", "reason", "headroom_tokens", "reserved_tokens", "lease_s", "charged_tokens", "cached_tokens", "reservations")
+    __slots__ = ("granted", "reason", "headroom_tokens", "reserved_tokens", "lease_s", "charged_tokens", "cached_tokens", "reservations", "after")
     GRANTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     HEADROOM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -233,6 +233,7 @@ class ReserveResponse(_message.Message):
     CHARGED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
     granted: bool
     reason: str
     headroom_tokens: int
@@ -241,7 +242,22 @@ class ReserveResponse(_message.Message):
     charged_tokens: int
     cached_tokens: int
     reservations: int
-    def __init__(self, granted: _Optional[bool] = ..., reason: _Optional[str] = ..., headroom_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., lease_s: _Optional[float] = ..., charged_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., reservations: _Optional[int] = ...) -> None: ...
+    after: LedgerFigures
+    def __init__(self, granted: _Optional[bool] = ..., reason: _Optional[str] = ..., headroom_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., lease_s: _Optional[float] = ..., charged_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., reservations: _Optional[int] = ..., after: _Optional[_Union[LedgerFigures, _Mapping]] = ...) -> None: ...
+
+class LedgerFigures(_message.Message):
+    __slots__ = ("headroom_tokens", "reserved_tokens", "reservations", "freed_tokens_total", "releases")
+    HEADROOM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    FREED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    RELEASES_FIELD_NUMBER: _ClassVar[int]
+    headroom_tokens: int
+    reserved_tokens: int
+    reservations: int
+    freed_tokens_total: int
+    releases: _containers.RepeatedCompositeFieldContainer[ExpectedRelease]
+    def __init__(self, headroom_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., reservations: _Optional[int] = ..., freed_tokens_total: _Optional[int] = ..., releases: _Optional[_Iterable[_Union[ExpectedRelease, _Mapping]]] = ...) -> None: ...
 
 class FirstTokenRequest(_message.Message):
     __slots__ = ("request_id", "holder")
@@ -270,16 +286,18 @@ class ReleaseRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., unanswered_reserve: _Optional[bool] = ..., holder: _Optional[str] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
-    __slots__ = ("released", "headroom_tokens", "reserved_tokens", "settled_output_tokens")
+    __slots__ = ("released", "headroom_tokens", "reserved_tokens", "settled_output_tokens", "after")
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     HEADROOM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESERVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SETTLED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
     released: bool
     headroom_tokens: int
     reserved_tokens: int
     settled_output_tokens: int
-    def __init__(self, released: _Optional[bool] = ..., headroom_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., settled_output_tokens: _Optional[int] = ...) -> None: ...
+    after: LedgerFigures
+    def __init__(self, released: _Optional[bool] = ..., headroom_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., settled_output_tokens: _Optional[int] = ..., after: _Optional[_Union[LedgerFigures, _Mapping]] = ...) -> None: ...
 
 class RenewRequest(_message.Message):
     __slots__ = ("request_ids", "lease_s", "holder")
