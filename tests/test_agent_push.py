@@ -18,11 +18,12 @@ from kvgate.agent.node import NodeSettings
 from kvgate.agent.push import USAGE_TOLERANCE, Cause, StreamPacer, changed
 from kvgate.agent.server import Agent
 from kvgate.agent.sources.engines import EngineKind, EngineReading, PageState
-from kvgate.agent.subscribers import Latest
+from kvgate.agent.subscribers import Latest, Subscriber
 from kvgate.config.headroom import HeadroomSettings, hung_after, stale_after
 from kvgate.errors import ConfigError
 from kvgate.headroom.snapshot import ExpectedRelease, LedgerFigures
 from kvgate.headroom.view import HeadroomView
+from kvgate.headroom.wire import HeadroomEncoder
 
 PERIOD_S = 0.1
 CAPACITY = 100_000
@@ -324,6 +325,48 @@ def test_a_view_takes_its_own_calls_figures_from_the_answers_and_is_sent_no_mess
             assert agent.stream.published == sent
             engine.used += 2 * int(USAGE_TOLERANCE * CAPACITY)  # what the calls did not change is sent
             await until_async(lambda: agent.stream.published == sent + 1, "the usage's message", PATIENCE_S)
+        finally:
+            await view.stop()
+            await agent.stop(grace_s=0.1)
+
+    asyncio.run(scenario())
+
+
+def test_a_message_sampled_before_an_answer_the_view_took_keeps_what_the_answer_said() -> None:
+    """The stream and the calls travel apart: a message sampled before a grant can reach the gate after
+    the grant's answer, and must not take the grant out of its view again (the agent counts it as told,
+    so no message would put it back until the heartbeat)."""
+
+    async def scenario() -> None:
+        engine = Engine()
+        agent = Agent(settings(idle_scrape_s=None, heartbeat_s=10.0), engine)
+        followers: list[Subscriber] = []
+        add = agent.stream.add
+
+        def following(holder: str, latest: Latest) -> Subscriber:
+            followers.append(add(holder, latest))
+            return followers[-1]
+
+        agent.stream.add = following  # type: ignore[method-assign]
+        port = await agent.start("127.0.0.1:0")
+        view = HeadroomView(HeadroomSettings(agents=(f"127.0.0.1:{port}",)), subscriber="gate-1")
+        await view.start()
+        try:
+            await until_async(lambda: view.snapshot()[0].connected, "the view's first message")
+            node = view.snapshot()[0].agent
+            before = agent.state.snapshot(0)
+            assert (await view.reserve(node, "r", 5_000)).granted
+            (follower,) = followers
+            follower.put(HeadroomEncoder().encode(before))
+            await until_async(
+                lambda: (h := view.snapshot()[0].headroom) is not None and h.seq == before.seq,
+                "the earlier sample to arrive",
+            )
+            kept = view.snapshot()[0].headroom
+            assert kept is not None and (kept.reserved_tokens, kept.reservations) == (5_000, 1)
+            later = agent.state.snapshot(0)
+            follower.put(HeadroomEncoder().encode(later))
+            await until_async(lambda: view.snapshot()[0].headroom == later, "a sample taken after the call")
         finally:
             await view.stop()
             await agent.stop(grace_s=0.1)

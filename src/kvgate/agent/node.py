@@ -403,6 +403,7 @@ class NodeState:
             self.ledger.count,
             self.ledger.freed_tokens,
             self._releases(),
+            self._seq,
         )
 
     def renew(self, request_ids: Sequence[str], holder: str, lease_s: float) -> tuple[list[str], float]:

@@ -293,6 +293,8 @@ class LedgerFigures:
     reservations: int
     freed_tokens_total: int
     releases: tuple[ExpectedRelease, ...]
+    # The agent's last sample when it answered: a message of this seq or lower predates the call.
+    seq: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -72,6 +72,8 @@ class _Link:
         self.received_at = -math.inf
         self.connected = False
         self.task: asyncio.Task[None] | None = None
+        # The agent's sample number at the latest answer taken on this stream (LedgerFigures.seq).
+        self.answered_seq = 0
         # The endpoint last vetted on this stream, why it was refused ("" if taken), and until when
         # that verdict holds (a failed lookup is tried again after resolve_interval_s).
         self.vetted: tuple[str, str, float] | None = None
@@ -305,6 +307,7 @@ class HeadroomView:
             )
             return
         age_s = self._clock() - link.received_at
+        link.answered_seq = max(link.answered_seq, after.seq)
         link.latest = dataclasses.replace(
             latest,
             headroom_tokens=after.headroom_tokens,
@@ -312,6 +315,29 @@ class HeadroomView:
             reservations=after.reservations,
             freed_tokens_total=after.freed_tokens_total,
             releases=tuple(ExpectedRelease(r.after_s + age_s, r.tokens) for r in after.releases),
+        )
+
+    def _taken(self, link: _Link, message: NodeHeadroom) -> NodeHeadroom:
+        """`message` as the view keeps it. One sampled before a call whose answer the view already took
+        (its seq at most the answer's) can arrive after that answer, on its own stream: its other figures
+        are the newest, but what the view took from its own calls' answers is kept, aged to now."""
+        latest = link.latest
+        if latest is None or message.seq > link.answered_seq:
+            return message
+        age_s = self._clock() - link.received_at
+        backlog = prefill_left(latest.prefill_backlog_tokens, age_s, latest.prefill_tokens_per_s)
+        return dataclasses.replace(
+            message,
+            headroom_tokens=latest.headroom_tokens,
+            reserved_tokens=latest.reserved_tokens,
+            reservations=latest.reservations,
+            freed_tokens_total=latest.freed_tokens_total,
+            releases=tuple(ExpectedRelease(max(0.0, r.after_s - age_s), r.tokens) for r in latest.releases),
+            tenant_service=latest.tenant_service,
+            tenant_held=latest.tenant_held,
+            tenant_tokens=latest.tenant_tokens,
+            prefill_backlog_tokens=math.ceil(backlog),
+            prefix=latest.prefix,
         )
 
     def _merge_prefill(self, link: _Link, uncached_prompt_tokens: int) -> None:
@@ -363,9 +389,10 @@ class HeadroomView:
         while True:
             stream = link.client.subscribe(self._subscriber)
             link.vetted = None  # a new stream may reach the agent at a new address
+            link.answered_seq = 0  # and a restarted agent counts its samples from 1
             try:
                 while (headroom := await self._next(stream, link.latest)) is not None:
-                    link.latest = await self._vetted(address, link, headroom)
+                    link.latest = await self._vetted(address, link, self._taken(link, headroom))
                     link.received_at = self._clock()
                     link.connected = True
                     failures = 0

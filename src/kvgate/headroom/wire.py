@@ -199,6 +199,7 @@ def _figures_to_proto(f: LedgerFigures | None) -> pb.LedgerFigures | None:
         reservations=f.reservations,
         freed_tokens_total=f.freed_tokens_total,
         releases=[pb.ExpectedRelease(after_ms=round(r.after_s * 1000), tokens=r.tokens) for r in f.releases],
+        seq=f.seq,
     )
 
 
@@ -212,6 +213,7 @@ def _figures_from_proto(m: pb.ReserveResponse | pb.ReleaseResponse) -> LedgerFig
         f.reservations,
         f.freed_tokens_total,
         tuple(ExpectedRelease(r.after_ms / 1000, r.tokens) for r in f.releases),
+        f.seq,
     )
 
 

@@ -246,18 +246,20 @@ class ReserveResponse(_message.Message):
     def __init__(self, granted: _Optional[bool] = ..., reason: _Optional[str] = ..., headroom_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., lease_s: _Optional[float] = ..., charged_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., reservations: _Optional[int] = ..., after: _Optional[_Union[LedgerFigures, _Mapping]] = ...) -> None: ...
 
 class LedgerFigures(_message.Message):
-    __slots__ = ("headroom_tokens", "reserved_tokens", "reservations", "freed_tokens_total", "releases")
+    __slots__ = ("headroom_tokens", "reserved_tokens", "reservations", "freed_tokens_total", "releases", "seq")
     HEADROOM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESERVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
     FREED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     RELEASES_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     headroom_tokens: int
     reserved_tokens: int
     reservations: int
     freed_tokens_total: int
     releases: _containers.RepeatedCompositeFieldContainer[ExpectedRelease]
-    def __init__(self, headroom_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., reservations: _Optional[int] = ..., freed_tokens_total: _Optional[int] = ..., releases: _Optional[_Iterable[_Union[ExpectedRelease, _Mapping]]] = ...) -> None: ...
+    seq: int
+    def __init__(self, headroom_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., reservations: _Optional[int] = ..., freed_tokens_total: _Optional[int] = ..., releases: _Optional[_Iterable[_Union[ExpectedRelease, _Mapping]]] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class FirstTokenRequest(_message.Message):
     __slots__ = ("request_id", "holder")
