@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 
@@ -299,6 +300,21 @@ def test_a_quiet_agent_is_neither_stale_nor_dropped_as_hung_by_a_real_view() -> 
     asyncio.run(scenario())
 
 
+@contextlib.asynccontextmanager
+async def followed(agent: Agent) -> AsyncIterator[tuple[HeadroomView, str]]:
+    """`agent` serving on 127.0.0.1 and a gate's view following it as "gate-1", the name its calls are
+    made as too; the view and the agent's node."""
+    port = await agent.start("127.0.0.1:0")
+    view = HeadroomView(HeadroomSettings(agents=(f"127.0.0.1:{port}",)), subscriber="gate-1")
+    await view.start()
+    try:
+        await until_async(lambda: view.snapshot()[0].connected, "the view's first message")
+        yield view, view.snapshot()[0].agent
+    finally:
+        await view.stop()
+        await agent.stop(grace_s=0.1)
+
+
 def test_a_view_takes_its_own_calls_figures_from_the_answers_and_is_sent_no_message_for_them() -> None:
     """Through gRPC: the gate's view reserves and releases as the name it subscribes with, so the
     agent counts the answers as told to that subscription."""
@@ -306,12 +322,7 @@ def test_a_view_takes_its_own_calls_figures_from_the_answers_and_is_sent_no_mess
     async def scenario() -> None:
         engine = Engine()
         agent = Agent(settings(idle_scrape_s=None, heartbeat_s=10.0), engine)
-        port = await agent.start("127.0.0.1:0")
-        view = HeadroomView(HeadroomSettings(agents=(f"127.0.0.1:{port}",)), subscriber="gate-1")
-        await view.start()
-        try:
-            await until_async(lambda: view.snapshot()[0].connected, "the view's first message")
-            node = view.snapshot()[0].agent
+        async with followed(agent) as (view, node):
             sent = agent.stream.published
             assert (await view.reserve(node, "r", 5_000)).granted
             reserved = view.snapshot()[0].headroom
@@ -325,9 +336,6 @@ def test_a_view_takes_its_own_calls_figures_from_the_answers_and_is_sent_no_mess
             assert agent.stream.published == sent
             engine.used += 2 * int(USAGE_TOLERANCE * CAPACITY)  # what the calls did not change is sent
             await until_async(lambda: agent.stream.published == sent + 1, "the usage's message", PATIENCE_S)
-        finally:
-            await view.stop()
-            await agent.stop(grace_s=0.1)
 
     asyncio.run(scenario())
 
@@ -348,12 +356,7 @@ def test_a_message_sampled_before_an_answer_the_view_took_keeps_what_the_answer_
             return followers[-1]
 
         agent.stream.add = following  # type: ignore[method-assign]
-        port = await agent.start("127.0.0.1:0")
-        view = HeadroomView(HeadroomSettings(agents=(f"127.0.0.1:{port}",)), subscriber="gate-1")
-        await view.start()
-        try:
-            await until_async(lambda: view.snapshot()[0].connected, "the view's first message")
-            node = view.snapshot()[0].agent
+        async with followed(agent) as (view, node):
             before = agent.state.snapshot(0)
             assert (await view.reserve(node, "r", 5_000)).granted
             (follower,) = followers
@@ -367,9 +370,6 @@ def test_a_message_sampled_before_an_answer_the_view_took_keeps_what_the_answer_
             later = agent.state.snapshot(0)
             follower.put(HeadroomEncoder().encode(later))
             await until_async(lambda: view.snapshot()[0].headroom == later, "a sample taken after the call")
-        finally:
-            await view.stop()
-            await agent.stop(grace_s=0.1)
 
     asyncio.run(scenario())
 
