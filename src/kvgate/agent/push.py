@@ -26,7 +26,6 @@ A heartbeat of 0 sends every period: what agents did before, and the compatibili
 
 from __future__ import annotations
 
-import dataclasses
 from enum import StrEnum
 
 from kvgate.headroom.snapshot import ExpectedRelease, HeadClaim, LedgerFigures, NodeHeadroom
@@ -75,17 +74,8 @@ class StreamPacer:
         """The subscriber had `figures` at `now` in the answer to a call of its own, and took them into its
         view: from now on they are what it knows of them, as if sent with its last message (so the
         forecast is kept counting from that message, as the subscriber ages it)."""
-        if self._last is None:
-            return
-        since_message = now - self._sent_at
-        self._last = dataclasses.replace(
-            self._last,
-            headroom_tokens=figures.headroom_tokens,
-            reserved_tokens=figures.reserved_tokens,
-            reservations=figures.reservations,
-            freed_tokens_total=figures.freed_tokens_total,
-            releases=tuple(ExpectedRelease(r.after_s + since_message, r.tokens) for r in figures.releases),
-        )
+        if self._last is not None:
+            self._last = figures.onto(self._last, now - self._sent_at)
 
 
 def changed(before: NodeHeadroom, after: NodeHeadroom, elapsed_s: float, tolerance: float) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import TypeVar
 
@@ -295,6 +295,18 @@ class LedgerFigures:
     releases: tuple[ExpectedRelease, ...]
     # The agent's last sample when it answered: a message of this seq or lower predates the call.
     seq: int = 0
+
+    def onto(self, headroom: NodeHeadroom, age_s: float) -> NodeHeadroom:
+        """`headroom` with these figures in it, for a message `age_s` old at the answer: its forecast
+        counts from its sample, so this one's is shifted by that age."""
+        return replace(
+            headroom,
+            headroom_tokens=self.headroom_tokens,
+            reserved_tokens=self.reserved_tokens,
+            reservations=self.reservations,
+            freed_tokens_total=self.freed_tokens_total,
+            releases=tuple(ExpectedRelease(r.after_s + age_s, r.tokens) for r in self.releases),
+        )
 
 
 @dataclass(frozen=True, slots=True)

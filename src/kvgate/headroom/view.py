@@ -306,16 +306,8 @@ class HeadroomView:
                 reservations=reservations,
             )
             return
-        age_s = self._clock() - link.received_at
         link.answered_seq = max(link.answered_seq, after.seq)
-        link.latest = dataclasses.replace(
-            latest,
-            headroom_tokens=after.headroom_tokens,
-            reserved_tokens=after.reserved_tokens,
-            reservations=after.reservations,
-            freed_tokens_total=after.freed_tokens_total,
-            releases=tuple(ExpectedRelease(r.after_s + age_s, r.tokens) for r in after.releases),
-        )
+        link.latest = after.onto(latest, self._clock() - link.received_at)
 
     def _taken(self, link: _Link, message: NodeHeadroom) -> NodeHeadroom:
         """`message` as the view keeps it. One sampled before a call whose answer the view already took
