@@ -55,6 +55,17 @@ def test_an_idle_engine_keeps_its_rate_and_a_restarted_counter_starts_again() ->
     assert rate.tokens_per_s == pytest.approx(30.0)
 
 
+def test_tokens_from_requests_that_ran_wholly_between_two_scrapes_still_give_a_rate() -> None:
+    rate = DecodeRate(window_s=10.0)
+    rate.observe(0.0, 0, 0)
+    rate.observe(0.5, 0, 0)
+    assert rate.tokens_per_s is None, "nothing generated: nothing known"
+    rate.observe(1.0, 200, 0)  # one answer began and ended between the scrapes
+    assert rate.tokens_per_s == pytest.approx(200 / 0.5), "as if one request ran the whole interval"
+    rate.observe(1.5, 300, 2)  # seen running: the average of the ends, as before
+    assert rate.tokens_per_s == pytest.approx(300 / (0.5 + 0.5))
+
+
 def reservation(
     request_id: str, granted_at: float, output: int, own: int = 30_000, lease_end: float = 999.0
 ) -> Reservation:
