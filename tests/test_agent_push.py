@@ -22,7 +22,7 @@ from kvgate.agent.sources.engines import EngineKind, EngineReading, PageState
 from kvgate.agent.subscribers import Latest, Subscriber
 from kvgate.config.headroom import HeadroomSettings, hung_after, stale_after
 from kvgate.errors import ConfigError
-from kvgate.headroom.snapshot import ExpectedRelease, LedgerFigures
+from kvgate.headroom.snapshot import ExpectedRelease, LedgerFigures, TenantCharge
 from kvgate.headroom.view import HeadroomView
 from kvgate.headroom.wire import HeadroomEncoder
 
@@ -370,6 +370,43 @@ def test_a_message_sampled_before_an_answer_the_view_took_keeps_what_the_answer_
             later = agent.state.snapshot(0)
             follower.put(HeadroomEncoder().encode(later))
             await until_async(lambda: view.snapshot()[0].headroom == later, "a sample taken after the call")
+
+    asyncio.run(scenario())
+
+
+def test_a_callers_own_release_tells_it_its_tenants_settled_service_held_and_reserved_tokens() -> None:
+    """A Release settles its tenant's service and reserved tokens on what ran, which the caller cannot
+    work out alone; the agent sends it no message for its own Release, so the answer says them."""
+
+    async def scenario() -> None:
+        engine = Engine()
+        agent = Agent(settings(idle_scrape_s=None, heartbeat_s=10.0), engine)
+        async with followed(agent) as (view, node):
+            sent = agent.stream.published
+            charge = TenantCharge("acme", 3_000 + 2 * 2_000, output_weight=2.0)
+            granted = await view.reserve(node, "r", 5_000, output_tokens=2_000, charge=charge)
+            assert granted.granted
+            reserved = view.snapshot()[0].headroom
+            assert reserved is not None
+            assert (reserved.tenant_service, reserved.tenant_held, reserved.tenant_tokens) == (
+                {"acme": 7_000.0},
+                {"acme": 5_000},
+                {"acme": 5_000},
+            ), "the grant, counted once"
+            assert (await view.release(node, "r", generated_tokens=500)).released
+            settled = view.snapshot()[0].headroom
+            assert settled is not None
+            assert (settled.tenant_service, settled.tenant_held, settled.tenant_tokens) == (
+                {"acme": 3_000 + 2 * 500.0},
+                {},
+                {"acme": 3_000 + 500},
+            )
+            agent_says = agent.state.snapshot(0)
+            assert (settled.tenant_service, settled.tenant_tokens) == (
+                agent_says.tenant_service,
+                agent_says.tenant_tokens,
+            )
+            assert agent.stream.published == sent, "no message: the answers said it all"
 
     asyncio.run(scenario())
 

@@ -12,10 +12,13 @@ from typing import Any, cast
 import pytest
 from fixtures.engines.pages import Vllm
 from test_admission import MODEL, long_route, run, until
+from test_agent_push import Engine, followed, settings
+from waiting import until_async
 
 from kvgate._proto.headroom.v1 import headroom_pb2 as pb
 from kvgate.agent.in_process import FakeHeadroom, ManualClock
 from kvgate.agent.node import NodeSettings, NodeState
+from kvgate.agent.server import Agent
 from kvgate.agent.sources.engines import read_engine_page
 from kvgate.agent.tenant_service import TenantService
 from kvgate.config import AdmissionConfig, FairnessConfig, TenantConfig, parse_config
@@ -677,3 +680,34 @@ def test_backfill_held_to_may_pass_keeps_the_gap_within_twice_the_largest_cost()
     held = backfilled(FairShare(FAIR), {k: list(v) for k, v in queues.items()}, 600, bounded=True)
     assert free > 2 * 30_000
     assert held <= 2 * 30_000
+
+
+def test_a_gates_own_release_settles_its_tenants_counter_at_once() -> None:
+    """The agent sends a gate no message for what the gate's own Release changed
+    (kvgate.agent.subscribers): the settlement in the answer reaches the fair order at once, not with
+    whatever message comes next (a heartbeat, a second here)."""
+
+    async def scenario() -> None:
+        agent = Agent(settings(idle_scrape_s=None, heartbeat_s=10.0), Engine())
+        async with followed(agent) as (view, _):
+            fairness = FairnessConfig(enabled=True, output_weight=2.0)
+            admission = Admission(AdmissionConfig(max_wait_s=0.0), view, fairness=fairness)
+            await admission.start()
+            try:
+                route = long_route(12_000)
+                admitted = await admission.admit(route, MODEL, None, "r1", output_tokens=2_000, tenant="acme")
+                assert admitted.ticket is not None
+                # Another replica's grant: the agent tells this gate in a message, whose totals the
+                # gate's counters follow from then on.
+                charge = TenantCharge("beta", 6_000, output_weight=2.0)
+                assert agent.state.reserve("b1", 6_000, 30.0, "gate-2", charge=charge).granted
+                await until_async(lambda: len(admission.gauges().tenants) == 2, "the other replica's grant")
+                assert admission.gauges().tenants == (("acme", 10_000 + 2 * 2_000, 0), ("beta", 6_000, 0))
+                sent = agent.stream.published
+                await admission.release(admitted.ticket, generated_tokens=500)
+                assert admission.gauges().tenants == (("acme", 10_000 + 2 * 500, 0), ("beta", 6_000, 0))
+                assert agent.stream.published == sent, "no message came in between"
+            finally:
+                await admission.stop()
+
+    asyncio.run(scenario())

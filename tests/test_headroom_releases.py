@@ -4,6 +4,8 @@ of it over the wire."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from fixtures.engines.pages import Vllm
 
@@ -21,6 +23,8 @@ from kvgate.headroom.snapshot import (
     ReleaseOutcome,
     ReserveOutcome,
     ReserveReason,
+    TenantCharge,
+    TenantStanding,
 )
 from kvgate.headroom.wire import HeadroomEncoder, chain_from_proto, headroom_from_proto, reserve_request
 
@@ -190,3 +194,24 @@ def test_the_agents_answers_are_the_types_a_gate_reads_and_cross_the_wire_whole(
     for outcome in (released, again):
         sent_back = pb.ReleaseResponse.FromString(wire.release_to_proto(outcome).SerializeToString())
         assert wire.release_from_proto(sent_back) == outcome
+
+
+def test_an_answer_tells_the_standing_of_the_tenant_its_call_charged_or_settled() -> None:
+    """A Reserve naming a tenant and the Release of its reservation answer with the tenant's entries in
+    the node's tenant figures after the call, across the wire; a call of no tenant's tells none."""
+    state = NodeState(NodeSettings("n", "e:1", capacity_tokens=40_000), ManualClock(0.0), False, False)
+    charge = TenantCharge("acme", 10_000 + 2 * 2_000, output_weight=2.0)
+    granted = state.reserve("r1", 12_000, 30, "gate", output_tokens=2_000, charge=charge)
+    anonymous = state.reserve("r2", 1_000, 30, "gate")
+    released = state.release("r1", "gate", generated_tokens=500)
+    assert granted.after is not None and anonymous.after is not None and released.after is not None
+    assert granted.after.tenant == TenantStanding("acme", 14_000.0, 12_000, 12_000)
+    assert anonymous.after.tenant is None
+    assert released.after.tenant == TenantStanding("acme", 11_000.0, 0, 10_500)
+    forgotten = TenantStanding("gone", None, 0, None)
+    for standing in (granted.after.tenant, released.after.tenant, forgotten):
+        outcome = dataclasses.replace(released, after=dataclasses.replace(released.after, tenant=standing))
+        sent = pb.ReleaseResponse.FromString(wire.release_to_proto(outcome).SerializeToString())
+        assert wire.release_from_proto(sent) == outcome
+    headroom = state.snapshot(0)
+    assert forgotten.onto(dataclasses.replace(headroom, tenant_service={"gone": 5.0})).tenant_service == {}

@@ -340,7 +340,8 @@ class NodeState:
                 self.tenant_service.granted(
                     request_id, charge, output_tokens, result.charged_tokens, reserved=tokens
                 )
-        return dataclasses.replace(result, after=self._figures(self.budget()))
+        tenant = charge.tenant if charge is not None else None
+        return dataclasses.replace(result, after=self._figures(self.budget(), tenant))
 
     def _releases(self) -> tuple[ExpectedRelease, ...]:
         """When the live reservations are expected to end, from now."""
@@ -381,6 +382,7 @@ class NodeState:
         # The tenant's charge is settled on what ran: the answer's count where the releaser read it,
         # else the engine's measured rate over the hold, not the output budget the client declared.
         output = self.ledger.output_generated(request_id, holder, generated_tokens)
+        tenant = self.tenant_service.tenant_of(request_id)
         released = self.ledger.release(
             request_id, holder, unanswered_reserve=unanswered_reserve, generated_tokens=generated_tokens
         )
@@ -391,12 +393,13 @@ class NodeState:
         self.claims.drop(Waiter(holder, request_id))
         budget = self.budget()
         answer = self.ledger.release_answer(released, budget, output)
-        return dataclasses.replace(answer, after=self._figures(budget))
+        return dataclasses.replace(answer, after=self._figures(budget, tenant if released else None))
 
-    def _figures(self, budget: Budget) -> LedgerFigures:
+    def _figures(self, budget: Budget, tenant: str | None) -> LedgerFigures:
         """The figures a call changed, as the next stream message would show them (by the budget after
-        the call: a reservation-only node's usage is its reservations): its caller's view takes them at
-        once, so the stream need not send it what the call alone changed (kvgate.agent.subscribers)."""
+        the call: a reservation-only node's usage is its reservations), `tenant`'s standing among them
+        where the call charged or settled one: its caller's view takes them at once, so the stream need
+        not send it what the call alone changed (kvgate.agent.subscribers)."""
         return LedgerFigures(
             self.ledger.headroom(budget),
             self.ledger.reserved_tokens,
@@ -404,6 +407,7 @@ class NodeState:
             self.ledger.freed_tokens,
             self._releases(),
             self._seq,
+            self.tenant_service.standing(tenant) if tenant is not None else None,
         )
 
     def renew(self, request_ids: Sequence[str], holder: str, lease_s: float) -> tuple[list[str], float]:

@@ -26,7 +26,7 @@ lifted in all (kvgate.policy.fair_share).
 
 from __future__ import annotations
 
-from kvgate.headroom.snapshot import TenantCharge
+from kvgate.headroom.snapshot import TenantCharge, TenantStanding
 
 MAX_TENANTS = 256
 
@@ -87,6 +87,17 @@ class TenantService:
         self._totals[tenant] = max(0.0, self._totals[tenant] + delta)
         if reserved:
             self._tokens[tenant] = max(0, self._tokens.get(tenant, 0) + generated_tokens - output_tokens)
+
+    def tenant_of(self, request_id: str) -> str | None:
+        """The tenant a live reservation was charged to (None: it named none, or is not live)."""
+        live = self._live.get(request_id)
+        return live[0].tenant if live is not None else None
+
+    def standing(self, tenant: str) -> TenantStanding:
+        """`tenant`'s entries in totals(), held() and tokens() as they are now."""
+        return TenantStanding(
+            tenant, self._totals.get(tenant), self._held.get(tenant, 0), self._tokens.get(tenant)
+        )
 
     def totals(self) -> dict[str, float]:
         return dict(self._totals)

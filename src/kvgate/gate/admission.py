@@ -855,6 +855,10 @@ class Admission:
         outcome = await giveback.release(
             self._long, agent, request_id, unanswered=unanswered, generated_tokens=generated_tokens
         )
+        if outcome is not None:
+            # The answer settled the tenant's service in the view, and the agent sends this gate no
+            # message for what its own Release changed (kvgate.agent.subscribers).
+            self._observe_agents(self._long.snapshot())
         self._pulse()
         return outcome
 
@@ -862,13 +866,17 @@ class Admission:
         while True:
             await source.wait_update(1.0)
             nodes = source.snapshot()
-            if self._fair is not None:
-                self._observe_service(nodes)
-            if self._limits is not None:
-                self._limits.observe(agents_tokens(nodes), self._clock())
+            self._observe_agents(nodes)
             self._pulse()
             for checked in self._retries.check(nodes):
                 self._metrics.retry_checked(checked.basis.value, checked.error_s)
+
+    def _observe_agents(self, nodes: Sequence[NodeView]) -> None:
+        """The tenants' service and reserved tokens as the agents count them, for fair shares and quotas."""
+        if self._fair is not None:
+            self._observe_service(nodes)
+        if self._limits is not None:
+            self._limits.observe(agents_tokens(nodes), self._clock())
 
     def _observe_service(self, nodes: Sequence[NodeView]) -> None:
         """Fair shares across replicas: each tenant's service summed over the agents that say it; the

@@ -17,6 +17,7 @@ from enum import StrEnum
 from typing import TypeVar
 
 _N = TypeVar("_N", int, float)
+_V = TypeVar("_V")
 
 
 class CapacitySource(StrEnum):
@@ -283,6 +284,36 @@ class ReserveReason(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class TenantStanding:
+    """One tenant's entries in a node's NodeHeadroom.tenant_service, tenant_held and tenant_tokens
+    after a call that charged or settled it. A Release settles its tenant's service on what ran
+    (kvgate.agent.tenant_service), which its caller cannot work out alone."""
+
+    tenant: str
+    service: float | None  # None: the node keeps no total for the tenant (forgotten past its bound)
+    held: int
+    tokens: int | None  # as `service`
+
+    def onto(self, headroom: NodeHeadroom) -> NodeHeadroom:
+        return replace(
+            headroom,
+            tenant_service=_with(headroom.tenant_service, self.tenant, self.service),
+            tenant_held=_with(headroom.tenant_held, self.tenant, self.held or None),
+            tenant_tokens=_with(headroom.tenant_tokens, self.tenant, self.tokens),
+        )
+
+
+def _with(entries: Mapping[str, _V], key: str, value: _V | None) -> dict[str, _V]:
+    """`entries` with `key` set to `value`, or without it where `value` is None."""
+    updated = dict(entries)
+    if value is None:
+        updated.pop(key, None)
+    else:
+        updated[key] = value
+    return updated
+
+
+@dataclass(frozen=True, slots=True)
 class LedgerFigures:
     """What a Reserve or Release changed of the figures a NodeHeadroom carries, as of its answer: the
     caller takes them into its view at once, and the agent sends it no stream message for them
@@ -295,11 +326,13 @@ class LedgerFigures:
     releases: tuple[ExpectedRelease, ...]
     # The agent's last sample when it answered: a message of this seq or lower predates the call.
     seq: int = 0
+    # The tenant the call charged or settled (None: it named none, or the reservation was unknown).
+    tenant: TenantStanding | None = None
 
     def onto(self, headroom: NodeHeadroom, age_s: float) -> NodeHeadroom:
         """`headroom` with these figures in it, for a message `age_s` old at the answer: its forecast
         counts from its sample, so this one's is shifted by that age."""
-        return replace(
+        told = replace(
             headroom,
             headroom_tokens=self.headroom_tokens,
             reserved_tokens=self.reserved_tokens,
@@ -307,6 +340,7 @@ class LedgerFigures:
             freed_tokens_total=self.freed_tokens_total,
             releases=tuple(ExpectedRelease(r.after_s + age_s, r.tokens) for r in self.releases),
         )
+        return self.tenant.onto(told) if self.tenant is not None else told
 
 
 @dataclass(frozen=True, slots=True)

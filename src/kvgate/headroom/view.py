@@ -222,7 +222,8 @@ class HeadroomView:
             reports_first_token=reports_first_token,
         )
         self._merge(link, outcome)
-        if outcome.granted and charge is not None:
+        told_service = outcome.after is not None and outcome.after.tenant is not None
+        if outcome.granted and charge is not None and not told_service:
             self._merge_service(link, charge, outcome.charged_tokens, tokens)
         if outcome.granted:
             self._merge_prefill(link, max(0, tokens - output_tokens - outcome.cached_tokens))
@@ -270,7 +271,8 @@ class HeadroomView:
         """This view's own grant counts in its tenant's service, held and reserved tokens at once, before
         the agent's next message says so: the gate's line is ordered by it straight after the grant,
         the next request of that tenant sees it in its share, and its quota, which counts the growth of
-        the reserved tokens, is not given back what the grant took (kvgate.policy.tenant_limits)."""
+        the reserved tokens, is not given back what the grant took (kvgate.policy.tenant_limits). An
+        agent that tells the tenant's standing in its answer (LedgerFigures.tenant) needs none of this."""
         latest = link.latest
         if latest is None:
             return

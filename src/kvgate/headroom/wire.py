@@ -22,6 +22,7 @@ from kvgate.headroom.snapshot import (
     ReleaseOutcome,
     ReserveOutcome,
     TenantCharge,
+    TenantStanding,
     UsageSource,
 )
 
@@ -200,7 +201,22 @@ def _figures_to_proto(f: LedgerFigures | None) -> pb.LedgerFigures | None:
         freed_tokens_total=f.freed_tokens_total,
         releases=[pb.ExpectedRelease(after_ms=round(r.after_s * 1000), tokens=r.tokens) for r in f.releases],
         seq=f.seq,
+        tenant=_standing_to_proto(f.tenant),
     )
+
+
+def _standing_to_proto(t: TenantStanding | None) -> pb.TenantStanding | None:
+    if t is None:
+        return None
+    return pb.TenantStanding(tenant=t.tenant, service=t.service, held=t.held, tokens=t.tokens)
+
+
+def _standing_from_proto(f: pb.LedgerFigures) -> TenantStanding | None:
+    if not f.HasField("tenant"):
+        return None
+    t = f.tenant
+    service = t.service if t.HasField("service") else None
+    return TenantStanding(t.tenant, service, t.held, t.tokens if t.HasField("tokens") else None)
 
 
 def _figures_from_proto(m: pb.ReserveResponse | pb.ReleaseResponse) -> LedgerFigures | None:
@@ -214,6 +230,7 @@ def _figures_from_proto(m: pb.ReserveResponse | pb.ReleaseResponse) -> LedgerFig
         f.freed_tokens_total,
         tuple(ExpectedRelease(r.after_ms / 1000, r.tokens) for r in f.releases),
         f.seq,
+        _standing_from_proto(f),
     )
 
 

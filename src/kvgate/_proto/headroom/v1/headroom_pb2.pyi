@@ -246,20 +246,34 @@ class ReserveResponse(_message.Message):
     def __init__(self, granted: _Optional[bool] = ..., reason: _Optional[str] = ..., headroom_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., lease_s: _Optional[float] = ..., charged_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., reservations: _Optional[int] = ..., after: _Optional[_Union[LedgerFigures, _Mapping]] = ...) -> None: ...
 
 class LedgerFigures(_message.Message):
-    __slots__ = ("headroom_tokens", "reserved_tokens", "reservations", "freed_tokens_total", "releases", "seq")
+    __slots__ = ("headroom_tokens", "reserved_tokens", "reservations", "freed_tokens_total", "releases", "seq", "tenant")
     HEADROOM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESERVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
     FREED_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     RELEASES_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     headroom_tokens: int
     reserved_tokens: int
     reservations: int
     freed_tokens_total: int
     releases: _containers.RepeatedCompositeFieldContainer[ExpectedRelease]
     seq: int
-    def __init__(self, headroom_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., reservations: _Optional[int] = ..., freed_tokens_total: _Optional[int] = ..., releases: _Optional[_Iterable[_Union[ExpectedRelease, _Mapping]]] = ..., seq: _Optional[int] = ...) -> None: ...
+    tenant: TenantStanding
+    def __init__(self, headroom_tokens: _Optional[int] = ..., reserved_tokens: _Optional[int] = ..., reservations: _Optional[int] = ..., freed_tokens_total: _Optional[int] = ..., releases: _Optional[_Iterable[_Union[ExpectedRelease, _Mapping]]] = ..., seq: _Optional[int] = ..., tenant: _Optional[_Union[TenantStanding, _Mapping]] = ...) -> None: ...
+
+class TenantStanding(_message.Message):
+    __slots__ = ("tenant", "service", "held", "tokens")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    service: float
+    held: int
+    tokens: int
+    def __init__(self, tenant: _Optional[str] = ..., service: _Optional[float] = ..., held: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class FirstTokenRequest(_message.Message):
     __slots__ = ("request_id", "holder")
