@@ -855,7 +855,7 @@ class Admission:
         outcome = await giveback.release(
             self._long, agent, request_id, unanswered=unanswered, generated_tokens=generated_tokens
         )
-        if outcome is not None:
+        if outcome is not None and (self._fair is not None or self._limits is not None):
             # The answer settled the tenant's service in the view, and the agent sends this gate no
             # message for what its own Release changed (kvgate.agent.subscribers).
             self._observe_agents(self._long.snapshot())
