@@ -10,8 +10,10 @@ one gate alone), and the same with one gate and one queue killed halfway. Prints
 side by side (kvgate.demo.fairness: Jain's index in 60 s windows, the service gap against twice the
 largest request's cost, each tenant's share against its weighted max-min fair share) and the ratios
 of the run with fair shares to the run without, measured in the same session; then B and D each
-alone on the same nodes, their TTFT reference. About forty-five minutes; writes
-out/bench/fairness/report.json ({"runs": {name: figures}}, the alone runs as alone_B and alone_D).
+alone on the same nodes, their TTFT reference; then `kvgate_fair` once more with A off for the last
+minute: who takes the KV it leaves (kvgate.demo.idle_fill). About fifty minutes; writes
+out/bench/fairness/report.json ({"runs": {name: figures}}, the alone runs as alone_B and alone_D, the
+last as kvgate_fair_a_off).
 `python -m bench fairness_vllm` does the same on real vLLM engines (bench/bench_fairness_vllm.py).
 """
 
@@ -26,12 +28,15 @@ from pathlib import Path
 from typing import Any
 
 from kvgate.demo.cli import default_envoy_config
+from kvgate.demo.idle_fill import quiet_at_end
 from kvgate.demo.report import format_table
 from kvgate.demo.runner import run_demo
 from kvgate.demo.scenario import builtin_scenario, load_scenario
 
 OUT = Path("out/bench/fairness")
 ALONE = ("B", "D")  # the tenants also run alone, for their TTFT reference
+FLOOD = "A"  # the tenant that goes quiet for the last window of one more run
+QUIET_RUN = "kvgate_fair_a_off"
 REPLICATED = ("kvgate_fair_2x", "kvgate_fair_2x_kill")
 
 
@@ -46,7 +51,8 @@ def main() -> None:
 
 
 def run_fairness(scenario_name: str, out: Path) -> None:
-    """The built-in scenario `scenario_name`'s runs, then B and D alone; the figures side by side."""
+    """The built-in scenario `scenario_name`'s runs, then B and D alone, then fair shares with A quiet for
+    the last window; the figures side by side."""
     scenario = load_scenario(builtin_scenario(scenario_name))
     print(f"load average before: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     report: dict[str, Any] = asyncio.run(run_demo(scenario, out, default_envoy_config(), stream=sys.stdout))
@@ -56,6 +62,10 @@ def run_fairness(scenario_name: str, out: Path) -> None:
         alone = dataclasses.replace(scenario, tenants=(tenant,), runs=("kvgate_fair",))
         run = asyncio.run(run_demo(alone, out / f"alone_{name}", default_envoy_config(), stream=sys.stdout))
         report[f"alone_{name}"] = run["kvgate_fair"]
+    # The flood goes quiet for the last window: who takes the KV it leaves.
+    quiet = dataclasses.replace(quiet_at_end(scenario, FLOOD), runs=("kvgate_fair",))
+    run = asyncio.run(run_demo(quiet, out / QUIET_RUN, default_envoy_config(), stream=sys.stdout))
+    report[QUIET_RUN] = run["kvgate_fair"]
     (out / "report.json").write_text(json.dumps({"runs": report}, indent=2) + "\n", encoding="utf-8")
     print(format_table(report))
     off, on = report["kvgate_nofair"], report["kvgate_fair"]
@@ -72,6 +82,13 @@ def run_fairness(scenario_name: str, out: Path) -> None:
             f"tenant {tenant} (weight {figures['weight']:g}): share {figures['share']} "
             f"(fair {figures['fair_share']}), without fair shares {off['tenants'][tenant]['share']}; "
             f"long TTFT p99 {figures['long_ttft_p99_ms']} ms, 429s {figures['refused_429']}"
+        )
+    for tenant, quiet in report[QUIET_RUN].get("idle_fill", {}).items():
+        print(
+            f"{QUIET_RUN}, while {tenant} is off ({quiet['off_s']:g} s): long-pool KV occupancy "
+            f"{quiet['kv_occupancy_off']} against {quiet['kv_occupancy_on']} while on "
+            f"({quiet['kv_occupancy_ratio']}x); the lower priority's share of the service "
+            f"{quiet['filler_share_off']} against {quiet['filler_share_on']}"
         )
     for name in ALONE:
         beside = on["tenants"][name]["long_ttft_p99_ms"]

@@ -196,21 +196,43 @@ FAIRNESS_KEYS = (
     "chat_ttft_p99_ms",
 )
 TENANT_KEYS = ("share", "fair_share", "long_ttft_p99_ms", "refused_429")
+IDLE_FILL_KEYS = (
+    "kv_occupancy_off",
+    "kv_occupancy_on",
+    "kv_occupancy_ratio",
+    "filler_share_off",
+    "filler_share_on",
+)
 
 
 def _fairness_rows(
     report: Mapping[str, Mapping[str, Any]], runs: Sequence[str]
 ) -> list[tuple[str, list[str]]]:
-    """The fairness scenario's figures (kvgate.demo.fairness), where a run has them."""
+    """The fairness scenario's figures (kvgate.demo.fairness, kvgate.demo.idle_fill), where a run has
+    them."""
     if not any("jain_mean" in report[r] for r in runs):
         return []
-    rows = [(key, [_cell(report[r].get(key)) for r in runs]) for key in FAIRNESS_KEYS]
+    rows = [(key, [_figure(key, report[r].get(key)) for r in runs]) for key in FAIRNESS_KEYS]
     tenants = sorted({t for r in runs for t in report[r].get("tenants", {})})
     for tenant in tenants:
         for key in TENANT_KEYS:
-            cells = [_cell(report[r].get("tenants", {}).get(tenant, {}).get(key)) for r in runs]
+            cells = [_figure(key, report[r].get("tenants", {}).get(tenant, {}).get(key)) for r in runs]
             rows.append((f"{tenant} {key}", cells))
+    quiet = sorted({t for r in runs for t in report[r].get("idle_fill", {})})
+    for tenant in quiet:
+        for key in IDLE_FILL_KEYS:
+            cells = [_figure(key, report[r].get("idle_fill", {}).get(tenant, {}).get(key)) for r in runs]
+            rows.append((f"while {tenant} is off: {key}", cells))
     return rows
+
+
+def _figure(key: str, value: object) -> str:
+    """A fairness cell: indexes, shares, occupancies and ratios to four places (one place would print
+    a Jain's index of 0.9975 as 1.0 and a share of 0.164 as 0.2), the rest as `_cell`."""
+    fraction = key.startswith(("jain_", "kv_occupancy")) or key.endswith("share") or "share_" in key
+    if fraction and isinstance(value, float):
+        return f"{value:.4f}"
+    return _cell(value)
 
 
 def cell(value: object) -> str:
