@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvgate.demo.idle_fill import Schedule, idle_fill, quiet_at_end
+from kvgate.demo.idle_fill import idle_fill, quiet_at_end
 from kvgate.demo.load import Result
 from kvgate.demo.report import format_table
-from kvgate.demo.scenario import Planned, builtin_scenario, load_scenario, plan
+from kvgate.demo.scenario import Planned, TenantTraffic, builtin_scenario, load_scenario, plan
 from kvgate.demo.scrape import NodeMetrics, Sample
 
 
@@ -30,10 +30,10 @@ WEIGHTS = {"A": 1.0, "C": 1.0, "F": 1.0}
 
 
 def test_a_schedule_s_stretches_are_cut_at_the_end_of_the_traffic() -> None:
-    on, off = Schedule(0.0, 60.0, 60.0).stretches(180.0)
+    on, off = TenantTraffic(first_at_s=0.0, on_s=60.0, off_s=60.0).stretches(180.0)
     assert on == [(0.0, 60.0), (120.0, 180.0)]
     assert off == [(60.0, 120.0)]
-    on, off = Schedule(10.0, 170.0, 60.0).stretches(240.0)
+    on, off = TenantTraffic(first_at_s=10.0, on_s=170.0, off_s=60.0).stretches(240.0)
     assert on == [(10.0, 180.0)]
     assert off == [(180.0, 240.0)]
 
@@ -53,7 +53,7 @@ def test_the_off_stretch_starts_once_the_tenant_s_last_requests_have_ended() -> 
         timeline,
         ["long-0"],
         WEIGHTS,
-        schedules={"A": Schedule(0.0, 10.0, 10.0)},
+        tenants=[TenantTraffic("A", on_s=10.0, off_s=10.0)],
         traffic_s=20.0,
         lower_priority={"F"},
     )
@@ -82,7 +82,7 @@ def test_the_filler_s_share_is_of_the_service_given_in_each_stretch() -> None:
         timeline,
         ["long-0", "long-1"],
         WEIGHTS,
-        schedules={"A": Schedule(0.0, 10.0, 10.0)},
+        tenants=[TenantTraffic("A", on_s=10.0, off_s=10.0)],
         traffic_s=20.0,
         lower_priority={"F"},
     )
@@ -103,7 +103,7 @@ def test_a_tenant_that_never_goes_quiet_within_the_traffic_has_no_figures() -> N
         {"long-0": usage((5.0, 0.8))},
         ["long-0"],
         WEIGHTS,
-        schedules={"A": Schedule(0.0, 10.0, 10.0), "C": Schedule(0.0, 30.0, 10.0)},
+        tenants=[TenantTraffic("A", on_s=10.0, off_s=10.0), TenantTraffic("C", on_s=30.0, off_s=10.0)],
         traffic_s=20.0,
     )
     assert figures == {}

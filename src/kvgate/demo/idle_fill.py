@@ -1,10 +1,11 @@
 """Who takes the KV a tenant leaves idle when it goes quiet (issue 30: "F fills the idle KV while A is
 off"), from a run's request results and its long nodes' samples (pure).
 
-A tenant with an on/off schedule (`TenantTraffic.on_s`, `off_s`) is off from the planned end of each
-on stretch, once every request it sent before then has been answered or refused (a flood's last
-requests still wait and run for seconds after it stops sending), to the start of its next on stretch or
-the end of the traffic. For each such tenant:
+A tenant with an on/off schedule (`TenantTraffic.on_s`, `off_s`; its stretches are
+`TenantTraffic.stretches`, the rule the planner sends by) is off from the planned end of each on
+stretch, once every request it sent before then has been answered or refused (a flood's last requests
+still wait and run for seconds after it stops sending), to the start of its next on stretch or the end
+of the traffic. For each such tenant:
 
 - `kv_occupancy_off` / `kv_occupancy_on`: the long nodes' mean KV usage over the samples taken while it
   is off, and while it is on; `kv_occupancy_ratio` is the first over the second. A pool that stays as
@@ -23,37 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from kvgate.demo.fairness import STEP_S, service_by_step
 from kvgate.demo.load import Result
-from kvgate.demo.scenario import Scenario
+from kvgate.demo.scenario import Scenario, TenantTraffic
 from kvgate.demo.scrape import Sample
 
 Stretch = tuple[float, float]
-
-
-@dataclass(frozen=True, slots=True)
-class Schedule:
-    """When a tenant sends: from `first_at_s`, `on_s` on then `off_s` off, over and over."""
-
-    first_at_s: float
-    on_s: float
-    off_s: float
-
-    def stretches(self, until_s: float) -> tuple[list[Stretch], list[Stretch]]:
-        """Its planned on and off stretches before `until_s`."""
-        on: list[Stretch] = []
-        off: list[Stretch] = []
-        period = self.on_s + self.off_s
-        start = self.first_at_s
-        while start < until_s:
-            on.append((start, min(start + self.on_s, until_s)))
-            if start + self.on_s < until_s:
-                off.append((start + self.on_s, min(start + period, until_s)))
-            start += period
-        return on, off
 
 
 def quiet_at_end(scenario: Scenario, tenant: str) -> Scenario:
@@ -78,12 +56,12 @@ def idle_fill(
     long_nodes: Sequence[str],
     weights: Mapping[str, float],
     *,
-    schedules: Mapping[str, Schedule],
+    tenants: Sequence[TenantTraffic],
     traffic_s: float,
     lower_priority: Collection[str] = (),
     step_s: float = STEP_S,
 ) -> dict[str, dict[str, Any]]:
-    """The figures above for each tenant of `schedules` that goes off within `traffic_s`."""
+    """The figures above for each of `tenants` that goes off within `traffic_s`."""
     service = service_by_step(results, weights, step_s)
     # Raw service (the weight taken back out), per step.
     raw = {t: [v * weights.get(t, 1.0) for v in row] for t, row in service.items()}
@@ -94,22 +72,22 @@ def idle_fill(
         if s.metrics is not None and s.t_s < traffic_s
     ]
     figures: dict[str, dict[str, Any]] = {}
-    for tenant, schedule in schedules.items():
-        on, planned_off = schedule.stretches(traffic_s)
-        off = [s for s in (_quiet(results, tenant, stretch) for stretch in planned_off) if s[1] > s[0]]
+    for tenant in tenants:
+        on, planned_off = tenant.stretches(traffic_s)
+        off = [s for s in (_quiet(results, tenant.name, stretch) for stretch in planned_off) if s[1] > s[0]]
         if not off:
             continue
-        figures[tenant] = {
+        occupancy_off, occupancy_on = _mean_within(samples, off), _mean_within(samples, on)
+        figures[tenant.name] = {
             "off_s": round(sum(end - start for start, end in off), 1),
-            "kv_occupancy_off": _mean_within(samples, off),
-            "kv_occupancy_on": _mean_within(samples, on),
+            "kv_occupancy_off": occupancy_off,
+            "kv_occupancy_on": occupancy_on,
+            "kv_occupancy_ratio": (
+                round(occupancy_off / occupancy_on, 3) if occupancy_on and occupancy_off is not None else None
+            ),
             "filler_share_off": _share_within(raw, lower_priority, off, step_s),
             "filler_share_on": _share_within(raw, lower_priority, on, step_s),
         }
-        on_occupancy, off_occupancy = figures[tenant]["kv_occupancy_on"], figures[tenant]["kv_occupancy_off"]
-        figures[tenant]["kv_occupancy_ratio"] = (
-            round(off_occupancy / on_occupancy, 3) if on_occupancy and off_occupancy is not None else None
-        )
     return figures
 
 

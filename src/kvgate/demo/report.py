@@ -226,11 +226,15 @@ def _fairness_rows(
     return rows
 
 
+# Indexes, shares, occupancies and ratios: to four places (one place would print a Jain's index of
+# 0.9975 as 1.0 and a share of 0.164 as 0.2).
+FRACTION_KEYS = frozenset(
+    {"jain_mean", "jain_min", "kv_occupancy_mean", "share", "fair_share", *IDLE_FILL_KEYS}
+)
+
+
 def _figure(key: str, value: object) -> str:
-    """A fairness cell: indexes, shares, occupancies and ratios to four places (one place would print
-    a Jain's index of 0.9975 as 1.0 and a share of 0.164 as 0.2), the rest as `_cell`."""
-    fraction = key.startswith(("jain_", "kv_occupancy")) or key.endswith("share") or "share_" in key
-    if fraction and isinstance(value, float):
+    if key in FRACTION_KEYS and isinstance(value, float):
         return f"{value:.4f}"
     return _cell(value)
 

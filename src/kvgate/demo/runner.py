@@ -20,7 +20,7 @@ from typing import Any, TextIO
 
 from kvgate.demo.capacity import node_capacity_tokens_per_s
 from kvgate.demo.fairness import fairness_figures, gate_replica_figures, gate_tenant_requests
-from kvgate.demo.idle_fill import Schedule, idle_fill
+from kvgate.demo.idle_fill import idle_fill
 from kvgate.demo.load import LoadGenerator, Result
 from kvgate.demo.plot import write_plot
 from kvgate.demo.report import RunTrace, format_table, summarize_run
@@ -155,17 +155,12 @@ async def _run_one(
         summary |= fairness_figures(
             burst, sampler.timeline, stack.long_pool, weights, lower_priority=lower, window_s=window
         )
-        schedules = {
-            t.name: Schedule(t.first_at_s, t.on_s, t.off_s)
-            for t in scenario.tenants
-            if t.on_s > 0 and t.name not in lower
-        }
         filled = idle_fill(
             burst,
             sampler.timeline,
             stack.long_pool,
             weights,
-            schedules=schedules,
+            tenants=[t for t in scenario.tenants if t.on_s > 0 and t.name not in lower],
             traffic_s=scenario.timing.burst_phase_s,
             lower_priority=lower,
         )

@@ -130,6 +130,23 @@ class TenantTraffic:
     def declared_tokens(self) -> int:
         return math.ceil(self.output_tokens * self.over_declare)
 
+    def sends_at(self, at_s: float) -> bool:
+        """Whether the tenant is in an on stretch at `at_s` (always, without an on/off schedule)."""
+        return self.on_s <= 0 or (at_s - self.first_at_s) % (self.on_s + self.off_s) < self.on_s
+
+    def stretches(self, until_s: float) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+        """Its on and off stretches before `until_s`, as `sends_at` cuts them (kvgate.demo.idle_fill)."""
+        on: list[tuple[float, float]] = []
+        off: list[tuple[float, float]] = []
+        period = self.on_s + self.off_s
+        start = self.first_at_s
+        while start < until_s:
+            on.append((start, min(start + self.on_s, until_s)))
+            if start + self.on_s < until_s:
+                off.append((start + self.on_s, min(start + period, until_s)))
+            start += period
+        return on, off
+
 
 def lower_priority(tenants: Sequence[TenantTraffic]) -> frozenset[str]:
     """The tenants of a lower priority than the highest among `tenants`: owed no share while the
@@ -453,7 +470,7 @@ def _tenant_requests(t: TenantTraffic, rng: random.Random, duration_s: float) ->
     items: list[Planned] = []
     at = t.first_at_s + rng.expovariate(t.rate_per_s)
     while at < duration_s:
-        if t.on_s <= 0 or (at - t.first_at_s) % (t.on_s + t.off_s) < t.on_s:
+        if t.sends_at(at):
             items.append(
                 Planned(
                     at,
