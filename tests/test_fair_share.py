@@ -51,6 +51,7 @@ def serve(fair: FairShare, queues: dict[str, list[float]], steps: int) -> list[d
 
 
 FAIR = FairnessConfig(enabled=True, tenants={"heavy": TenantConfig(3.0)})
+LOW = 2  # a rank below the default's 0: a batch tenant's
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -100,6 +101,34 @@ def test_a_tenant_served_by_another_replica_keeps_its_lead_when_it_comes_to_this
     assert fair.counter("d") == 40_000.0, "lifted to the least counter of the others: c's, now"
 
 
+def test_a_tenant_served_but_waiting_for_nothing_is_no_floor_for_a_lift() -> None:
+    """The start of the fairness run: the empty pool granted each arrival as it came, two of a's
+    largest requests and a small one of c's, b's and d's. Then a waits, and c starts waiting: c is
+    lifted to within the largest cost of a's counter, the least of those waiting (c was served lately,
+    so it keeps a lead of up to one request). b and d were served but wait for nothing. As floors
+    ("active"), they kept c 21k behind a, and c's repayment of that lead while both waited set the
+    one-gate runs' largest service gap, up to 1.24x VTC's bound."""
+    fair = FairShare(FAIR)
+    for tenant, cost in (("a", 12_000.0), ("c", 3_000.0), ("a", 12_000.0), ("b", 3_000.0), ("d", 3_000.0)):
+        fair.charge(tenant, cost)
+    fair.waits("a")
+    fair.waits("c")
+    assert fair.counter("c") == fair.counter("a") - 12_000.0 == 12_000.0
+
+
+def test_the_heads_the_agents_hold_room_for_are_floors_of_a_lift() -> None:
+    """Nothing waits in this replica's line, but another replica's head waits at 40,000 for room on a
+    node: a tenant that starts waiting here is lifted to it, not to the last one this replica served.
+    A head of a lower priority is no floor."""
+    fair = FairShare(FAIR)
+    fair.charge("a", 5_000.0)
+    fair.observe({"a": 5_000.0}, heads=[(0, 40_000.0), (LOW, 1_000.0)])
+    fair.waits("new")
+    assert fair.counter("new") == 40_000.0
+    fair.waits("batch", LOW)
+    assert fair.counter("batch") == 1_000.0, "its own rank's head is a floor"
+
+
 def test_a_tenant_one_replica_lifts_is_lifted_in_every_replica() -> None:
     """b asks less than its part and is served at once each time it comes back, on the first replica,
     which lifts it to the others' level each time; the second replica never had b wait. Without the
@@ -136,9 +165,6 @@ def test_a_tenant_one_replica_lifts_is_lifted_in_every_replica() -> None:
     assert second.counter("d") == 100_000.0, "lifted level with b as the first replica counts it, not 20,000"
 
 
-LOW = 2  # a rank below the default's 0: a batch tenant's
-
-
 def test_a_lower_prioritys_lagging_counter_is_no_floor_for_a_lift_nor_a_bar_to_backfill() -> None:
     """The fairness scenario's batch tenant F waits at a low priority all run, so its counter lags the
     others'. Counted in the floor, it kept a tenant back from 60 s off at its old counter (its whole
@@ -146,7 +172,7 @@ def test_a_lower_prioritys_lagging_counter_is_no_floor_for_a_lift_nor_a_bar_to_b
     now = [0.0]
     fair = FairShare(FAIR, clock=lambda: now[0])
     serve(fair, {"a": [1_000.0] * 100, "b": [1_000.0] * 100}, 100)  # a and b: 50,000 each
-    fair.charge("batch", 5_000.0, LOW)
+    fair.charge("batch", 5_000.0)
     fair.waits("batch", LOW)
     fair.charge("onoff", 20_000.0)
     now[0] += ACTIVE_S + 1.0  # onoff idles
@@ -166,7 +192,7 @@ def test_an_on_and_off_tenant_beside_a_waiting_batch_stays_within_the_bound_of_t
     now = [0.0]
     fair = FairShare(FAIR, clock=lambda: now[0])
     fair.waits("batch", LOW)
-    fair.charge("batch", 1_000.0, LOW)
+    fair.charge("batch", 1_000.0)
     normal = ("a", "b", "onoff")
     for tenant in normal:
         fair.waits(tenant)

@@ -45,7 +45,13 @@ from kvgate.headroom.snapshot import (
 from kvgate.names import ANONYMOUS_TENANT, OTHER_TENANTS
 from kvgate.policy import Decision, Reason, Refusal, Route
 from kvgate.policy.endpoints import UNRESERVED_ENDPOINTS, Subset, allowed, least_busy, within
-from kvgate.policy.fair_share import FairShare, agents_lifts, agents_totals, heads_elsewhere
+from kvgate.policy.fair_share import (
+    FairShare,
+    agents_heads,
+    agents_lifts,
+    agents_totals,
+    heads_elsewhere,
+)
 from kvgate.policy.identity import Priorities
 from kvgate.policy.nodes import Affinity, NodeChoice, choose_nodes, takes_now
 from kvgate.policy.overflow import interactive_saturated, no_healthy_node, overflow
@@ -630,7 +636,7 @@ class Admission:
         if self._fair is not None:
             # Charged while still in the line: the line is sorted again before this request leaves
             # it, so leaving wakes the new head, not the one that led before the charge.
-            self._fair.charge(ask.tenant, self._cost(ask), ask.rank)
+            self._fair.charge(ask.tenant, self._cost(ask))
             self._reorder()
         pinned = Route(route.pool, Reason.LONG, route.tokens, node.headroom.endpoint)
         return Admitted(pinned, ticket)
@@ -884,7 +890,7 @@ class Admission:
         assert self._fair is not None
         totals = agents_totals(nodes)
         if totals is not None:
-            self._fair.observe(totals, agents_lifts(nodes))
+            self._fair.observe(totals, agents_lifts(nodes), agents_heads(nodes))
             self._reorder()
 
     def _pulse(self) -> None:

@@ -20,18 +20,31 @@ counter it waits at (kvgate.headroom.snapshot.HeadClaim), and the gate passes th
 
 With several replicas (gates, and `kvgate queue`'s), a tenant's requests wait in several lines, and
 one line emptying does not make the tenant idle. VTC lifts a tenant whose one queue went from empty to
-waiting; a replica that lifted a tenant missing from its own line took away the lead its requests
+waiting, to the least counter in that queue. Here the queue is every replica's line, and a replica
+sees its own line and, of the others, the heads the agents publish (each the first waiter of the one
+waiting order that found no room on its node, with its counter). So a lift's floor is the least
+counter of this replica's waiters and of those heads, and nothing else: a tenant that was served
+but waits nowhere is no floor. Such tenants were floors until 2026-12-05, and at the start of the
+one-gate fairness runs that let the largest service gap past VTC's bound: the empty pool granted A
+two of its largest requests at once, C was lifted only to the counters of tenants served beside them
+and waiting for nothing, and C's repayment of A's lead, counted while both waited, set the run's
+largest gap (24,494-30,484 against a bound of 24,512; docs/operations.md, "Fair shares").
+
+A replica that lifted a tenant missing from its own line all the way took away the lead its requests
 waiting elsewhere had earned: measured with two gates, A's flood always waiting on the first, that
 gate lifted every other tenant to A's counter each time one of them came back to its line, so A's
-requests led its line while the others were served 0.7-0.9x their share. So a replica reads idleness
-from the service every replica gave: a tenant the agents' totals show served within `ACTIVE_S` is
-active. A lift counts the tenants waiting here and the active ones; an active tenant is lifted only to
-within the largest weighted cost of them (it keeps a lead of up to one request), an idle one all the
-way, as VTC does.
+requests led its line while the others were served 0.7-0.9x their share. So a tenant served within
+`ACTIVE_S` (by any replica, as the agents' totals show) is lifted only to within the largest
+weighted cost of the floor: it keeps a lead of up to one request. An idle one is lifted all the way,
+as VTC does. Lifted all the way too, a tenant served by this gate alone (tried, 2026-12-05), a light
+tenant's second request of a pair waited behind every tenant at the floor: B, at half its fair
+share, was refused four times in each of two runs against none to two, and the service gap measured
+from first tokens, which counts a request admitted and not yet started as still waiting, was no
+smaller (24,335 and 28,604).
 
-Priority stays above tenants, and so do the lifts and the backfill bound: a tenant that waits or was
-served at a lower priority (a larger rank) than a request's is left out of that request's floor and
-of what it may pass. Its counter lags by design, since it is owed only what the others leave, and
+Priority stays above tenants, and so do the lifts and the backfill bound: a tenant that waits at a
+lower priority (a larger rank) than a request's is left out of that request's floor and of what it
+may pass. Its counter lags by design, since it is owed only what the others leave, and
 counting it let idling bank credit after all: on the fairness scenario the batch tenant's counter sat
 at a fifth of the others', every lift went to it, so a tenant back from 60 s off kept its whole lead
 and took 64k weighted tokens to a flooding tenant's 12k in the next 10 s (a service gap of 41k
@@ -85,14 +98,20 @@ def agents_lifts(nodes: Sequence[NodeView]) -> dict[str, float]:
     return combined_over_agents(nodes, lambda headroom: headroom.tenant_lift, max) or {}
 
 
-def heads_elsewhere(nodes: Sequence[NodeView], rank: int) -> list[float]:
-    """The counters the agents' heads wait at (NodeHeadroom.head), of `rank` or a more important one:
-    the first waiter of each replica's line that holds its place on a node, for `FairShare.may_pass`."""
+def agents_heads(nodes: Sequence[NodeView]) -> list[tuple[int, float]]:
+    """The rank and counter of each head the agents hold room for (NodeHeadroom.head): the first waiter
+    of the one waiting order that found no room on each node, whichever replica's line it waits in."""
     return [
-        head.fair_service
+        (head.rank, head.fair_service)
         for node in nodes
-        if node.headroom is not None and (head := node.headroom.head) is not None and head.rank <= rank
+        if node.headroom is not None and (head := node.headroom.head) is not None
     ]
+
+
+def heads_elsewhere(nodes: Sequence[NodeView], rank: int) -> list[float]:
+    """The counters the agents' heads wait at, of `rank` or a more important one, for
+    `FairShare.may_pass`."""
+    return [counter for head_rank, counter in agents_heads(nodes) if head_rank <= rank]
 
 
 class FairShare:
@@ -119,9 +138,8 @@ class FairShare:
         self._shared_lift: dict[str, float] = {}
         # Waiters per tenant and rank: a tenant here is backlogged.
         self._waiting: Counter[tuple[str, int]] = Counter()
-        # The rank each tenant last waited or was served at here: whether an active tenant counts in a
-        # lift or a backfill bound (one only the agents' totals show is taken as the most important).
-        self._rank: dict[str, int] = {}
+        # The rank and counter of each head the agents hold room for, from any replica's line.
+        self._heads: list[tuple[int, float]] = []
         self._last_served = 0.0
         self._largest = 0.0  # the largest weighted cost charged: the slack backfill is allowed
 
@@ -141,10 +159,16 @@ class FairShare:
         of the other, so a light tenant waits for one admission less."""
         return self.counter(tenant), self._attained(tenant)
 
-    def observe(self, totals: Mapping[str, float], lifts: Mapping[str, float] | None = None) -> None:
+    def observe(
+        self,
+        totals: Mapping[str, float],
+        lifts: Mapping[str, float] | None = None,
+        heads: Sequence[tuple[int, float]] = (),
+    ) -> None:
         """The service each tenant attained across every replica, summed over the agents' messages
         (raw cost): from now on the counters follow it rather than this process's own charges. `lifts`:
-        the largest lift of each tenant any replica's grants carried (raw cost, agents_lifts)."""
+        the largest lift of each tenant any replica's grants carried (raw cost, agents_lifts). `heads`:
+        the rank and counter of the waiters the agents hold room for (agents_heads), floors of a lift."""
         now = self._clock()
         before = self._shared or {}
         for tenant, total in totals.items():
@@ -153,6 +177,7 @@ class FairShare:
         self._shared = dict(totals)
         if lifts is not None:
             self._shared_lift = dict(lifts)
+        self._heads = list(heads)
 
     def lift_cost(self, tenant: str) -> float:
         """What lifts added to `tenant`'s counter, in raw cost (before its weight): what its grants carry
@@ -162,25 +187,20 @@ class FairShare:
     def waits(self, tenant: str, rank: int = 0) -> None:
         """A request of `tenant` at `rank` starts waiting; the first of its tenant's lifts the tenant's
         counter: to the least counter of the others of that rank or a more important one that wait
-        here or are active, to within the largest cost of it where the tenant is active itself (its
-        requests wait in another replica's line)."""
+        here, and of the heads the agents hold room for (to the last one served when none waits), to
+        within the largest cost of it where the tenant was served lately (its requests may wait in
+        another replica's line)."""
         if not self._waits(tenant):
-            now = self._clock()
-            busy = self._waiting_at(rank) | {
-                t
-                for t, at in self._served_at.items()
-                if now - at <= ACTIVE_S and self._rank.get(t, 0) <= rank
-            }
-            busy.discard(tenant)
-            floor = min(map(self.counter, busy)) if busy else self._last_served
-            if self._active(tenant, now):
+            floors = [self.counter(t) for t in self._waiting_at(rank) if t != tenant]
+            floors.extend(counter for head_rank, counter in self._heads if head_rank <= rank)
+            floor = min(floors) if floors else self._last_served
+            if self._active(tenant):
                 floor -= self._largest
             lift = floor - self._attained(tenant)
             if lift > self._lifted(tenant):
                 self._lift[tenant] = lift
             self._forget_beyond_bound()
         self._waiting[tenant, rank] += 1
-        self._rank[tenant] = rank
 
     def done_waiting(self, tenant: str, rank: int = 0) -> None:
         """A waiter of `tenant` at `rank` left the line: admitted, timed out or gone."""
@@ -202,9 +222,8 @@ class FairShare:
         weighted = cost / self._book.weight(tenant)
         return self.counter(tenant) + weighted <= min(others) + max(self._largest, weighted)
 
-    def charge(self, tenant: str, cost: float, rank: int = 0) -> None:
-        """A request of `tenant` at `rank` was admitted at `cost` (its estimate)."""
-        self._rank[tenant] = rank
+    def charge(self, tenant: str, cost: float) -> None:
+        """A request of `tenant` was admitted at `cost` (its estimate)."""
         self._largest = max(self._largest, cost / self._book.weight(tenant))
         self._charged[tenant] = self._charged.get(tenant, 0.0) + cost / self._book.weight(tenant)
         if self._shared is not None:
@@ -237,9 +256,9 @@ class FairShare:
         """The tenants with a waiter here of `rank` or a more important one."""
         return {t for t, r in self._waiting if r <= rank}
 
-    def _active(self, tenant: str, now: float) -> bool:
+    def _active(self, tenant: str) -> bool:
         served_at = self._served_at.get(tenant)
-        return served_at is not None and now - served_at <= ACTIVE_S
+        return served_at is not None and self._clock() - served_at <= ACTIVE_S
 
     def _lifted(self, tenant: str) -> float:
         own = self._lift.get(tenant, 0.0)
@@ -253,12 +272,9 @@ class FairShare:
 
     def _forget_beyond_bound(self) -> None:
         # Called on every charge and lift: the union is built only once a table outgrows the bound.
-        if (
-            max(len(self._charged), len(self._lift), len(self._served_at), len(self._rank))
-            <= self._max_tenants
-        ):
+        if max(len(self._charged), len(self._lift), len(self._served_at)) <= self._max_tenants:
             return
-        known = {*self._charged, *self._lift, *self._served_at, *self._rank}
+        known = {*self._charged, *self._lift, *self._served_at}
         while len(known) > self._max_tenants:
             idle = [t for t in known if not self._waits(t)]
             if not idle:
@@ -268,4 +284,3 @@ class FairShare:
             self._charged.pop(gone, None)
             self._lift.pop(gone, None)
             self._served_at.pop(gone, None)
-            self._rank.pop(gone, None)

@@ -36,7 +36,7 @@ from kvgate.config import FairnessConfig
 from kvgate.errors import HeadroomError, StoreError
 from kvgate.headroom import giveback
 from kvgate.headroom.snapshot import HeadClaim, NodeView, ReleaseOutcome, ReserveOutcome, TenantCharge
-from kvgate.policy.fair_share import agents_lifts, agents_totals, heads_elsewhere
+from kvgate.policy.fair_share import agents_heads, agents_lifts, agents_totals, heads_elsewhere
 from kvgate.policy.nodes import StalePolicy, choose_nodes
 from kvgate.policy.slot import fits_beside_heads, slot_node
 from kvgate.queue import placement
@@ -219,7 +219,7 @@ class Dispatcher:
         (kvgate.queue.fairness)."""
         totals = agents_totals(nodes)
         if totals is not None:
-            self._fair.observe(totals, agents_lifts(nodes))
+            self._fair.observe(totals, agents_lifts(nodes), agents_heads(nodes))
 
     async def _reload(self) -> None:
         wait = self._last_reload + MIN_RELOAD_S - self._clock()

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Container, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 
 from kvgate.config import FairnessConfig
 from kvgate.headroom.snapshot import TenantCharge
@@ -70,10 +70,15 @@ class FairQueue:
         self._sync_backlog()
         self.needs_reload = False
 
-    def observe(self, totals: Mapping[str, float], lifts: Mapping[str, float] | None = None) -> None:
-        """Each tenant's service summed over the agents' messages, and its largest lift: the counters
-        follow them from now."""
-        self._fair.observe(totals, lifts)
+    def observe(
+        self,
+        totals: Mapping[str, float],
+        lifts: Mapping[str, float] | None = None,
+        heads: Sequence[tuple[int, float]] = (),
+    ) -> None:
+        """Each tenant's service summed over the agents' messages, its largest lift, and the heads the
+        agents hold room for: the counters and the lifts follow them from now."""
+        self._fair.observe(totals, lifts, heads)
 
     def __len__(self) -> int:
         return sum(len(jobs) for jobs in self._groups.values())
@@ -119,7 +124,7 @@ class FairQueue:
 
     def dispatched(self, job: Waiting) -> None:
         """`job` was sent to a node: charge its tenant."""
-        self._fair.charge(job.tenant, self.charge_of(job).cost, job.priority)
+        self._fair.charge(job.tenant, self.charge_of(job).cost)
         self._remove(job)
 
     def drop(self, job: Waiting) -> None:
