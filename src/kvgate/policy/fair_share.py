@@ -36,11 +36,11 @@ gate lifted every other tenant to A's counter each time one of them came back to
 requests led its line while the others were served 0.7-0.9x their share. So a tenant served within
 `ACTIVE_S` (by any replica, as the agents' totals show) is lifted only to within the largest
 weighted cost of the floor: it keeps a lead of up to one request. An idle one is lifted all the way,
-as VTC does. Lifted all the way too, a tenant served by this gate alone (tried, 2026-12-05), a light
-tenant's second request of a pair waited behind every tenant at the floor: B, at half its fair
-share, was refused four times in each of two runs against none to two, and the service gap measured
-from first tokens, which counts a request admitted and not yet started as still waiting, was no
-smaller (24,335 and 28,604).
+as VTC does. Lifting all the way a tenant that only this replica served, as VTC would, was tried
+(2026-12-05): a light tenant's second request of a pair then waited behind every tenant at the floor,
+and B, at half its fair share, was refused four times in each of two runs against none to two. The
+service gap was no smaller (24,335 and 28,604): it is measured from first tokens, so a request
+admitted and not yet started still counts as waiting.
 
 Priority stays above tenants, and so do the lifts and the backfill bound: a tenant that waits at a
 lower priority (a larger rank) than a request's is left out of that request's floor and of what it
