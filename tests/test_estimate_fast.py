@@ -303,6 +303,22 @@ def test_a_sampled_text_takes_the_bytes_between_trap_and_ordinary_windows_at_the
     assert band.low <= counter.count(piece) <= band.high
 
 
+def test_a_sampled_text_takes_the_text_between_two_windows_as_wide_as_the_wider(
+    fast: FastEstimator, sp_model_path: Path
+) -> None:
+    """Windows spaced evenly from the first character to the last each stand for an equal share of
+    the text, so narrow text at both ends (base64 around three-byte characters) pulls the sampled
+    size below the true one; the high must still hold the exact count."""
+    counter = load_counter(TokenizerFile.open(sp_model_path))
+    ends = "QUJD" * 64
+    piece = ends + "\u09ba" * 32768 + ends
+    features = sample(piece)
+    assert features.size + features.wide_bytes >= len(piece.encode())
+    assert fast.estimate(piece).high >= counter.count(piece)
+    even = "\u09ba" * 40000
+    assert sample(even).wide_bytes == 0
+
+
 _SCREEN_PIECES = st.one_of(
     st.text(alphabet=" \t\nab=Jé😀", max_size=80),
     st.sampled_from(["J", "ab", "\r\n", "é", " a", "\x00", "A1"]).flatmap(

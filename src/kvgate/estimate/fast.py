@@ -209,10 +209,11 @@ def _band(
         high += max(0.0, most - stray_price)
     high += features.unsure_bytes * c.max_tokens_per_byte
     if features.max_size > features.min_size:
-        # The size was estimated from windows of a long non-ASCII text: one gap between two
-        # windows may hide characters wider than the windows showed.
+        # The size was estimated from windows of a long non-ASCII text: the text between two windows
+        # may be as wide as the wider of them, and one such stretch may hide characters wider than
+        # any window showed.
         gap_chars = max(0, features.min_size - WINDOWS * WINDOW_BYTES) / (WINDOWS - 1)
-        high += gap_chars * (UTF8_MAX_BYTES - 1) * c.max_tokens_per_byte
+        high += (features.wide_bytes + gap_chars * (UTF8_MAX_BYTES - 1)) * c.max_tokens_per_byte
     ceiling = math.floor(c.max_tokens_per_byte * features.max_size) + texts
     floor = math.ceil(features.min_size / c.max_piece_bytes)
     high_tokens = max(floor, min(ceiling, math.ceil(high)))
