@@ -5,6 +5,9 @@
    tokens; without a tokenizer (the generic calibrations) against each tokenizer family; and how often
    the band misses the exact count of trap texts (blobs, data URLs, emoji, number tables, runs of any
    character, held-out text; pieces of 16 bytes to 46 KB, put together as the property tests do).
+   Long texts, read through windows at random places, 100 reads each: how far the estimate moves from
+   read to read and whether the band holds the count, on held-out texts and on texts laid out around
+   the fixed places the windows had before 2026-12-06 (prose there, costly text between).
 2. Class errors in auto mode (fast, exact only near a threshold) on held-out requests whose totals
    sit just under and just over each threshold; and without a tokenizer, requests on the unsafe side.
 3. Decision cost in auto mode against always counting exactly, on two request mixes.
@@ -37,7 +40,7 @@ from kvgate.estimate import PromptCosts, build_estimator, calibration, local_est
 from kvgate.estimate.estimator import Estimator
 from kvgate.estimate.exact import TokenizerFile, load_counter
 from kvgate.estimate.fast import FastEstimator
-from kvgate.estimate.features import FULL_SCAN_BYTES
+from kvgate.estimate.features import FULL_SCAN_BYTES, WINDOW_BYTES, WINDOWS
 from kvgate.policy.classify import TokenClass, classify, thresholds
 from kvgate.request.shape import Api, RequestShape
 
@@ -62,6 +65,9 @@ SHORT_PIECE_TOKENS = (300, 1000, 3000)
 SHORT_MIN_TOKENS, SHORT_MAX_TOKENS = 200, 4000
 SHORT_PIECES = 40
 TRAP_TEXTS = 600
+# Long held-out texts (past FULL_SCAN_BYTES: read through windows) and how many reads of each.
+LONG_CHARS = (120_000, 200_000)
+WINDOW_DRAWS = 100
 CASE_SIZES = (500, 4000, 16000, 32000)
 # Where a case's exact total lands relative to a threshold.
 OFFSETS = (-0.08, -0.03, -0.01, -0.002, 0.002, 0.01, 0.03, 0.08)
@@ -425,10 +431,51 @@ def fast_read_costs() -> None:
     )
 
 
+def _laid_out(length: int, place: str, rest: str) -> str:
+    """`rest` repeated to `length` characters, with `place` where the windows sat before 2026-12-06
+    (WINDOWS places evenly spaced from the first character to the last)."""
+    chars = list((rest * (length // len(rest) + 1))[:length])
+    step = (length - WINDOW_BYTES) / (WINDOWS - 1)
+    for i in range(WINDOWS):
+        start = round(i * step)
+        chars[start : start + WINDOW_BYTES] = (place * WINDOW_BYTES)[:WINDOW_BYTES]
+    return "".join(chars)
+
+
+def window_draws() -> None:
+    """How a long text's estimate moves from one read to the next (each draws its windows afresh),
+    and whether its band holds the count: held-out texts, and texts laid out around fixed windows."""
+    fast = FastEstimator(calibration.for_tokenizer(TokenizerFile.open(TOKENIZER)))
+    count = counter_for(TOKENIZER)
+    print(f"long texts read through windows, {WINDOW_DRAWS} reads each (sentencepiece v3):")
+    print(f"  {'text':34} {'exact':>7} {'mean':>6} {'sd':>5} {'band ±':>7} {'outside':>7}")
+    rng = random.Random(1)
+    scattered = "".join(chr(rng.randrange(33, 127)) if i % 7 else " " for i in range(5003))
+    prose = text("english")[:WINDOW_BYTES]
+    bodies = [
+        (f"{kind} {size // 1000}k chars", (text(kind) * 5)[:size]) for kind in KINDS for size in LONG_CHARS
+    ]
+    bodies += [
+        ("random chars, English at 32 places", _laid_out(120_000, prose, scattered)),
+        ("CJK, English at 32 places", _laid_out(40_000, prose, "中文字")),
+    ]
+    for name, body in bodies:
+        exact = count(body)
+        bands = [fast.estimate(body) for _ in range(WINDOW_DRAWS)]
+        errors = [(band.tokens - exact) / exact for band in bands]
+        outside = sum(not band.low <= exact <= band.high for band in bands)
+        width = statistics.mean((band.high - band.low) / 2 / exact for band in bands)
+        print(
+            f"  {name:34} {exact:>7} {statistics.mean(errors):>+6.1%} {statistics.pstdev(errors):>5.1%} "
+            f"{width:>7.0%} {outside:>7}"
+        )
+
+
 def main() -> None:
     print(f"thresholds {LIMITS}; default output budget {MODEL.default_output_tokens}")
     fast_read_costs()
     fast_errors()
+    window_draws()
     trap_bands()
     class_errors_all()
     for path in (TOKENIZER, TOKENIZERS["tekken 240718"]):

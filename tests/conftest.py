@@ -9,10 +9,12 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import hypothesis
 import leftovers
 import mistral_common
 import pytest
 
+from kvgate.estimate.features import WINDOW_RANDOM
 from kvgate.harness.engines import NoEngines, locate_engines
 from kvgate.harness.upstreams import Upstreams
 from kvgate.localports import free_port
@@ -23,6 +25,16 @@ pytest_plugins = ["engines_fixtures"]
 TOKENIZER_DIR = Path(mistral_common.__file__).parent / "data"
 # How long processes told to stop get to go before the ones still alive count as left behind.
 LEFTOVER_GRACE_S = 10.0
+
+
+# Where a long text's windows fall is drawn at random for every read: Hypothesis draws it for each
+# example it tries (so a failure it finds replays), and every other test starts from its own seed.
+hypothesis.register_random(WINDOW_RANDOM)
+
+
+@pytest.fixture(autouse=True)
+def _windows_seeded(request: pytest.FixtureRequest) -> None:
+    WINDOW_RANDOM.seed(request.node.nodeid)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -228,7 +228,10 @@ def test_many_short_texts_are_read_as_one(
     # One read of the 180 KB rather than 600 reads (what each costs: `python -m bench estimate`).
     assert reads == [sum(map(len, messages))]
     assert band.low <= exact <= band.high
-    assert abs(band.tokens - exact) / exact < 0.05
+    # 180 KB are read through windows: on English that long, their estimate spreads by about 3% (sd)
+    # from one draw of the windows to the next, around a bias of +3% (tests/test_estimate_fast.py,
+    # "a long text's windows fall at random").
+    assert abs(band.tokens - exact) / exact < 0.10
     assert band.high <= sum(len(m.encode()) + 1 for m in messages)
 
 
@@ -293,9 +296,10 @@ def test_a_sampled_text_takes_the_bytes_between_trap_and_ordinary_windows_at_the
     fast: FastEstimator, sp_model_path: Path
 ) -> None:
     """Past FULL_SCAN_BYTES the windows stand for the text between them: where they change from a
-    run to ordinary text, that text may be either."""
+    run to ordinary text, that text may be either. (A fifth of the bytes are text, so that wherever
+    the windows fall, some read the run and some the text.)"""
     counter = load_counter(TokenizerFile.open(sp_model_path))
-    piece = chr(0x2A6D6) * 25280 + text("chinese")[:1006]
+    piece = chr(0x2A6D6) * 20000 + text("chinese")[:12000]
     assert len(piece.encode()) > FULL_SCAN_BYTES
     features = sample(piece)
     assert features.unsure_bytes > 0
@@ -303,20 +307,67 @@ def test_a_sampled_text_takes_the_bytes_between_trap_and_ordinary_windows_at_the
     assert band.low <= counter.count(piece) <= band.high
 
 
+def _laid_out_around_even_windows(length: int, place: str, rest: str) -> str:
+    """`rest` repeated to `length` characters, with `place` at the 32 places where the windows of a
+    long text sat before 2026-12-06 (evenly spaced from the first character to the last)."""
+    chars = list((rest * (length // len(rest) + 1))[:length])
+    step = (length - WINDOW_BYTES) / (WINDOWS - 1)
+    for i in range(WINDOWS):
+        start = round(i * step)
+        chars[start : start + WINDOW_BYTES] = (place * WINDOW_BYTES)[:WINDOW_BYTES]
+    return "".join(chars)
+
+
+def test_a_long_text_cannot_be_laid_out_around_its_windows(fast: FastEstimator, sp_model_path: Path) -> None:
+    """Prose where the windows would fall and costly text between them: at fixed places the 120 KB
+    below read as 22k tokens for 89k, and the gate reserved a fifth of the KV the engine took. The
+    windows fall at random, so the text between them is read as often as it is there."""
+    counter = load_counter(TokenizerFile.open(sp_model_path))
+    prose = text("english")[:WINDOW_BYTES]
+    rng = random.Random(1)
+    scattered = "".join(chr(rng.randrange(33, 127)) if i % 7 else " " for i in range(5003))
+    pieces = {
+        "random characters": _laid_out_around_even_windows(120_000, prose, scattered),
+        "CJK characters (sampled as characters)": _laid_out_around_even_windows(40_000, prose, "中文字"),
+    }
+    for label, piece in pieces.items():
+        exact = counter.count(piece)
+        # What the weights make of the whole text: the windows are to read what it holds.
+        whole = fast.band(sample(piece, whole=True)).tokens
+        for _ in range(20):
+            band = fast.estimate(piece)
+            assert band.high >= exact, (label, band, exact)
+            assert abs(band.tokens - whole) / whole < 0.15, (label, band, whole)
+
+
+def test_windows_fall_anywhere_in_their_stretch_and_are_drawn_again_each_read() -> None:
+    length = 120_000
+    stretch = length / WINDOWS
+    draws = [features_module._window_starts(length) for _ in range(200)]
+    for starts in draws:
+        for i, start in enumerate(starts):
+            assert i * stretch <= start and start + WINDOW_BYTES <= (i + 1) * stretch
+    # Each window's place spreads over its whole stretch, and no two reads share theirs.
+    firsts = [starts[0] for starts in draws]
+    assert min(firsts) < 0.1 * stretch and max(firsts) > 0.8 * (stretch - WINDOW_BYTES)
+    assert len({tuple(starts) for starts in draws}) == len(draws)
+
+
 def test_a_sampled_text_takes_the_text_between_two_windows_as_wide_as_the_wider(
     fast: FastEstimator, sp_model_path: Path
 ) -> None:
-    """Windows spaced evenly from the first character to the last each stand for an equal share of
-    the text, so narrow text at both ends (base64 around three-byte characters) pulls the sampled
-    size below the true one; the high must still hold the exact count."""
+    """A non-ASCII text's size is estimated from its windows' characters: narrow text at both ends
+    (base64 around three-byte characters) read 3% short when windows sat at both ends, and the high
+    with it. Wherever they fall, the high holds the count."""
     counter = load_counter(TokenizerFile.open(sp_model_path))
     ends = "QUJD" * 64
     piece = ends + "\u09ba" * 32768 + ends
-    features = sample(piece)
-    assert features.size + features.wide_bytes >= len(piece.encode())
-    assert fast.estimate(piece).high >= counter.count(piece)
-    even = "\u09ba" * 40000
-    assert sample(even).wide_bytes == 0
+    exact = counter.count(piece)
+    for _ in range(20):
+        features = sample(piece)
+        assert features.size + features.wide_bytes >= len(piece.encode())
+        assert fast.estimate(piece).high >= exact
+    assert sample("\u09ba" * 40000).wide_bytes == 0
 
 
 _SCREEN_PIECES = st.one_of(

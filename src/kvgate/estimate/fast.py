@@ -13,7 +13,9 @@ The band is [estimate - over * width - absolute, estimate + under * width + abso
 over) the multipliers the calibration measured for texts of that size, then clipped to what holds
 whatever the text: a text never takes more tokens than `max_tokens_per_byte` * its UTF-8 bytes + 1
 (so a text of fewer bytes than a threshold is certainly under it), nor fewer than its bytes over the
-longest piece of the vocabulary.
+longest piece of the vocabulary. A text read through windows (`features`: past FULL_SCAN_BYTES, at
+random places) is a sample of itself: its band reaches SAMPLING_Z standard errors of the sample's sum
+further, in quadrature with the fit's width.
 
 Without a tokenizer the estimator is given several calibrations, one per tokenizer family: each
 prices the text, and the band spans them all (their lowest low to their highest high), the estimate
@@ -61,6 +63,10 @@ from kvgate.estimate.features import (
 # few numpy calls. Reading a plain text whole gives the same band as `sample`, whose trap and stray
 # searches find nothing in it, at about half the cost for a 70 KB prompt (the Mooncake replay's mean).
 _DIRECT_CHARS = FULL_SCAN_BYTES // UTF8_MAX_BYTES
+# A text read through windows is read from a random sample of it: its band reaches this many standard
+# errors of that sample's sum further on each side (one side is past it about once in 740 reads of a
+# text whose windows' pieces vary normally).
+SAMPLING_Z = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,14 +136,39 @@ class FastEstimator:
 
     def band(self, features: Sample, texts: int = 1) -> TextBand:
         """The band of `texts` texts whose pairs, read together, are `features`."""
-        sums = self._sums(features.index, features.scale)
+        if features.scale > 1:
+            sums, errors = self._sampled_sums(features.index, features.scale)
+        else:
+            sums, errors = self._sums(features.index, features.scale), None
         strays = self._sums(features.stray_index, features.scale) if features.strays else None
-        return self._envelope(sums, texts, features, features.stretches, strays)
+        return self._envelope(sums, texts, features, features.stretches, strays=strays, errors=errors)
 
     def _sums(self, index: PairIndex, scale: float) -> list[complex]:
         """Per calibration: its tokens (real part) and width (imaginary part) summed over `index`."""
         # np.add.reduce is what ndarray.sum calls, without its Python wrapper (a frame per request).
         return [complex(np.add.reduce(table.take(index))) * scale for table in self._coded]
+
+    def _sampled_sums(self, index: PairIndex, scale: float) -> tuple[list[complex], list[float]]:
+        """`_sums` of a text read through windows, and per calibration the standard error of its
+        tokens. The windows' pieces of WINDOW_BYTES are a sample of the text, one at a random place in
+        each stretch (see `features.WINDOW_RANDOM`), so a sum over n of them, scaled, is off by about
+        scale * sqrt(n) * the spread of a piece within its stretch. That spread is taken from the
+        differences between neighbouring pieces, half their mean square (the successive-difference
+        estimate of a systematic sample): a text that changes along its length (code, then prose)
+        varies between stretches, which the sample does not draw from, and a spread about the mean
+        would count it."""
+        pieces = len(index) // WINDOW_BYTES
+        if pieces < 2:
+            return self._sums(index, scale), [0.0] * len(self._coded)
+        whole = pieces * WINDOW_BYTES
+        sums, errors = [], []
+        for table in self._coded:
+            taken = table.take(index)
+            per_piece = np.add.reduce(taken[:whole].reshape(pieces, WINDOW_BYTES), axis=1)
+            sums.append(complex(np.add.reduce(per_piece) + np.add.reduce(taken[whole:])) * scale)
+            steps = np.diff(per_piece.real)
+            errors.append(scale * math.sqrt(pieces * float(np.dot(steps, steps)) / (2 * len(steps))))
+        return sums, errors
 
     def _envelope(
         self,
@@ -145,20 +176,31 @@ class FastEstimator:
         texts: int,
         features: Sample,
         stretches: Sequence[float],
+        *,
         strays: list[complex] | None = None,
+        errors: list[float] | None = None,
     ) -> TextBand:
         """The band over every calibration, from each one's weighted pair sum and width (plus the runs
-        of whitespace, in plain Python: a few products cost less than a numpy call) and what its
-        stray runs and blobs were priced at."""
+        of whitespace, in plain Python: a few products cost less than a numpy call), what its
+        stray runs and blobs were priced at, and the sampling error of a text read through windows."""
         if any(stretches):
             runs = self._stretch_values
             sums = [_plus_runs(total, stretches, values) for total, values in zip(sums, runs, strict=True)]
         priced = [total.real for total in strays] if strays else [0.0] * len(sums)
+        errors = errors or [0.0] * len(sums)
         if len(sums) == 1:
-            return _band(self.calibration, sums[0].real, sums[0].imag, texts, features, stray_price=priced[0])
+            return _band(
+                self.calibration,
+                sums[0].real,
+                sums[0].imag,
+                texts,
+                features,
+                stray_price=priced[0],
+                sampling_error=errors[0],
+            )
         bands = [
-            _band(c, total.real, total.imag, texts, features, stray_price=stray)
-            for c, total, stray in zip(self.calibrations, sums, priced, strict=True)
+            _band(c, total.real, total.imag, texts, features, stray_price=stray, sampling_error=error)
+            for c, total, stray, error in zip(self.calibrations, sums, priced, errors, strict=True)
         ]
         low = min(b.low for b in bands)
         high = max(b.high for b in bands)
@@ -179,26 +221,36 @@ def _estimator_for(calibrations: tuple[Calibration, ...]) -> FastEstimator:
 
 
 def _band(
-    c: Calibration, weighted: float, width: float, texts: int, features: Sample, *, stray_price: float = 0.0
+    c: Calibration,
+    weighted: float,
+    width: float,
+    texts: int,
+    features: Sample,
+    *,
+    stray_price: float = 0.0,
+    sampling_error: float = 0.0,
 ) -> TextBand:
     """The band from the weighted pair sum and its width; `features` gives the sizes, emoji, trap
     bytes and stray runs and blobs (its pairs are not read), which the weights priced at
-    `stray_price`."""
+    `stray_price`; `sampling_error` is the standard error of a sum read through windows."""
     emoji = features.fourbyte
     linear = c.per_text * texts + weighted
     regular = linear - emoji * c.fourbyte_mean
     tokens = linear + features.blob_bytes * c.trap_density + features.run_bytes * c.run_density
     band = c.band_for(regular)
+    # The fit's error and the sampling's are independent: they add in quadrature.
+    under = math.hypot(width * band.under, SAMPLING_Z * sampling_error)
+    over = math.hypot(width * band.over, SAMPLING_Z * sampling_error)
     high = (
         regular
-        + width * band.under
+        + under
         + c.absolute_error
         + emoji * c.fourbyte_max
         + features.trap_bytes * c.max_tokens_per_byte
     )
     low = (
         regular
-        - width * band.over
+        - over
         - c.absolute_error
         + emoji * c.fourbyte_min
         + features.trap_bytes / c.max_piece_bytes

@@ -23,9 +23,10 @@ URLs their case changes and slashes, emoji and rare scripts their lead bytes and
 are what the request body's JSON decodes to, so a tool result's own JSON is seen as JSON, never the
 body's escapes.
 
-Texts up to FULL_SCAN_BYTES are read whole; longer ones through a fixed number of evenly spaced
-windows, so the cost is the same for 100 KB and 100 MB (a long non-ASCII text is sampled as
-characters, so it is not even encoded whole). A window that looks like a trap (base64, hex: ASCII with
+Texts up to FULL_SCAN_BYTES are read whole; longer ones through a fixed number of windows, one at a
+random place in each of as many equal stretches of the text, drawn afresh for every read, so the cost
+is the same for 100 KB and 100 MB (a long non-ASCII text is sampled as characters, so it is not even
+encoded whole). A window that looks like a trap (base64, hex: ASCII with
 almost no whitespace or JSON punctuation and many digits and capitals; or a run of one character) is
 left out of the counts and only its size is reported: no weight fitted on real text says what such a
 stretch costs, so the estimator gives it a wide band. Runs and blobs no trap window holds are found
@@ -34,6 +35,7 @@ byte by byte (`stray_stretches`) and stay in the counts; the band's high takes t
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -146,6 +148,15 @@ def pair_table(
 
 WINDOWS = 32
 WINDOW_BYTES = 256
+# Where the windows of a long text fall: at a random place in each of WINDOWS equal stretches of it,
+# drawn afresh for every read. Windows at fixed places (evenly spaced from the first character to the
+# last, before 2026-12-06) let a client put cheap text where they fall and costly text between them:
+# 120 KB of random characters with prose at the 32 places read as 22k tokens for 89k-114k, so the
+# gate reserved a fifth of the KV the engine then took, and a 34k-token text of CJK characters with
+# English at the places read as 8.6k. Drawn at random, a window lands in whatever fills its share of
+# its stretch, so the read is unbiased whatever the text's layout; drawn afresh, a text that happened
+# to read short reads otherwise when it is sent again. The tests seed it (tests/conftest.py).
+WINDOW_RANDOM = random.Random()
 # Texts up to this size are read whole: past it, ordinary text is about 24k tokens or more, beyond
 # the thresholds, so what sampling could miss there can only add to a total that is already too long.
 FULL_SCAN_BYTES = 96 * 1024
@@ -250,10 +261,10 @@ class Sample:
     strays: float = 0.0
     # Bytes of a sampled text whose kind no window showed: between a trap window and an ordinary one.
     unsure_bytes: float = 0.0
-    # Bytes a long non-ASCII text sampled as characters may hold beyond `size`: `size` gives every
-    # window an equal share of the text, so the two at its ends stand for more than the text they sit
-    # in (256 base64 characters before 32k three-byte ones weigh 1/32 of the text, not 1/130).
-    # Here each stretch between two windows is taken to be as wide as the wider of the two.
+    # Bytes a long non-ASCII text sampled as characters may hold beyond `size`, which is what its
+    # windows' characters weigh on average: each stretch between two windows taken to be as wide as
+    # the wider of the two (256 base64 characters at each end of 32k three-byte ones read 3% short
+    # when windows sat at both ends).
     wide_bytes: float = 0.0
 
     @property
@@ -292,26 +303,39 @@ def sample(text: str, whole: bool = False) -> Sample:
         return _sample(data, len(data), len(data), len(data))
     if text.isascii():
         # One byte per character: the size is known without encoding, and only windows are encoded.
-        read = text if len(text) <= FULL_SCAN_BYTES else "".join(_windows(text))
+        read = text if len(text) <= FULL_SCAN_BYTES else "".join(_windows(text, _window_starts(len(text))))
         return _sample(read.encode("ascii"), len(text), len(text), len(text))
     if len(text) <= ENCODE_CHARS:
         data = text.encode("utf-8", "surrogatepass")
         size = len(data)
-        read_bytes = data if size <= FULL_SCAN_BYTES else b"".join(_windows(data))
+        read_bytes = data if size <= FULL_SCAN_BYTES else b"".join(_windows(data, _window_starts(size)))
         return _sample(read_bytes, size, size, size)
-    windows = [window.encode("utf-8", "surrogatepass") for window in _windows(text)]
+    starts = _window_starts(len(text))
+    windows = [window.encode("utf-8", "surrogatepass") for window in _windows(text, starts)]
     data = b"".join(windows)
     estimated = len(text) * len(data) / (WINDOWS * WINDOW_BYTES)
-    gap_chars = (len(text) - WINDOWS * WINDOW_BYTES) / (WINDOWS - 1)
     widths = [len(window) / WINDOW_BYTES for window in windows]
-    wide = len(data) + gap_chars * sum(map(max, widths, widths[1:]))
+    # The text between two windows taken as wide as the wider of them; before the first and after the
+    # last, as that window.
+    ends = [start + WINDOW_BYTES for start in starts]
+    between = (start - end for end, start in zip(ends[:-1], starts[1:], strict=True))
+    gaps = [starts[0], *between, len(text) - ends[-1]]
+    beside = [widths[0], *map(max, widths, widths[1:]), widths[-1]]
+    wide = len(data) + sum(gap * width for gap, width in zip(gaps, beside, strict=True))
     return _sample(data, estimated, len(text), len(text) * UTF8_MAX_BYTES, max(0.0, wide - estimated))
 
 
-def _windows(sequence: _Sliceable) -> list[_Sliceable]:
-    """WINDOWS slices of WINDOW_BYTES items, evenly spaced from the start to the end."""
-    step = (len(sequence) - WINDOW_BYTES) / (WINDOWS - 1)
-    return [sequence[round(i * step) : round(i * step) + WINDOW_BYTES] for i in range(WINDOWS)]
+def _window_starts(length: int) -> list[int]:
+    """Where the windows of a sequence of `length` items (at least WINDOWS * WINDOW_BYTES) start: one
+    at a random place in each of WINDOWS equal stretches (see WINDOW_RANDOM)."""
+    stretch = length / WINDOWS
+    slack = stretch - WINDOW_BYTES
+    draw = WINDOW_RANDOM.random
+    return [int(i * stretch + draw() * slack) for i in range(WINDOWS)]
+
+
+def _windows(sequence: _Sliceable, starts: list[int]) -> list[_Sliceable]:
+    return [sequence[start : start + WINDOW_BYTES] for start in starts]
 
 
 _NO_STRETCHES = (0,) * len(STRETCHES)
