@@ -150,24 +150,26 @@ class FastEstimator:
 
     def _sampled_sums(self, index: PairIndex, scale: float) -> tuple[list[complex], list[float]]:
         """`_sums` of a text read through windows, and per calibration the standard error of its
-        tokens. The windows' pieces of WINDOW_BYTES are a sample of the text, one at a random place in
-        each stretch (see `features.WINDOW_RANDOM`), so a sum over n of them, scaled, is off by about
-        scale * sqrt(n) * the spread of a piece within its stretch. That spread is taken from the
-        differences between neighbouring pieces, half their mean square (the successive-difference
-        estimate of a systematic sample): a text that changes along its length (code, then prose)
-        varies between stretches, which the sample does not draw from, and a spread about the mean
-        would count it."""
-        pieces = len(index) // WINDOW_BYTES
-        if pieces < 2:
+        tokens. The windows are a sample of the text, one at a random place in each stretch (see
+        `features.WINDOW_RANDOM`), so a sum over n of them, scaled, is off by about scale * sqrt(n) *
+        the spread of a window within its stretch. That spread is taken from the differences between
+        neighbouring windows, half their mean square (the successive-difference estimate of a
+        systematic sample): a text that changes along its length (code, then prose) varies between
+        stretches, which the sample does not draw from, and a spread about the mean would count it.
+        A long non-ASCII text's windows are 256 characters, several pieces of WINDOW_BYTES each: its
+        pieces are summed by as many as a window spans on average."""
+        span = max(1, round(len(index) / (WINDOWS * WINDOW_BYTES))) * WINDOW_BYTES
+        units = len(index) // span
+        if units < 2:
             return self._sums(index, scale), [0.0] * len(self._coded)
-        whole = pieces * WINDOW_BYTES
+        whole = units * span
         sums, errors = [], []
         for table in self._coded:
             taken = table.take(index)
-            per_piece = np.add.reduce(taken[:whole].reshape(pieces, WINDOW_BYTES), axis=1)
-            sums.append(complex(np.add.reduce(per_piece) + np.add.reduce(taken[whole:])) * scale)
-            steps = np.diff(per_piece.real)
-            errors.append(scale * math.sqrt(pieces * float(np.dot(steps, steps)) / (2 * len(steps))))
+            per_unit = np.add.reduce(taken[:whole].reshape(units, span), axis=1)
+            sums.append(complex(np.add.reduce(per_unit) + np.add.reduce(taken[whole:])) * scale)
+            steps = np.diff(per_unit.real)
+            errors.append(scale * math.sqrt(units * float(np.dot(steps, steps)) / (2 * len(steps))))
         return sums, errors
 
     def _envelope(
@@ -248,13 +250,7 @@ def _band(
         + emoji * c.fourbyte_max
         + features.trap_bytes * c.max_tokens_per_byte
     )
-    low = (
-        regular
-        - over
-        - c.absolute_error
-        + emoji * c.fourbyte_min
-        + features.trap_bytes / c.max_piece_bytes
-    )
+    low = regular - over - c.absolute_error + emoji * c.fourbyte_min + features.trap_bytes / c.max_piece_bytes
     if features.strays:
         # The weights priced stray runs and blobs as ordinary text: the high takes them at their most.
         most = c.stray_max(features.stray_runs, features.stray_bytes, features.strays)
