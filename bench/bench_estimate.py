@@ -7,7 +7,8 @@
    character, held-out text; pieces of 16 bytes to 46 KB, put together as the property tests do).
    Long texts, read through windows at random places, 100 reads each: how far the estimate moves from
    read to read and whether the band holds the count, on held-out texts and on texts laid out around
-   the fixed places the windows had before 2026-12-06 (prose there, costly text between).
+   the fixed places the windows had before 2026-12-06 (prose there, costly text between). The trace
+   replay's first 1,500 prompts as its gate reads them: exact counts, CPU, error.
 2. Class errors in auto mode (fast, exact only near a threshold) on held-out requests whose totals
    sit just under and just over each threshold; and without a tokenizer, requests on the unsafe side.
 3. Decision cost in auto mode against always counting exactly, on two request mixes.
@@ -36,6 +37,8 @@ from pathlib import Path
 import mistral_common
 
 from kvgate.config import ModelConfig
+from kvgate.demo.tokenizer import prompt_blocks, tokenizer_file
+from kvgate.demo.trace import read_trace, trace_file
 from kvgate.estimate import PromptCosts, build_estimator, calibration, local_estimator
 from kvgate.estimate.estimator import Estimator
 from kvgate.estimate.exact import TokenizerFile, load_counter
@@ -68,6 +71,12 @@ TRAP_TEXTS = 600
 # Long held-out texts (past FULL_SCAN_BYTES: read through windows) and how many reads of each.
 LONG_CHARS = (120_000, 200_000)
 WINDOW_DRAWS = 100
+# The trace replay's prompts, with what its scenario (src/kvgate/demo/scenarios/trace.yaml) gives the
+# gate: the nodes' tokenizer, interactive_max_tokens and max_total_tokens.
+TRACE = "mooncake_conversation_first_half"
+TRACE_TOKENIZER = "tekken_240911.json"
+TRACE_LIMITS = (4096, 131072)
+TRACE_REQUESTS = 1500
 CASE_SIZES = (500, 4000, 16000, 32000)
 # Where a case's exact total lands relative to a threshold.
 OFFSETS = (-0.08, -0.03, -0.01, -0.002, 0.002, 0.01, 0.03, 0.08)
@@ -471,11 +480,38 @@ def window_draws() -> None:
         )
 
 
+def trace_prompts() -> None:
+    """The Mooncake replay's first prompts as the gate of `kvgate demo --trace` reads them (its
+    tokenizer, its thresholds): how many are read through windows, how many counted exactly, the
+    CPU a request and the fast estimate's error."""
+    requests = read_trace(trace_file(TRACE))[:TRACE_REQUESTS]
+    blocks = prompt_blocks(TRACE_TOKENIZER)
+    estimator = local_estimator(tokenizer_file(TRACE_TOKENIZER), PromptCosts())
+    sampled = exact = 0
+    errors, cpu_s = [], 0.0
+    for request in requests:
+        prompt = blocks.prompt(request.hash_ids, request.input_tokens)
+        sampled += len(prompt) > FULL_SCAN_BYTES
+        shape = _shape((prompt,), request.output_tokens)
+        started = time.process_time()
+        estimate = estimator.estimate_sync(shape, TRACE_LIMITS)
+        cpu_s += time.process_time() - started
+        exact += estimate.method == "exact"
+        if estimate.method == "fast":
+            errors.append(estimate.prompt_tokens / request.input_tokens - 1)
+    print(
+        f"{TRACE} prompts ({TRACE_TOKENIZER}, thresholds {TRACE_LIMITS}): {len(requests)} requests, "
+        f"{sampled} read through windows, {exact} counted exactly, {_ms(cpu_s / len(requests))} a request; "
+        f"fast error mean {statistics.mean(errors):+.1%}, sd {statistics.pstdev(errors):.1%}"
+    )
+
+
 def main() -> None:
     print(f"thresholds {LIMITS}; default output budget {MODEL.default_output_tokens}")
     fast_read_costs()
     fast_errors()
     window_draws()
+    trace_prompts()
     trap_bands()
     class_errors_all()
     for path in (TOKENIZER, TOKENIZERS["tekken 240718"]):
