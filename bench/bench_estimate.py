@@ -440,9 +440,9 @@ def fast_read_costs() -> None:
     )
 
 
-def _laid_out(length: int, place: str, rest: str) -> str:
+def laid_out_around_fixed_windows(length: int, place: str, rest: str) -> str:
     """`rest` repeated to `length` characters, with `place` where the windows sat before 2026-12-06
-    (WINDOWS places evenly spaced from the first character to the last)."""
+    (WINDOWS places evenly spaced from the first character to the last). The tests use it too."""
     chars = list((rest * (length // len(rest) + 1))[:length])
     step = (length - WINDOW_BYTES) / (WINDOWS - 1)
     for i in range(WINDOWS):
@@ -465,8 +465,8 @@ def window_draws() -> None:
         (f"{kind} {size // 1000}k chars", (text(kind) * 5)[:size]) for kind in KINDS for size in LONG_CHARS
     ]
     bodies += [
-        ("random chars, English at 32 places", _laid_out(120_000, prose, scattered)),
-        ("CJK, English at 32 places", _laid_out(40_000, prose, "中文字")),
+        ("random chars, English at 32 places", laid_out_around_fixed_windows(120_000, prose, scattered)),
+        ("CJK, English at 32 places", laid_out_around_fixed_windows(40_000, prose, "中文字")),
     ]
     for name, body in bodies:
         exact = count(body)

@@ -13,6 +13,7 @@ from corpus.cases import KINDS, text
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench.bench_estimate import laid_out_around_fixed_windows
 from kvgate.errors import ConfigError
 from kvgate.estimate import calibration
 from kvgate.estimate import fast as fast_module
@@ -307,17 +308,6 @@ def test_a_sampled_text_takes_the_bytes_between_trap_and_ordinary_windows_at_the
     assert band.low <= counter.count(piece) <= band.high
 
 
-def _laid_out_around_even_windows(length: int, place: str, rest: str) -> str:
-    """`rest` repeated to `length` characters, with `place` at the 32 places where the windows of a
-    long text sat before 2026-12-06 (evenly spaced from the first character to the last)."""
-    chars = list((rest * (length // len(rest) + 1))[:length])
-    step = (length - WINDOW_BYTES) / (WINDOWS - 1)
-    for i in range(WINDOWS):
-        start = round(i * step)
-        chars[start : start + WINDOW_BYTES] = (place * WINDOW_BYTES)[:WINDOW_BYTES]
-    return "".join(chars)
-
-
 def test_a_long_text_cannot_be_laid_out_around_its_windows(fast: FastEstimator, sp_model_path: Path) -> None:
     """Prose where the windows would fall and costly text between them: at fixed places the 120 KB
     below read as 22k tokens for 89k, and the gate reserved a fifth of the KV the engine took. The
@@ -327,8 +317,8 @@ def test_a_long_text_cannot_be_laid_out_around_its_windows(fast: FastEstimator, 
     rng = random.Random(1)
     scattered = "".join(chr(rng.randrange(33, 127)) if i % 7 else " " for i in range(5003))
     pieces = {
-        "random characters": _laid_out_around_even_windows(120_000, prose, scattered),
-        "CJK characters (sampled as characters)": _laid_out_around_even_windows(40_000, prose, "中文字"),
+        "random characters": laid_out_around_fixed_windows(120_000, prose, scattered),
+        "CJK characters (sampled as characters)": laid_out_around_fixed_windows(40_000, prose, "中文字"),
     }
     for label, piece in pieces.items():
         exact = counter.count(piece)
