@@ -113,9 +113,9 @@ def trap_texts(draw: st.DrawFn) -> str:
 # Found by this test: the 4 emoji kept the only whole window from being taken for a blob, and the
 # base64 after them was priced as ordinary text (323 tokens, above a high of 321).
 @example(_emoji(16) + _blob(362), 0)
-# Found by this test: the windows of a long non-ASCII text give each an equal share of it, so the
-# base64 at both ends stood for 1/16 of the text and the size came out 3% short (95,680 bytes of
-# 98,816), and the high with it (98,158 tokens for 98,734).
+# Found by this test (2026-12-05, when a long text's windows sat at fixed places, two at its ends):
+# the base64 at both ends of a long non-ASCII text stood for 1/16 of it, its size came out 3% short
+# (95,680 bytes of 98,816), and the high with it (98,158 tokens for 98,734).
 @example(_blob(256) + "\u09ba" * 32768 + _blob(256), 0)
 def test_traps_never_make_a_too_long_request_look_short(
     counter: TokenCounter, estimator: Estimator, body: str, budget: int

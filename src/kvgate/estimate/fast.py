@@ -65,7 +65,7 @@ from kvgate.estimate.features import (
 _DIRECT_CHARS = FULL_SCAN_BYTES // UTF8_MAX_BYTES
 # A text read through windows is read from a random sample of it: its band reaches this many standard
 # errors of that sample's sum further on each side (one side is past it about once in 740 reads of a
-# text whose windows' pieces vary normally).
+# text whose windows vary normally).
 SAMPLING_Z = 3.0
 
 

@@ -151,14 +151,16 @@ WINDOW_BYTES = 256
 # Where the windows of a long text fall: at a random place in each of WINDOWS equal stretches of it,
 # drawn afresh for every read. Windows at fixed places (evenly spaced from the first character to the
 # last, before 2026-12-06) let a client put cheap text where they fall and costly text between them:
-# 120 KB of random characters with prose at the 32 places read as 22k tokens for 89k-114k, so the
-# gate reserved a fifth of the KV the engine then took, and a 34k-token text of CJK characters with
-# English at the places read as 8.6k. Drawn at random, a window lands in whatever fills its share of
-# its stretch, so the read is unbiased whatever the text's layout; drawn afresh, a text that happened
-# to read short reads otherwise when it is sent again. The tests seed it (tests/conftest.py).
+# 120 KB of random characters with English at the 32 places read as 33,864 tokens for 89,445, so the
+# gate reserved 2.6 times less KV than the engine then took, and 40,000 CJK characters laid out the
+# same way as 11,288 for 34,112 (docs/estimation.md). Drawn at random, a window lands in whatever
+# fills its share of its stretch, so the read is unbiased whatever the text's layout; drawn afresh, a
+# text that happened to read short reads otherwise when it is sent again. The tests seed it
+# (tests/conftest.py).
 WINDOW_RANDOM = random.Random()
 # Texts up to this size are read whole: past it, ordinary text is about 24k tokens or more, beyond
-# the thresholds, so what sampling could miss there can only add to a total that is already too long.
+# the interactive threshold, and a sample of it is unbiased (WINDOW_RANDOM) with its error in the band
+# (fast.SAMPLING_Z).
 FULL_SCAN_BYTES = 96 * 1024
 # Non-ASCII texts up to this many characters are encoded whole, so their byte size is exact; longer
 # ones are sampled as characters and only the windows are encoded.
