@@ -440,15 +440,27 @@ def fast_read_costs() -> None:
     )
 
 
-def laid_out_around_fixed_windows(length: int, place: str, rest: str) -> str:
+def _laid_out(length: int, place: str, rest: str) -> str:
     """`rest` repeated to `length` characters, with `place` where the windows sat before 2026-12-06
-    (WINDOWS places evenly spaced from the first character to the last). The tests use it too."""
+    (WINDOWS places evenly spaced from the first character to the last)."""
     chars = list((rest * (length // len(rest) + 1))[:length])
     step = (length - WINDOW_BYTES) / (WINDOWS - 1)
     for i in range(WINDOWS):
         start = round(i * step)
         chars[start : start + WINDOW_BYTES] = (place * WINDOW_BYTES)[:WINDOW_BYTES]
     return "".join(chars)
+
+
+def laid_out_texts() -> dict[str, str]:
+    """Held-out English at the fixed places and costly text between: random characters (ASCII, read
+    through byte windows) and CJK (read through character windows). The tests read them too."""
+    rng = random.Random(1)
+    scattered = "".join(chr(rng.randrange(33, 127)) if i % 7 else " " for i in range(5003))
+    prose = text("english")[:WINDOW_BYTES]
+    return {
+        "random chars, English at 32 places": _laid_out(120_000, prose, scattered),
+        "CJK, English at 32 places": _laid_out(40_000, prose, "中文字"),
+    }
 
 
 def window_draws() -> None:
@@ -458,16 +470,10 @@ def window_draws() -> None:
     count = counter_for(TOKENIZER)
     print(f"long texts read through windows, {WINDOW_DRAWS} reads each (sentencepiece v3):")
     print(f"  {'text':34} {'exact':>7} {'mean':>6} {'sd':>5} {'band ±':>7} {'outside':>7}")
-    rng = random.Random(1)
-    scattered = "".join(chr(rng.randrange(33, 127)) if i % 7 else " " for i in range(5003))
-    prose = text("english")[:WINDOW_BYTES]
     bodies = [
         (f"{kind} {size // 1000}k chars", (text(kind) * 5)[:size]) for kind in KINDS for size in LONG_CHARS
     ]
-    bodies += [
-        ("random chars, English at 32 places", laid_out_around_fixed_windows(120_000, prose, scattered)),
-        ("CJK, English at 32 places", laid_out_around_fixed_windows(40_000, prose, "中文字")),
-    ]
+    bodies += laid_out_texts().items()
     for name, body in bodies:
         exact = count(body)
         bands = [fast.estimate(body) for _ in range(WINDOW_DRAWS)]
