@@ -1,0 +1,52 @@
+"""gRPC's transport: kvgate's processes turn EventEngine's TCP listener and client off before grpc is
+imported, and an operator's own choice in GRPC_EXPERIMENTS stands (kvgate.grpc_transport)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvgate.grpc_transport import VARIABLE, choose_transport
+
+OFF = "-event_engine_listener,-event_engine_client"
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        (None, OFF),
+        ("", OFF),
+        ("tcp_rcv_lowat", f"tcp_rcv_lowat,{OFF}"),
+        (" tcp_rcv_lowat , ", f"tcp_rcv_lowat,{OFF}"),
+        ("event_engine_listener", "event_engine_listener"),
+        ("-event_engine_client", "-event_engine_client"),
+        ("tcp_rcv_lowat,event_engine_client", "tcp_rcv_lowat,event_engine_client"),
+    ],
+)
+def test_the_experiments_are_turned_off_unless_the_operator_named_one(before: str | None, after: str) -> None:
+    environ = {} if before is None else {VARIABLE: before}
+    choose_transport(environ)
+    assert environ[VARIABLE] == after
+
+
+def _experiments_seen_by(module: str, environ: dict[str, str]) -> str:
+    """GRPC_EXPERIMENTS as a fresh interpreter has it once `module` is imported, and that grpc was
+    imported by then (so the choice came first)."""
+    program = (
+        f"import os, sys, {module}; assert 'grpc' in sys.modules; print(os.environ.get({VARIABLE!r}, ''))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], check=False, env=environ, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+@pytest.mark.parametrize("module", ["kvgate.gate.server", "kvgate.agent.server", "kvgate.queue.service"])
+def test_a_kvgate_process_chooses_before_grpc_is_imported(module: str) -> None:
+    environ = {"PATH": "/usr/bin:/bin"}
+    assert _experiments_seen_by(module, environ) == OFF
+    chosen = {**environ, VARIABLE: "event_engine_listener"}
+    assert _experiments_seen_by(module, chosen) == "event_engine_listener"
