@@ -31,12 +31,23 @@ def test_the_experiments_are_turned_off_unless_the_operator_named_one(before: st
     assert environ[VARIABLE] == after
 
 
+# Records GRPC_EXPERIMENTS at the moment grpc is first imported, which is when gRPC reads it.
+_WATCH_GRPC_IMPORT = """
+import os, sys
+seen = []
+class Watch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "grpc" and not seen:
+            seen.append(os.environ.get({variable!r}, ""))
+sys.meta_path.insert(0, Watch())
+import {module}
+print(seen[0])
+"""
+
+
 def _experiments_seen_by(module: str, environ: dict[str, str]) -> str:
-    """GRPC_EXPERIMENTS as a fresh interpreter has it once `module` is imported, and that grpc was
-    imported by then (so the choice came first)."""
-    program = (
-        f"import os, sys, {module}; assert 'grpc' in sys.modules; print(os.environ.get({VARIABLE!r}, ''))"
-    )
+    """GRPC_EXPERIMENTS as it was when importing `module` in a fresh interpreter first imported grpc."""
+    program = _WATCH_GRPC_IMPORT.format(variable=VARIABLE, module=module)
     done = subprocess.run(
         [sys.executable, "-c", program], check=False, env=environ, capture_output=True, text=True
     )

@@ -6,10 +6,10 @@ grpcio 1.85 serves and dials TCP through its EventEngine by default (the `event_
 at 001107da, both `default: true` in rollouts.yaml at 00dd7bb). There a message into a grpc.aio
 process wakes three of its threads: an EventEngine thread reads the socket, grpc.aio's poller thread
 takes the completion, and the event loop runs it. With iomgr's transport the poller thread reads the
-socket itself. Measured on this project's 2-core VM (`python -m bench floor`, its "one unary call"
-line; 19 calls a second): a bare grpc.aio server took 13.9 wake-ups and 0.88-0.91 ms of CPU a call
-with EventEngine, 7.1 and 0.70-0.74 ms without; its client 9.5 and 4.0 wake-ups. On the Mooncake
-replay that is the gate's and every agent's CPU (docs/benchmarks.md, "gRPC's transport").
+socket itself. Measured on this project's 2-core VM (docs/benchmarks.md, "gRPC's transport"): a bare
+grpc.aio server's threads woke 13.7 times a unary call with EventEngine and 7.2 without (`python -m
+bench floor`); Envoy's ext_proc messages cost the gate 2.40 ms of CPU a request instead of 2.74 there,
+and an agent's Reserve, FirstToken and Release 0.50 ms instead of 0.71 (`python -m bench agent`).
 
 gRPC reads GRPC_EXPERIMENTS once, when `grpc` is first imported (setting it after that import
 changed nothing, measured), so `kvgate/__init__.py` calls `choose_transport` before any kvgate module
