@@ -295,3 +295,38 @@ def test_client_abort_releases_the_reservation(
         assert wait_reserved(agent_port, lambda r: r == 0, 6) == 0, (
             "an aborted request releases its reservation"
         )
+
+
+@ENVOY_FILES
+def test_sigterm_waits_for_a_reserved_request_and_releases_it_when_it_ends(
+    tmp_path: Path,
+    sp_model_path: Path,
+    long_body: bytes,
+    pools: tuple[dict[str, int], Upstreams],
+    envoy_file: str,
+) -> None:
+    """A request holding a reservation keeps its gate stream to the end (the end releases it): a gate
+    told to stop while the engine still answers it waits for that end, then gives the room back."""
+    pool_ports, upstreams = pools
+    with ExitStack() as stack:
+        agent = node_with_40k_tokens(stack, tmp_path, pool_ports)
+        ports = dict(pool_ports, listener=free_port(), gate=free_port(), admin=free_port())
+        config_path = render_envoy(ROOT / "envoy" / envoy_file, tmp_path / "envoy.yaml", ports)
+        envoy = envoy_process(config_path, tmp_path, ports["admin"], ports["listener"])
+        stack.callback(envoy.stop)
+        config = "server: {drain_seconds: 20}\n" + gate_config(sp_model_path, [agent.port])
+        gate = stack.enter_context(gate_process(config, tmp_path, ports["gate"]))
+        replies: list[Reply] = []
+        worker = threading.Thread(
+            target=lambda: replies.extend(burst(ports["listener"], long_body, 1, delay="3"))
+        )
+        worker.start()
+        until(lambda: upstreams.in_flight.get("long", 0) > 0, "the request at the long pool")
+        assert wait_reserved(agent.port, lambda r: r > 0, PATIENCE_S) > 0, "reserved while in flight"
+        gate.signal(signal.SIGTERM)
+        code = gate.process.wait(30)
+        assert upstreams.in_flight["long"] == 0, "the gate stopped only once the request had ended"
+        worker.join(30)
+        assert code == 0, gate.log()
+        assert [r.status for r in replies] == [200]
+        assert wait_reserved(agent.port, lambda r: r == 0, PATIENCE_S) == 0, "released at its end"

@@ -195,9 +195,86 @@ def test_gzip_bodies_are_offloaded_and_understood() -> None:
 
 
 def test_other_phases_get_a_matching_empty_answer() -> None:
+    # Trailers that follow a streamed body, before the gate has its last piece (and so its answer).
     trailers = ProcessingRequest(request_trailers=HttpTrailers())
-    _, _, last = drive(make_processor(), [headers(), body(chat("hi")), trailers])
+    _, _, last = drive(make_processor(), [headers(), body(chat("hi"), end=False), trailers])
     assert last.WhichOneof("response") == "request_trailers"
+
+
+def follow_stream(
+    processor: ExternalProcessor, messages: Sequence[ProcessingRequest]
+) -> tuple[list[ProcessingResponse], bool]:
+    """The answers to `messages` sent on a stream Envoy keeps open after them (as it does until the
+    HTTP request ends), and whether the gate ended the stream itself before Envoy did."""
+
+    async def run() -> tuple[list[ProcessingResponse], bool]:
+        envoy_ends = asyncio.Event()
+        asked_for_more = asyncio.Event()
+
+        async def requests() -> AsyncIterator[ProcessingRequest]:
+            for message in messages:
+                yield message
+            asked_for_more.set()
+            await envoy_ends.wait()
+
+        answers: list[ProcessingResponse] = []
+
+        async def read() -> None:
+            async for answer in processor.Process(requests(), StreamContext(())):  # type: ignore[arg-type]
+                answers.append(answer)
+
+        reading = asyncio.ensure_future(read())
+        # Each message is answered before the next is read: after the last one's answers, the gate
+        # either ends its stream or asks Envoy for the next message.
+        asking = asyncio.ensure_future(asked_for_more.wait())
+        await asyncio.wait((reading, asking), return_when=asyncio.FIRST_COMPLETED)
+        ended_by_gate = reading.done()
+        envoy_ends.set()
+        asking.cancel()
+        await reading
+        await processor.drain_agent_calls()
+        return answers, ended_by_gate
+
+    return asyncio.run(asyncio.wait_for(run(), 10))
+
+
+def test_a_request_that_holds_nothing_ends_its_stream_once_answered() -> None:
+    # Two round trips: routed on the body; decided on the headers (no body; a path the gate skips).
+    for messages in ([headers(), body(chat("hi"))], [headers("/v1/models", end=True)], [headers("/x")]):
+        answers, ended_by_gate = follow_stream(make_processor(), messages)
+        assert len(answers) == len(messages) and ended_by_gate, messages
+    # One round trip, and a refusal.
+    answers, ended_by_gate = follow_stream(make_processor(), [one_trip_body(chat("hi"))])
+    assert ended_by_gate and set_headers(answers[0])["x-kvgate-pool"] == "interactive"
+    answers, ended_by_gate = follow_stream(make_processor(), [headers(), body(b"{not json")])
+    assert ended_by_gate and answers[-1].immediate_response.status.code == 400
+
+
+def test_a_stream_still_waiting_for_its_body_is_not_ended() -> None:
+    for messages in ([headers()], [headers(), body(chat("hi"), end=False)]):
+        answers, ended_by_gate = follow_stream(make_processor(), messages)
+        assert len(answers) == len(messages) and not ended_by_gate, messages
+
+
+def test_a_reserved_request_keeps_its_stream_until_envoy_ends_it_and_is_released_then(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    released: list[bool] = []
+    ended = []
+
+    async def release(_generated_tokens: int) -> None:
+        released.append(True)
+
+    async def reserved(self: Pipeline, head: Any, data: bytes) -> Outcome:
+        granted = Reserved("r-1", 9000, 0, release, never_moved, no_first_token)
+        return Outcome(Route("long", Reason.LONG, 9000, "node-a.engine:8000"), reserved=granted)
+
+    monkeypatch.setattr(Pipeline, "on_body", reserved)
+    answers, ended_by_gate = follow_stream(make_processor(), [headers(), body(chat("hi"))])
+    ended.append(ended_by_gate)
+    assert set_headers(answers[-1])["x-kvgate-pool"] == "long"
+    assert ended == [False], "the stream's end is the request's end, which releases the reservation"
+    assert released == [True]
 
 
 def test_a_span_per_decision_joins_envoys_trace() -> None:
@@ -320,21 +397,23 @@ def test_any_message_sequence_gets_a_defined_answer(sequence: list[ProcessingReq
             json.loads(answer.immediate_response.body)
 
 
-def test_a_piece_after_a_refused_gzip_body_is_still_collected() -> None:
-    """A body the gate could not inflate is refused; a stray piece after it (no Envoy sends one, the
-    fuzz above did) must not find the pieces' buffer pinned by the refusal's traceback."""
+def test_a_stream_ends_at_its_refusal_and_a_stray_piece_after_it_is_not_read() -> None:
+    """A body the gate could not inflate is refused, and the stream ends there: a stray piece after it
+    (no Envoy sends one, the fuzz above did) is never read, so it cannot find the pieces' buffer
+    pinned by the refusal's traceback."""
     sequence = [
         headers(**{"content-type": "application/json", "content-encoding": "gzip"}),
         body(b"\x00", end=False),
         body(b"", end=True),
         body(b"\x00", end=False),
     ]
+    _, ended_by_gate = follow_stream(make_processor(), sequence[:3])
+    assert ended_by_gate
     answers = drive(make_processor(), sequence)
     assert [a.WhichOneof("response") for a in answers] == [
         "request_headers",
         "request_body",
         "immediate_response",
-        "request_body",
     ]
     assert set_headers(answers[2])["x-kvgate-reason"] == "invalid_request"
 

@@ -240,8 +240,9 @@ static_resources:
           "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
           explicit_http_config:
             http2_protocol_options: {}
-      # Every request in flight holds an ext_proc stream; past Envoy's default 1,024 every further
-      # request would fail open (cluster/v3/circuit_breaker.proto, Envoy v1.40).
+      # A request holds an ext_proc stream while decided, and while in flight when it holds a
+      # reservation; past Envoy's default 1,024 streams every further request would fail open
+      # (cluster/v3/circuit_breaker.proto, Envoy v1.40).
       circuit_breakers:
         thresholds:
           - max_connections: {{ int64 $envoy.gateCircuitBreaker.maxConnections }}

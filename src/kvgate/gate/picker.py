@@ -146,6 +146,11 @@ class EndpointPicker(ExternalProcessor):
     def _new_stream(self) -> PickerStream:
         return PickerStream()
 
+    def _done_with(self, stream: RequestStream) -> bool:
+        # The picker hands the body back and reads the answer (its first token, its usage): every
+        # stream runs to the end of the response.
+        return False
+
     async def _respond(
         self, message: ProcessingRequest, kind: str | None, stream: RequestStream
     ) -> list[ProcessingResponse]:

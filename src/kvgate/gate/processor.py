@@ -20,6 +20,10 @@ and the stream ends there, its reservation, if any, released.
 
 A body whose answer takes long (a long request waiting for room) is held: the gate asks Envoy for more
 time before Envoy's message_timeout runs out (kvgate.gate.holding).
+
+A stream lives as long as the gate needs it: one whose request holds a reservation until Envoy ends it
+with the HTTP request (that end releases the reservation); any other ends once the request is
+answered (`_done_with`).
 """
 
 from __future__ import annotations
@@ -78,11 +82,24 @@ _PASS_THROUGH = {
 class RequestStream:
     """Per-request state between the headers and the body message."""
 
-    __slots__ = ("body", "buffered", "decided", "forged", "generated", "head", "learns", "reserved", "route")
+    __slots__ = (
+        "answered",
+        "body",
+        "buffered",
+        "decided",
+        "forged",
+        "generated",
+        "head",
+        "learns",
+        "reserved",
+        "route",
+    )
 
     def __init__(self) -> None:
         self.head: RequestHead | None = None
         self.decided: Decision | None = None
+        # The request has its final answer (its route or refusal): the gate needs no more messages.
+        self.answered = False
         self.forged: list[str] = []
         self.body = bytearray()
         self.reserved: Reserved | None = None
@@ -203,17 +220,30 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
                         async with contextlib.aclosing(self._held(message, kind, stream)) as held:
                             async for response in held:
                                 yield response
-                        continue
-                    answers = await self._respond(message, kind, stream)
+                        answers = []
+                    else:
+                        answers = await self._respond(message, kind, stream)
                 except Exception as error:  # the stream's one error boundary (module docstring)
                     yield self._failed(error, message, kind, stream)
                     return
                 for answer in answers:
                     yield answer
+                if self._done_with(stream):
+                    return
         finally:
             # Envoy ends the stream when the HTTP request ends (completed, reset or aborted by the
             # client): that is when the reserved KV capacity is free again.
             self._release(stream)
+
+    def _done_with(self, stream: RequestStream) -> bool:
+        """Whether the stream can end now: its request is answered and holds no reservation, so the
+        gate needs nothing more from Envoy. Ending it here rather than when the HTTP request ends
+        spares the gate the message of that end (two wake-ups of its threads; docs/benchmarks.md,
+        "Ending a stream that holds nothing"). Envoy takes a server's close as the end of processing
+        for the rest of the request and response, which goes on (envoyproxy/envoy
+        source/extensions/filters/http/ext_proc/ext_proc.cc, Filter::onGrpcClose: "Successful close.
+        We can ignore the stream for the rest of our request and response processing")."""
+        return stream.answered and stream.reserved is None
 
     def _new_stream(self) -> RequestStream:
         return RequestStream()
@@ -301,6 +331,7 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
         decision = self._pipeline.on_headers(head)
         if decision is None:
             return responses.CONTINUE_HEADERS
+        stream.answered = True
         self._record(decision, "none", 0.0)
         if isinstance(decision, Refusal):
             return self._refuse(decision, head.api)
@@ -340,6 +371,7 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
             # follow (Envoy's request decompressor adds some).
             stream.body += message.body
             return responses.CONTINUE_BODY
+        stream.answered = True
         if stream.decided is not None:
             self._record(stream.decided, "none", 0.0)
             return self._answer_body(stream.decided, stream.head, stream, {})
