@@ -120,16 +120,15 @@ def front(
     name: str,
     *,
     envoy_file: str = "envoy.yaml",
-) -> int:
-    """An Envoy + gate pair sharing the upstream pools; returns the Envoy listener port."""
+) -> tuple[int, Service]:
+    """An Envoy + gate pair sharing the upstream pools: the Envoy listener port, and the gate."""
     ports = dict(pool_ports, listener=free_port(), gate=free_port(), admin=free_port())
     sub = tmp / name
     sub.mkdir()
     config_path = render_envoy(ROOT / "envoy" / envoy_file, sub / "envoy.yaml", ports)
     envoy = envoy_process(config_path, sub, ports["admin"], ports["listener"])
     stack.callback(envoy.stop)
-    stack.enter_context(gate_process(config, sub, ports["gate"]))
-    return ports["listener"]
+    return ports["listener"], stack.enter_context(gate_process(config, sub, ports["gate"]))
 
 
 @ENVOY_FILES
@@ -145,7 +144,7 @@ def test_burst_admits_only_what_fits_and_loses_nothing(
         agent = node_with_40k_tokens(stack, tmp_path, pool_ports)
         agent_port = agent.port
         config = gate_config(sp_model_path, [agent_port], max_wait_s=0.3)
-        listener = front(stack, tmp_path, pool_ports, config, "g1", envoy_file=envoy_file)
+        listener, _ = front(stack, tmp_path, pool_ports, config, "g1", envoy_file=envoy_file)
         replies = burst(listener, long_body, 5, delay=HOLD_S)
         agent_metrics = post(agent.metrics_port, "/metrics", None).body.decode()  # type: ignore[arg-type]
     statuses = sorted(r.status for r in replies)
@@ -182,7 +181,7 @@ def test_waiting_requests_are_admitted_as_capacity_frees(
         agent = node_with_40k_tokens(stack, tmp_path, pool_ports)
         agent_port = agent.port
         config = gate_config(sp_model_path, [agent_port], max_wait_s=5)
-        listener = front(stack, tmp_path, pool_ports, config, "g1", envoy_file=envoy_file)
+        listener, _ = front(stack, tmp_path, pool_ports, config, "g1", envoy_file=envoy_file)
         started = time.monotonic()
         replies = burst(listener, long_body, 5, delay="1.0")
         elapsed = time.monotonic() - started
@@ -201,7 +200,7 @@ def test_async_fallback(
         agent_port = agent.port
         # Without holding in the gate (tests/test_gate_holds.py): the wait's overflow goes async.
         config = gate_config(sp_model_path, [agent_port], max_wait_s=0.2, async_fallback=True, max_hold_s=0)
-        listener = front(stack, tmp_path, pool_ports, config, "g1")
+        listener, _ = front(stack, tmp_path, pool_ports, config, "g1")
         replies = burst(listener, long_body, 5, delay=HOLD_S)
     pools_hit = sorted(r.json()["pool"] for r in replies)
     assert pools_hit == ["async", "async", "long", "long", "long"]
@@ -215,7 +214,7 @@ def test_two_gates_cannot_over_admit_together(
         agent = node_with_40k_tokens(stack, tmp_path, pool_ports)
         agent_port = agent.port
         config = gate_config(sp_model_path, [agent_port], max_wait_s=0.2)
-        listeners = [front(stack, tmp_path, pool_ports, config, f"g{i}") for i in range(2)]
+        listeners = [front(stack, tmp_path, pool_ports, config, f"g{i}")[0] for i in range(2)]
         results: list[list[Reply]] = [[], []]
         threads = [
             threading.Thread(
@@ -241,7 +240,7 @@ def test_no_healthy_node_is_503_and_agent_restart_recovers(
     args = ["--capacity-tokens", "40000", "--safety-ratio", "1.0"]
     with ExitStack() as stack:
         agent: Service = agent_process(tmp_path, "node-a", agent_port, endpoint, args)
-        listener = front(
+        listener, _ = front(
             stack, tmp_path, pool_ports, gate_config(sp_model_path, [agent_port], max_wait_s=0.2), "g1"
         )
         assert post(listener, CHAT, long_body).status == 200
@@ -280,7 +279,7 @@ def test_client_abort_releases_the_reservation(
         agent = node_with_40k_tokens(stack, tmp_path, pool_ports)
         agent_port = agent.port
         config = gate_config(sp_model_path, [agent_port])
-        listener = front(stack, tmp_path, pool_ports, config, "g1", envoy_file=envoy_file)
+        listener, _ = front(stack, tmp_path, pool_ports, config, "g1", envoy_file=envoy_file)
         request = (
             f"POST {CHAT} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nx-test-delay: 10\r\n"
             f"content-length: {len(long_body)}\r\n\r\n"
@@ -310,16 +309,10 @@ def test_sigterm_waits_for_a_reserved_request_and_releases_it_when_it_ends(
     pool_ports, upstreams = pools
     with ExitStack() as stack:
         agent = node_with_40k_tokens(stack, tmp_path, pool_ports)
-        ports = dict(pool_ports, listener=free_port(), gate=free_port(), admin=free_port())
-        config_path = render_envoy(ROOT / "envoy" / envoy_file, tmp_path / "envoy.yaml", ports)
-        envoy = envoy_process(config_path, tmp_path, ports["admin"], ports["listener"])
-        stack.callback(envoy.stop)
         config = "server: {drain_seconds: 20}\n" + gate_config(sp_model_path, [agent.port])
-        gate = stack.enter_context(gate_process(config, tmp_path, ports["gate"]))
+        listener, gate = front(stack, tmp_path, pool_ports, config, "g1", envoy_file=envoy_file)
         replies: list[Reply] = []
-        worker = threading.Thread(
-            target=lambda: replies.extend(burst(ports["listener"], long_body, 1, delay="3"))
-        )
+        worker = threading.Thread(target=lambda: replies.extend(burst(listener, long_body, 1, delay="3")))
         worker.start()
         until(lambda: upstreams.in_flight.get("long", 0) > 0, "the request at the long pool")
         assert wait_reserved(agent.port, lambda r: r > 0, PATIENCE_S) > 0, "reserved while in flight"
