@@ -241,8 +241,9 @@ class ExternalProcessor(external_processor_pb2_grpc.ExternalProcessorServicer): 
         spares the gate the message of that end (two wake-ups of its threads; docs/benchmarks.md,
         "Ending a stream that holds nothing"). Envoy takes a server's close as the end of processing
         for the rest of the request and response, which goes on (envoyproxy/envoy
-        source/extensions/filters/http/ext_proc/ext_proc.cc, Filter::onGrpcClose: "Successful close.
-        We can ignore the stream for the rest of our request and response processing")."""
+        source/extensions/filters/http/ext_proc/ext_proc.cc at 29401276, Filter::onGrpcClose:
+        "Successful close. We can ignore the stream for the rest of our request and response
+        processing"; the shipped Envoy does so in tests/test_e2e_gate.py)."""
         return stream.answered and stream.reserved is None
 
     def _new_stream(self) -> RequestStream:
