@@ -433,8 +433,9 @@ def held(port: int) -> socket.socket:
 def test_open_requests_past_1024_do_not_make_envoy_skip_the_gate(
     tmp_path: Path, sp_model_path: Path, source: str, opener: Callable[[int], socket.socket]
 ) -> None:
-    """Each open request holds a stream to the gate: two round trips open it with the headers, one
-    with the whole body (so there a request held upstream keeps it). Past the gate cluster's circuit
+    """A request being decided holds a stream to the gate: with two round trips from its headers on,
+    so one whose body never comes keeps it. A request held upstream keeps none: the gate ends the
+    stream of one that holds no reservation once it has answered it. Past the gate cluster's circuit
     breaker, ext_proc fails open and sends requests on undecided; with 1,030 open, a 9k-token chat must
     still be decided by the gate (or refused with 503)."""
     _open_file_limit(4 * OPEN_REQUESTS + 1000)
@@ -448,12 +449,25 @@ def test_open_requests_past_1024_do_not_make_envoy_skip_the_gate(
         try:
             for _ in range(OPEN_REQUESTS):
                 sockets.append(opener(stack.ports["listener"]))
-            # Every request holds its stream, or (past the breaker) has failed open.
-            until(
-                lambda: stack.stat(streams) + stack.stat(overflowed) >= OPEN_REQUESTS,
-                f"{OPEN_REQUESTS} requests at the gate",
-                60,
-            )
+            if opener is held:
+                # Every request was decided, and none holds its stream to the gate while it waits.
+                until(
+                    lambda: (
+                        stack.stat("cluster.kvgate_gate.upstream_rq_total") >= OPEN_REQUESTS
+                        and stack.stat(streams) == 0
+                    ),
+                    f"{OPEN_REQUESTS} requests decided, their streams ended",
+                    60,
+                )
+                assert stack.stat("http.llm.downstream_rq_active") >= OPEN_REQUESTS, "all still open"
+                assert stack.stat(overflowed) == 0
+            else:
+                # Every request holds its stream, or (past the breaker) has failed open.
+                until(
+                    lambda: stack.stat(streams) + stack.stat(overflowed) >= OPEN_REQUESTS,
+                    f"{OPEN_REQUESTS} requests at the gate",
+                    60,
+                )
             before = stack.stat(failed_open)
             try:
                 reply = stack.send(long_chat)

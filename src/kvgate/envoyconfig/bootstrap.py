@@ -645,8 +645,9 @@ def gate_cluster(target: HostPort, tls: GateTls | None, buffer_limit: int) -> Cl
     gate.typed_extension_protocol_options = {
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": AnyMessage.pack(http2)
     }
-    # Every request in flight holds a stream to the gate: Envoy's default of 1,024 would let a client
-    # that opens that many make Envoy skip the gate for everyone (kvgate.envoyconfig.limits).
+    # A request holds a stream to the gate while decided (and while reserved): Envoy's default of 1,024
+    # would let a client that opens that many make Envoy skip the gate for everyone
+    # (kvgate.envoyconfig.limits).
     gate.circuit_breakers = gate_circuit_breakers()
     if tls is not None:
         gate.transport_socket = _gate_tls_socket(tls)

@@ -1,14 +1,15 @@
 """Envoy's own bounds in front of the gate: no client can hold Envoy's memory, connections or the
 gate's ext_proc streams long enough to make Envoy skip the gate for everyone.
 
-- Circuit breakers on the gate cluster. Every request in flight holds one ext_proc stream to the gate
-  until it ends, and Envoy's default limit is 1,024 streams per cluster (cluster.proto,
-  CircuitBreakers.Thresholds: max_connections, max_pending_requests and max_requests default to 1024,
-  max_retries to 3). Past it the stream fails and ext_proc's failure_mode_allow sends the request on
-  with no decision. GATE_MAX_REQUESTS sits above what Envoy's heap can hold, so the heap monitor
-  answers 503 before the breaker can overflow: on Envoy 1.40 an open request costs about 45 KiB of heap
-  (headers sent, body awaited, two round trips) to 66 KiB (held upstream, one round trip), measured
-  over 1,030 of each (tests/test_envoy_trust.py), so the default 1 GiB holds 16,000 to 23,000.
+- Circuit breakers on the gate cluster. A request holds one ext_proc stream to the gate while it is
+  decided, and one that holds a reservation until it ends; Envoy's default limit is 1,024 streams per
+  cluster (cluster.proto, CircuitBreakers.Thresholds: max_connections, max_pending_requests and
+  max_requests default to 1024, max_retries to 3). Past it the stream fails and ext_proc's
+  failure_mode_allow sends the request on with no decision. GATE_MAX_REQUESTS sits above what Envoy's
+  heap can hold, so the heap monitor answers 503 before the breaker can overflow: on Envoy 1.40 an open
+  request costs about 45 KiB of heap (headers sent, body awaited, two round trips) to 66 KiB (held
+  upstream, one round trip), measured over 1,030 of each (tests/test_envoy_trust.py), so the default 1
+  GiB holds 16,000 to 23,000.
 - The HCM's `request_headers_timeout` and `request_timeout` (http_connection_manager.proto: "the amount
   of time that Envoy will wait for the entire request to be received", disarmed once the request is
   sent upstream or the response starts): a client that sends headers and no body, or a body slowly,
