@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from test_gate_holds import envoy_stats
 from texts import text_with_tokens
 from waiting import until
 
@@ -234,20 +235,13 @@ def _envoy_for(ports: dict[str, int], tmp: Path, source: Path) -> Service:
     return envoy_process(config, tmp, ports["admin"], ports["listener"])
 
 
-def envoy_ext_proc_counter(admin_port: int, name: str) -> int:
-    """One of Envoy's ext_proc filter counters (streams_closed: streams the ext_proc server ended)."""
-    text = post(admin_port, f"/stats?filter=ext_proc.{name}$", None).body.decode()
-    return sum(int(line.rpartition(": ")[2]) for line in text.splitlines() if line.strip())
-
-
 def test_a_request_that_holds_nothing_is_let_go_by_the_gate_once_routed(
     stack: Stack, texts: dict[str, str]
 ) -> None:
     """The gate ends a stream whose request holds no reservation as soon as it has answered, and Envoy
     carries the request on: the gate's stream is closed while the engine still holds the request."""
     admin = stack.ports["admin"]
-    closed_before = envoy_ext_proc_counter(admin, "streams_closed")
-    failed_before = envoy_ext_proc_counter(admin, "streams_failed")
+    before = envoy_stats(admin)
     replies = []
     worker = threading.Thread(
         target=lambda: replies.append(stack.send(chat(texts["short"]), headers={"x-test-delay": "5"}))
@@ -255,13 +249,13 @@ def test_a_request_that_holds_nothing_is_let_go_by_the_gate_once_routed(
     worker.start()
     until(lambda: stack.upstreams.in_flight.get("interactive", 0) > 0, "the request at the engine")
     until(
-        lambda: envoy_ext_proc_counter(admin, "streams_closed") > closed_before,
+        lambda: envoy_stats(admin).get("streams_closed", 0) > before.get("streams_closed", 0),
         "the gate's close of its stream, seen by Envoy",
     )
     assert stack.upstreams.in_flight["interactive"] == 1, "closed while the engine still answers"
     worker.join(30)
     assert [r.status for r in replies] == [200] and replies[0].json()["pool"] == "interactive"
-    assert envoy_ext_proc_counter(admin, "streams_failed") == failed_before
+    assert envoy_stats(admin).get("streams_failed", 0) == before.get("streams_failed", 0)
 
 
 def test_sigterm_drains_in_flight_requests(stack: Stack, texts: dict[str, str], tmp_path: Path) -> None:
