@@ -1,6 +1,10 @@
 """What a kvgate run's soft pools did (docs/operations.md, "Soft pools"): the KV token-seconds and
 prefill seconds each class of traffic used, summed over the agents' nodes from their per-class
-counters (kvgate.agent.class_usage), and how many long requests the interactive nodes served, lent.
+counters (kvgate.agent.class_usage), and how many long requests the interactive nodes served, lent:
+by the node each answer names (the simulator's x-kvgate-sim-node), else, where the engines name no
+node (real vLLM), by the reservations the interactive nodes' agents granted: only a long request
+reserves there, so on the simulator the two agree (1,044 and 1,044 on the Mooncake replay,
+2026-12-06).
 
 Read from every agent's /metrics once the run's traffic is over, before its processes stop; kept in
 the run's summary under `soft_pools`, and printed under the demo's table.
@@ -19,6 +23,7 @@ from kvgate.demo.scrape import fetch_page
 KV = "kvgate_agent_class_kv_token_seconds_total"
 PREFILL = "kvgate_agent_class_prefill_seconds_total"
 PREFILL_TOKENS = "kvgate_agent_class_prefill_tokens_total"
+RESERVATIONS = "kvgate_agent_reservations_total"
 
 
 async def agent_pages(agent_metrics: Mapping[str, str]) -> dict[str, str]:
@@ -42,9 +47,22 @@ def soft_pool_figures(
                 pool = by_pool.setdefault(pools.get(node, "?"), {})
                 pool[kind] = round(pool.get(kind, 0.0) + promtext.finite(sample, family), 1)
         figures[key] = by_pool
-    lent = sum(1 for r in results if r.planned.kind == "long" and pools.get(r.node or "") == "interactive")
-    figures["long_served_by_interactive"] = lent
+    figures["long_served_by_interactive"] = _lent(pages, results, pools)
     return figures
+
+
+def _lent(pages: Mapping[str, str], results: Sequence[Result], pools: Mapping[str, str]) -> int:
+    if any(r.node for r in results):
+        lent = (r for r in results if r.planned.kind == "long" and pools.get(r.node or "") == "interactive")
+        return sum(1 for _ in lent)
+    granted = 0.0
+    for node, page in pages.items():
+        if pools.get(node) != "interactive":
+            continue
+        for sample in promtext.samples(page, RESERVATIONS):
+            if promtext.label(sample, "event") == "granted":
+                granted += promtext.finite(sample, RESERVATIONS)
+    return round(granted)
 
 
 def soft_pool_lines(report: Mapping[str, Mapping[str, Any]]) -> str:
