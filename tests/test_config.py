@@ -98,7 +98,16 @@ def test_layers_that_only_meet_per_request_load() -> None:
         ),
         ("server: [1]\n", "<string>:1: server: expected a mapping"),
         ("- a\n", "the file must be a mapping"),
-        ("server: {listen: 'a'\n", "not valid YAML"),
+        ("server: {listen: 'a'\n", "<string>:2: column 1: not valid YAML: while parsing a flow mapping"),
+        ("server:\n  listen: a\n   workers: 1\n", "<string>:3: column 11: not valid YAML: mapping values"),
+        (
+            "admission:\n  water: {yellow_kv: 0.99, red_kv: 0.9}\n",
+            "admission.water.yellow_kv (0.99) must not exceed admission.water.red_kv (0.9)",
+        ),
+        (
+            "admission:\n  water: {yellow_stale: 0.8}\n",
+            "admission.water.yellow_stale (0.8) must not exceed admission.water.red_stale (0.75)",
+        ),
         ("server:\n  workers: 2\n  workers: 3\n", "server.workers: key given twice"),
         ("admission:\n  retry_after: adaptive\n", "<string>:2: admission.retry_after: must be one of"),
         (

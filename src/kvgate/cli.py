@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import logging
 import sys
 from collections.abc import Sequence
@@ -31,11 +32,42 @@ def build_parser() -> argparse.ArgumentParser:
             "cluster, or refuses it with a clear error."
         ),
     )
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="what to log"
+    )
+    version = importlib.metadata.version("kvgate")
+    parser.add_argument("--version", action="version", version=f"kvgate {version}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module_name in SUBCOMMAND_MODULES:
         importlib.import_module(module_name).register(subparsers)
+    for command in (parser, *subparsers.choices.values()):
+        command.formatter_class = _with_defaults(command.formatter_class)
     return parser
+
+
+class _DefaultsShown(argparse.HelpFormatter):
+    """Appends each option's default to its help where the help does not give it already: an operator
+    reading `--help` should not have to read the code to learn what a flag left out means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help
+        if (
+            not text
+            or "default" in text
+            or not action.option_strings
+            or action.default in (None, False, "", [], (), argparse.SUPPRESS)
+            or isinstance(action, argparse._StoreConstAction)  # store_true: its default says nothing
+        ):
+            return text
+        return f"{text} (default %(default)s)"
+
+
+def _with_defaults(formatter: object) -> type[argparse.HelpFormatter]:
+    """A command's formatter class (each keeps its own wrapping of descriptions) that also shows
+    defaults."""
+    if not isinstance(formatter, type) or issubclass(formatter, _DefaultsShown):
+        return _DefaultsShown
+    return type(f"DefaultsShown{formatter.__name__}", (_DefaultsShown, formatter), {})
 
 
 def main(argv: Sequence[str] | None = None) -> int:

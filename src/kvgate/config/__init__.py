@@ -500,13 +500,24 @@ def _describe(node: yaml.Node) -> str:
 T = typing.TypeVar("T")
 
 
+def _compose(text: str, source: str) -> yaml.Node | None:
+    """The document's node tree. A syntax error is named by its file and line like every other
+    configuration error: PyYAML's own text calls the file "<unicode string>"."""
+    try:
+        return yaml.compose(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{source}:{mark.line + 1}: column {mark.column + 1}" if mark is not None else source
+        what = "; ".join(part for part in (exc.context, exc.problem) if part)
+        raise ConfigError(f"{where}: not valid YAML: {what}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from exc
+
+
 def parse_yaml_as(cls: type[T], text: str, source: str, default_min: float | None = None) -> T:
     """Any YAML document read into the dataclass `cls` with kvgate.yaml's checks and messages
     (unknown keys, types, bounds, each named with its line). Used for the demo's scenario files."""
-    try:
-        root = yaml.compose(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: not valid YAML: {exc}") from exc
+    root = _compose(text, source)
     if root is None:
         return cls()
     built: T = _Loader(source, default_min).build(cls, root, "")
@@ -515,10 +526,7 @@ def parse_yaml_as(cls: type[T], text: str, source: str, default_min: float | Non
 
 def parse_config(text: str, source: str = "<string>") -> Config:
     """Parse and default a kvgate YAML document. Raises ConfigError naming the line and key."""
-    try:
-        root = yaml.compose(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: not valid YAML: {exc}") from exc
+    root = _compose(text, source)
     if root is None:
         return Config(source=source)
     loader = _Loader(source)
@@ -557,6 +565,15 @@ def _check(config: Config, loader: _Loader) -> None:
             f"{config.source}: admission.default_priority {admission.default_priority!r} is not one of "
             f"admission.priorities {list(admission.priorities)}"
         )
+    water = admission.water
+    for signal in ("kv", "stale"):
+        yellow, red = getattr(water, f"yellow_{signal}"), getattr(water, f"red_{signal}")
+        if yellow > red:
+            # Red would rise first and yellow never show: a typo's swap, not a policy.
+            raise ConfigError(
+                f"{config.source}: admission.water.yellow_{signal} ({yellow:g}) must not exceed "
+                f"admission.water.red_{signal} ({red:g})"
+            )
     if admission.retry_after_min_s > admission.retry_after_max_s:
         raise ConfigError(
             f"{config.source}: admission.retry_after_min_s ({admission.retry_after_min_s:g}) must not "

@@ -79,8 +79,20 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         required=True,
         help="sentencepiece .model, Hugging Face tokenizer.json or Mistral tekken .json",
     )
-    calibrate.add_argument("--corpus", type=Path, nargs="+", required=True, metavar="DIR_OR_FILE")
-    calibrate.add_argument("--out", type=Path, required=True)
+    calibrate.add_argument(
+        "--corpus",
+        type=Path,
+        nargs="+",
+        required=True,
+        metavar="DIR_OR_FILE",
+        help="text your users send: .txt or .gz files, or directories of them",
+    )
+    calibrate.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help=f"the calibration file to write; the gate reads <tokenizer>{calibration.SUFFIX}",
+    )
     calibrate.set_defaults(func=run_calibrate)
 
 
