@@ -139,3 +139,17 @@ def test_cli_reports_a_missing_tokenizer(tmp_path: Path, capsys: pytest.CaptureF
     listen = f"127.0.0.1:{free_port()}"
     assert main(["gate", "--tokenizer", str(tmp_path / "missing.model"), "--listen", listen]) == 2
     assert "tokenizer file not found" in capsys.readouterr().err
+
+
+def test_a_missing_tokenizer_is_named_by_its_key_and_the_file_tried(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "kvgate.yaml"
+    config.write_text("models:\n  - match: m\n    tokenizer: tok.model\n")
+    monkeypatch.chdir(tmp_path)
+    listen = f"127.0.0.1:{free_port()}"
+    assert main(["gate", "--config", str(config), "--listen", listen]) == 2
+    err = capsys.readouterr().err
+    # A relative path is the working directory's: the message says which file that was.
+    assert f"{config}: models[0].tokenizer: tokenizer file not found: tok.model" in err
+    assert f"(in the working directory: {tmp_path / 'tok.model'})" in err

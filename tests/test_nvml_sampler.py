@@ -122,6 +122,7 @@ def test_driver_not_loaded_is_retried_with_growing_backoff() -> None:
     for _ in range(5):
         reading = sampler.read()
         assert not reading.healthy and "Driver Not Loaded" in reading.reason
+        assert "run the agent with --nvml off" in reading.reason, "what to do about it"
         clock.now += 2.0
     assert fake.calls["nvmlInit"] == 5
     fake.driver_loaded = True
@@ -181,3 +182,4 @@ def test_real_pynvml_without_a_gpu_reports_unhealthy_instead_of_raising() -> Non
     if reading.healthy:
         pytest.skip("this machine has a working NVIDIA driver")
     assert reading.reason.startswith("nvml: init failed")
+    assert "--nvml off" in reading.reason

@@ -68,7 +68,9 @@ class TokenizerFile:
     @classmethod
     def open(cls, path: Path) -> TokenizerFile:
         if not path.is_file():
-            raise ConfigError(f"tokenizer file not found: {path}")
+            # A relative path is the working directory's, not the config file's: say which file that is.
+            tried = "" if path.is_absolute() else f" (in the working directory: {path.absolute()})"
+            raise ConfigError(f"tokenizer file not found: {path}{tried}")
         data = path.read_bytes()
         return cls(path, _kind(path, data[:_SNIFF_BYTES]), hashlib.sha256(data).hexdigest())
 

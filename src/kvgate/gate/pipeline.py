@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import cast
 
 from kvgate.config import AdmissionConfig, Config, ModelConfig
-from kvgate.errors import RequestError
+from kvgate.errors import ConfigError, RequestError
 from kvgate.estimate import Estimator, PromptCosts, TokenEstimate, Unavailable, build_estimator
 from kvgate.gate.admission import Admission, Ticket
 from kvgate.gate.reservation_ids import ReservationIds
@@ -213,6 +213,15 @@ def estimator_factory() -> EstimatorFactory:
     return for_model
 
 
+def _estimator(estimators: EstimatorFactory, config: Config, model: ModelConfig) -> Estimator:
+    """The model's estimator; a tokenizer that cannot be loaded named by the config key that gave it."""
+    try:
+        return estimators(model)
+    except ConfigError as exc:
+        key = "default_model" if model is config.default_model else f"models[{config.models.index(model)}]"
+        raise ConfigError(f"{config.source}: {key}.tokenizer: {exc}") from exc
+
+
 class Pipeline:
     def __init__(
         self,
@@ -231,7 +240,9 @@ class Pipeline:
         self._models = ModelMatcher(config)
         # Built at start-up: a missing tokenizer file fails here, not on a request. Model entries are
         # frozen values, so they key the table themselves.
-        self._estimators = {model: estimators(model) for model in (config.default_model, *config.models)}
+        self._estimators = {
+            model: _estimator(estimators, config, model) for model in (config.default_model, *config.models)
+        }
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvgate-body")
         self._offload_slots = asyncio.Semaphore(offload_slots)
         self._offloaded_bytes = 0  # of the bodies being read off the loop now (request.max_bytes_in_flight)
