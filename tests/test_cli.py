@@ -35,6 +35,7 @@ def test_help_shows_each_option_s_default_once() -> None:
     assert "GPUs simulated with --nvml fake (default 8)" in agent and "(default 8) (default" not in agent
     assert "what to log (default info)" in help_of("")
     assert "most sequences in one batch (default 256)" in help_of("sim")
+    assert "seed for output lengths and text (default 0)" in help_of("sim"), "a default of 0 is one"
 
 
 @pytest.mark.parametrize(

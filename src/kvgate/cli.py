@@ -51,12 +51,15 @@ class _DefaultsShown(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help
+        default = action.default
         if (
             not text
             or "default" in text
             or not action.option_strings
-            or action.default in (None, False, "", [], (), argparse.SUPPRESS)
-            or isinstance(action, argparse._StoreConstAction)  # store_true: its default says nothing
+            or action.nargs == 0  # a switch (store_true, version): its default says nothing
+            or default is None
+            or default is argparse.SUPPRESS
+            or default in ("", [], ())
         ):
             return text
         return f"{text} (default %(default)s)"
