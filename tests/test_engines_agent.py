@@ -211,6 +211,7 @@ def test_capacity_is_vllm_s_usable_pool_and_used_tokens_follow_its_usage(
 
 
 SCRAPES: list[float] = []  # how long vLLM took to answer /metrics, while a request ran
+OUTPUT_TOKENS = 1_500
 
 
 async def _follow(
@@ -234,7 +235,9 @@ async def _follow(
     stream = client.subscribe("engines test")
     watcher = threading.Thread(target=watch_engine, daemon=True)
     watcher.start()
-    request = asyncio.create_task(asyncio.to_thread(chat, engine.port, prompt, 300))
+    # Enough output that the request lives seconds: on a loaded host one of this test's scrapes can
+    # take a second, and a request of 300 tokens had come and gone between two (CI, 2026-12-06).
+    request = asyncio.create_task(asyncio.to_thread(chat, engine.port, prompt, OUTPUT_TOKENS))
     try:
         while True:
             message = await asyncio.wait_for(stream.next(), PATIENCE_S)
