@@ -81,7 +81,7 @@ node: {kv_capacity_tokens: 16384, max_model_len: 8192, interactive_max_model_len
 layout: {interactive_nodes: 1, long_nodes: 2}
 short: {rate_per_s: 3, prompt_tokens_min: 100, prompt_tokens_max: 200, max_tokens: 16}
 bursts: null
-documents: {count: 3, tokens_min: 4000, tokens_max: 6000, question_tokens_min: 50,
+documents: {count: 6, tokens_min: 4000, tokens_max: 6000, question_tokens_min: 50,
             question_tokens_max: 100, rate_per_s: 3, max_tokens: 16}
 sessions: {count: 1, first_tokens: 2000, turn_tokens: 500, turns: 3, every_s: 1.5, max_tokens: 16}
 timing: {burst_phase_s: 5, no_burst_phase_s: 1, drain_s: 8, request_timeout_s: 15, connect_timeout_s: 2,
