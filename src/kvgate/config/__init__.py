@@ -566,8 +566,10 @@ def _check(config: Config, loader: _Loader) -> None:
             f"admission.priorities {list(admission.priorities)}"
         )
     water = admission.water
-    for signal in ("kv", "stale"):
-        yellow, red = getattr(water, f"yellow_{signal}"), getattr(water, f"red_{signal}")
+    for signal, yellow, red in (
+        ("kv", water.yellow_kv, water.red_kv),
+        ("stale", water.yellow_stale, water.red_stale),
+    ):
         if yellow > red:
             # Red would rise first and yellow never show: a typo's swap, not a policy.
             raise ConfigError(

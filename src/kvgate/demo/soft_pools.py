@@ -53,16 +53,15 @@ def soft_pool_figures(
 
 def _lent(pages: Mapping[str, str], results: Sequence[Result], pools: Mapping[str, str]) -> int:
     if any(r.node for r in results):
-        lent = (r for r in results if r.planned.kind == "long" and pools.get(r.node or "") == "interactive")
-        return sum(1 for _ in lent)
-    granted = 0.0
-    for node, page in pages.items():
-        if pools.get(node) != "interactive":
-            continue
-        for sample in promtext.samples(page, RESERVATIONS):
-            if promtext.label(sample, "event") == "granted":
-                granted += promtext.finite(sample, RESERVATIONS)
-    return round(granted)
+        return sum(r.planned.kind == "long" and pools.get(r.node or "") == "interactive" for r in results)
+    grants = (
+        promtext.finite(sample, RESERVATIONS)
+        for node, page in pages.items()
+        if pools.get(node) == "interactive"
+        for sample in promtext.samples(page, RESERVATIONS)
+        if promtext.label(sample, "event") == "granted"
+    )
+    return round(sum(grants))
 
 
 def soft_pool_lines(report: Mapping[str, Mapping[str, Any]]) -> str:

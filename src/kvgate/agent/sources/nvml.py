@@ -108,13 +108,11 @@ class NvmlSampler:
             return False
         try:
             self._nvml.nvmlInit()
-        except (pynvml.NVMLError_LibraryNotFound, pynvml.NVMLError_DriverNotLoaded) as exc:
-            # What a host without an NVIDIA GPU answers: say what to do about it, not only what failed.
-            hint = "no NVIDIA driver here? run the agent with --nvml off"
-            self._fail(f"nvml: init failed: {exc} ({hint})", self._last.gpus, shutdown=False)
-            return False
         except pynvml.NVMLError as exc:
-            self._fail(f"nvml: init failed: {exc}", self._last.gpus, shutdown=False)
+            # What a host without an NVIDIA GPU answers: say what to do about it, not only what failed.
+            no_gpu = isinstance(exc, (pynvml.NVMLError_LibraryNotFound, pynvml.NVMLError_DriverNotLoaded))
+            hint = " (no NVIDIA driver here? run the agent with --nvml off)" if no_gpu else ""
+            self._fail(f"nvml: init failed: {exc}{hint}", self._last.gpus, shutdown=False)
             return False
         try:
             self._devices = tuple(self._enumerate())
