@@ -150,6 +150,7 @@ def gate(port: int, *extra: str) -> tuple[str, ...]:
 def test_a_second_gate_on_a_taken_port_exits_2_naming_it(tmp_path: Path, holder: list[Service]) -> None:
     port = free_port()
     holder.append(started(Service("gate", kvgate_command(*gate(port)), tmp_path, port=port), port))
+    until(lambda: f"gate listening on 127.0.0.1:{port} (plaintext," in holder[0].log(), "the start line")
     assert second(*gate(port)) == (2, in_use(port))
     holder[0].check_alive()
 

@@ -41,7 +41,7 @@ from kvgate.harness.upstreams import Upstreams
 from kvgate.headroom.credentials import ChannelSecurity
 from kvgate.headroom.view import HeadroomView
 from kvgate.localports import free_port
-from kvgate.tls import ClientTls, PemFiles, ServerTls
+from kvgate.tls import ClientTls, PemFiles, ServerTls, describe
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -104,6 +104,12 @@ def test_incomplete_tls_settings_are_config_errors() -> None:
     with pytest.raises(ConfigError, match="need ca"):
         ClientTls(cert="a.crt", key="a.key")
     assert not ServerTls().enabled and not ClientTls().enabled
+
+
+def test_a_listeners_start_line_says_how_it_is_secured() -> None:
+    assert describe(None) == describe(ServerTls()) == "plaintext"
+    assert describe(ServerTls(cert="a.crt", key="a.key")) == "TLS"
+    assert describe(ServerTls(cert="a.crt", key="a.key", client_ca="ca.crt")).startswith("mTLS")
 
 
 def test_tls_section_in_the_config_file(pki: Pki) -> None:

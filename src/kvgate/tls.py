@@ -53,6 +53,15 @@ class ServerTls:
         return PemFiles(self.cert, self.key, self.client_ca, where)
 
 
+def describe(tls: ServerTls | None) -> str:
+    """How a listener is secured, for the line that says it started."""
+    if tls is None or not tls.enabled:
+        return "plaintext"
+    if tls.client_ca is not None:
+        return "mTLS: client certificates required"
+    return "TLS"
+
+
 @dataclass(frozen=True, slots=True)
 class ClientTls:
     """The gate's channels to agents."""

@@ -51,7 +51,7 @@ from kvgate.headroom.wire import (
     release_to_proto,
     reserve_to_proto,
 )
-from kvgate.tls import ServerTls
+from kvgate.tls import ServerTls, describe
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ class Agent:
             "agent %s serving on port %d (%s), engine endpoint %s",
             self.settings.node,
             port,
-            _security(tls),
+            describe(tls),
             self.settings.endpoint,
         )
         return port
@@ -274,14 +274,6 @@ class Agent:
             self.state.engine_failed(str(exc))
         else:
             self.state.observe_engine(reading)
-
-
-def _security(tls: ServerTls | None) -> str:
-    if tls is None or not tls.enabled:
-        return "plaintext"
-    if tls.client_ca is not None:
-        return "mTLS: client certificates required"
-    return "TLS"
 
 
 class _AgentServicer(pb_grpc.AgentServicer):

@@ -39,6 +39,7 @@ from kvgate.telemetry import (
     start_otlp,
     start_prometheus,
 )
+from kvgate.tls import describe
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,12 @@ async def serve(
     for service in HEALTH_SERVICES:
         await health.set(service, health_pb2.HealthCheckResponse.SERVING)
     freeze_startup_heap()
-    log.info("gate listening on %s (config %s)", config.server.listen, config.source)
+    log.info(
+        "gate listening on %s (%s, config %s)",
+        config.server.listen,
+        describe(config.tls.server),
+        config.source,
+    )
 
     await stop.wait()
     log.info("draining for up to %.0f s", config.server.drain_seconds)
