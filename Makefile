@@ -21,7 +21,7 @@ test: setup
 	$(BIN)/python -m pytest
 
 test-fast: setup
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -m "not slow and not engines"
 
 # Only the end-to-end tests against the real engines (`make test` runs them too once they are installed).
 test-engines: setup engines

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from conftest import TOKENIZER_DIR
 from corpus.cases import text
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+import kvgate.estimate
 from kvgate.cli import main
 from kvgate.errors import ConfigError
 from kvgate.estimate import calibration
@@ -75,12 +77,18 @@ def test_estimate_prints_one_json_object_per_body(
 
 
 def test_estimate_reads_one_body_from_stdin_without_a_tokenizer(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
 ) -> None:
     path = tmp_path / "body.json"
     path.write_text(body("Hello there, how are you?"))
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(path.read_bytes())))
-    assert run(["estimate"]) == 0
+    monkeypatch.setattr(kvgate.estimate, "_noticed", False)
+    with caplog.at_level(logging.WARNING, logger="kvgate.estimate"):
+        assert run(["estimate"]) == 0
+    assert not caplog.records, "a command run by hand is spared the server's notice"
     result = json.loads(capsys.readouterr().out)
     assert result["method"] == "fast"
     assert result["class"] == "interactive"

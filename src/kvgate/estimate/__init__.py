@@ -33,11 +33,13 @@ def build_estimator(tokenizer_path: Path | None, costs: PromptCosts) -> Estimato
     return Estimator(fast, tokenizer, costs, CountingPool(tokenizer))
 
 
-def local_estimator(tokenizer_path: Path | None, costs: PromptCosts) -> Estimator:
+def local_estimator(tokenizer_path: Path | None, costs: PromptCosts, *, notice: bool = True) -> Estimator:
     """The same estimator for commands and benchmarks: `estimate_sync` counts in the calling thread
-    (there is no event loop to protect), and no worker process is started."""
+    (there is no event loop to protect), and no worker process is started. `notice`: whether running
+    without a tokenizer is announced in the log, as a server's operator needs; `kvgate estimate`, run by
+    hand with its `--tokenizer` help in view, is spared the paragraph on every call."""
     if tokenizer_path is None:
-        return _without_tokenizer(costs)
+        return _without_tokenizer(costs, notice=notice)
     tokenizer = TokenizerFile.open(tokenizer_path)
     return Estimator(FastEstimator(calibration.for_tokenizer(tokenizer)), tokenizer, costs)
 
@@ -53,9 +55,10 @@ _PROSE = (
 _noticed = False
 
 
-def _without_tokenizer(costs: PromptCosts) -> Estimator:
+def _without_tokenizer(costs: PromptCosts, *, notice: bool = True) -> Estimator:
     fast = FastEstimator(*calibration.generic())
-    _notice_once(fast)
+    if notice:
+        _notice_once(fast)
     return Estimator(fast, None, costs)
 
 

@@ -126,7 +126,7 @@ def _bodies(stream: IO[bytes], jsonl: bool) -> Iterator[bytes]:
 def run_estimate(args: argparse.Namespace) -> int:
     model = ModelConfig()
     costs = PromptCosts(model.image_tokens, model.message_overhead_tokens, model.default_output_tokens)
-    estimator = local_estimator(args.tokenizer, costs)
+    estimator = local_estimator(args.tokenizer, costs, notice=False)
     if args.method == "exact" and args.tokenizer is None:
         raise ConfigError("--method exact needs --tokenizer")
     try:
