@@ -564,7 +564,8 @@ def _print_verdicts(
     )
     print(
         f"  max rate gate/trivial {rates[gate_key]}/{rates[trivial_key]} = {ratio:.2f} "
-        f"(target >= {TARGET_RATE_RATIO}, goal >= {OVER_RATE_RATIO}): {_verdict(ratio >= OVER_RATE_RATIO)}; "
+        f"(target >= {TARGET_RATE_RATIO}: {_verdict(ratio >= TARGET_RATE_RATIO)}, goal >= {OVER_RATE_RATIO}: "
+        f"{_verdict(ratio >= OVER_RATE_RATIO)}); "
         f"ext_proc CPU per request: gate {cpu_gate:.0f} µs vs trivial {cpu_trivial:.0f} µs "
         f"= {cpu_ratio:.2f}x (goal <= {OVER_CPU_RATIO}x): {_verdict(cpu_ratio <= OVER_CPU_RATIO)}"
     )
