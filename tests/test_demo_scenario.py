@@ -12,6 +12,8 @@ from kvgate.demo.cli import DEMO_ENVOY
 from kvgate.demo.scenario import (
     DEMO_ENVOY_MESSAGE_TIMEOUT_S,
     builtin_scenario,
+    lender_agent_flags,
+    lender_engine_flags,
     load_scenario,
     long_shape,
     parse_scenario,
@@ -75,6 +77,19 @@ def test_the_real_vllm_fairness_scenario_contends_its_one_long_engine() -> None:
     assert 2 * max(sizes) <= scenario.node.kv_capacity_tokens < 3 * max(sizes)
     # A random-weight model writes to its budget: declared and generated are the same.
     assert all(t.over_declare == 1 for t in scenario.tenants)
+
+
+def test_the_real_vllm_lender_prefills_one_lent_prompt_at_a_time_beside_chat() -> None:
+    """Its engine's step of 2,048 tokens, less the largest chat prompt (700), holds one chunk of 1,024 of
+    a lent prompt: a second lent prompt's chunk would leave chat none."""
+    scenario = load_scenario(builtin_scenario("real-vllm"))
+    engine = lender_engine_flags(scenario, "interactive")
+    assert engine[engine.index("--long-prefill-token-threshold") + 1] == "1024"
+    assert engine[engine.index("--max-num-batched-tokens") + 1] == "2048"
+    assert lender_agent_flags(scenario) == ["--lend-max-prefills", "1"]
+    assert lender_engine_flags(scenario, "long") == []
+    burst = load_scenario(builtin_scenario("burst"))
+    assert lender_agent_flags(burst) == [], "long prefills not chunked: the prefill budget alone"
 
 
 def test_plan_is_deterministic_and_the_no_burst_phase_is_the_same_short_traffic() -> None:

@@ -33,6 +33,22 @@ def test_the_backlog_drains_at_the_prefill_rate_and_a_grant_queues_behind_what_i
         PrefillBacklog(0)
 
 
+def test_the_backlog_counts_the_prompts_still_being_prefilled_first_come_first_served() -> None:
+    backlog = PrefillBacklog(1_000)
+    assert backlog.prompts(0.0) == 0
+    backlog.granted(0.0, 8_000)
+    backlog.granted(0.0, 8_000)
+    backlog.granted(0.0, 0)  # all of it cached: nothing to prefill
+    assert backlog.prompts(0.0) == 2
+    assert backlog.prompts(7.9) == 2
+    assert backlog.prompts(8.0) == 1, "the first is prefilled once 8,000 have drained"
+    backlog.follow(8.0, 2_000)
+    assert backlog.prompts(11.9) == 1
+    assert backlog.prompts(12.0) == 0, "the second's 8,000 at the new rate"
+    backlog.granted(20.0, 500)
+    assert backlog.prompts(20.0) == 1
+
+
 def backlogged(view: NodeView, tokens: int, rate: float = 100_000.0, age_s: float = 0.0) -> NodeView:
     assert view.headroom is not None
     headroom = dataclasses.replace(view.headroom, prefill_backlog_tokens=tokens, prefill_tokens_per_s=rate)

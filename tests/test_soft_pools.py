@@ -170,6 +170,28 @@ def test_the_prefill_budget_bounds_lent_prompts_in_flight_and_drains_at_the_pref
     assert reserve(state, "e", 4_000, 100).granted
 
 
+def test_lent_prefills_at_once_are_bounded_so_an_engine_step_keeps_room_for_chat() -> None:
+    """vLLM runs each prefilling request's chunk of at most --long-prefill-token-threshold before any
+    waiting chat: two lent prompts at T 1,024 filled the CPU's 2,048-token steps and a chat behind them
+    waited seconds. With --lend-max-prefills 1 a second prompt is lent once the first is prefilled."""
+    clock = Clock()
+    state = node(clock, max_prefills=1, prefill_tokens_per_s=10_000)
+    chat_for(state, clock, 1_000, 1)
+    assert reserve(state, "a", 8_000, 100).granted
+    assert state.snapshot(0).lend_tokens == 0, "one lent prompt is being prefilled: nothing more lent"
+    second = reserve(state, "b", 8_000, 100)
+    assert (second.granted, second.reason) == (False, ReserveReason.LEND_LIMIT)
+    clock.now += 0.8  # 8,000 prefilled at 10,000 a second
+    state.observe_engine(reading(9_000))
+    assert state.snapshot(0).lend_tokens > 0
+    assert reserve(state, "b", 8_000, 100).granted
+    unbounded = node(clock, prefill_tokens_per_s=10_000)
+    chat_for(unbounded, clock, 1_000, 1)
+    assert reserve(unbounded, "a", 8_000, 100).granted and reserve(unbounded, "b", 8_000, 100).granted
+    with pytest.raises(ValueError, match="max_prefills"):
+        LendLimits(max_prefills=-1)
+
+
 def test_an_engine_measured_slower_than_the_nominal_rate_lends_less_prefill() -> None:
     """The budget and the cap are seconds of chat's wait at the nominal 10,000 tokens a second. A real
     vLLM on two busy cores prefilled about 1,000 (2026-12-04): lent two 8,000-token prompts, chat
@@ -545,7 +567,7 @@ def test_the_chart_gives_each_pools_agents_their_role_and_lending_limits(helm: H
             "pools": {
                 "interactive": {
                     "enabled": True,
-                    "lending": {"maxPromptTokens": 8192, "chatReserveMinShare": 0.3},
+                    "lending": {"maxPromptTokens": 8192, "chatReserveMinShare": 0.3, "maxPrefills": 1},
                 }
             }
         },
@@ -559,6 +581,7 @@ def test_the_chart_gives_each_pools_agents_their_role_and_lending_limits(helm: H
     assert chat_args[chat_args.index("--role") + 1] == "interactive"
     assert chat_args[chat_args.index("--lend-max-prompt-tokens") + 1] == "8192"
     assert chat_args[chat_args.index("--chat-reserve-min-share") + 1] == "0.3"
+    assert chat_args[chat_args.index("--lend-max-prefills") + 1] == "1"
     assert "--lend-prefill-budget-tokens" not in chat_args, "unset: the agent's default"
     assert parse_config(gate_config_text(docs)).soft_pools.borrow is False
     with pytest.raises(HelmFailed, match="maxPromptTokens"):

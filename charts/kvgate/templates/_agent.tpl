@@ -69,7 +69,7 @@ args:
   # Soft pools (docs/operations.md, "Soft pools"): the node's role and, interactive, its lending limits.
   - --role
   - {{ $poolValues.role | default .pool | quote }}
-  {{- range $key, $flag := dict "chatReserveMinShare" "--chat-reserve-min-share" "chatReserveFactor" "--chat-reserve-factor" "chatReserveWindowSeconds" "--chat-reserve-window-s" "maxPromptTokens" "--lend-max-prompt-tokens" "prefillBudgetTokens" "--lend-prefill-budget-tokens" "prefillTokensPerS" "--prefill-tokens-per-s" }}
+  {{- range $key, $flag := dict "chatReserveMinShare" "--chat-reserve-min-share" "chatReserveFactor" "--chat-reserve-factor" "chatReserveWindowSeconds" "--chat-reserve-window-s" "maxPromptTokens" "--lend-max-prompt-tokens" "prefillBudgetTokens" "--lend-prefill-budget-tokens" "maxPrefills" "--lend-max-prefills" "prefillTokensPerS" "--prefill-tokens-per-s" }}
   {{- $value := index ($poolValues.lending | default dict) $key }}
   {{- if not (kindIs "invalid" $value) }}
   - {{ $flag }}

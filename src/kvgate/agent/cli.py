@@ -270,6 +270,15 @@ def _register_roles(parser: argparse.ArgumentParser) -> None:
         f"{limits.prefill_budget_tokens}; at least --lend-max-prompt-tokens)",
     )
     roles.add_argument(
+        "--lend-max-prefills",
+        type=int,
+        default=limits.max_prefills,
+        metavar="N",
+        help="interactive: lent prompts being prefilled at once, at most (0: no limit; default 0). For vLLM "
+        "with --long-prefill-token-threshold T and --max-num-batched-tokens B: floor((B - your largest chat "
+        "prompt) / T), so that every engine step keeps room for a chat prompt",
+    )
+    roles.add_argument(
         "--prefill-tokens-per-s",
         type=float,
         default=limits.prefill_tokens_per_s,
@@ -289,11 +298,13 @@ def _lend_limits(args: argparse.Namespace) -> LendLimits:
             max_prompt_tokens=args.lend_max_prompt_tokens,
             prefill_budget_tokens=args.lend_prefill_budget_tokens,
             prefill_tokens_per_s=args.prefill_tokens_per_s,
+            max_prefills=args.lend_max_prefills,
         )
     except ValueError as exc:
         flags = (
             "--chat-reserve-min-share, --chat-reserve-factor, --chat-reserve-window-s, "
-            "--lend-max-prompt-tokens, --lend-prefill-budget-tokens, --prefill-tokens-per-s"
+            "--lend-max-prompt-tokens, --lend-prefill-budget-tokens, --lend-max-prefills, "
+            "--prefill-tokens-per-s"
         )
         raise ConfigError(f"{flags}: {exc}") from exc
 

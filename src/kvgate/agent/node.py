@@ -359,12 +359,14 @@ class NodeState:
 
     def _lend_offer(self, budget: Budget) -> LendOffer:
         assert self.lending is not None
+        now = self._clock()
         return self.lending.offer(
             admissible(budget.capacity_tokens, budget.safety_ratio),
             budget.capacity_tokens,
             self.ledger.reserved_tokens,
-            self.prefill.tokens(self._clock()),
+            self.prefill.tokens(now),
             self.prefill.tokens_per_s,
+            prefilling=self.prefill.prompts(now),
         )
 
     def first_token(self, request_id: str, holder: str = "") -> bool:

