@@ -2,7 +2,7 @@
 
 Pure: the node's state feeds it chat's measured use every scrape, and asks it, for each Reserve, what
 a long request may take. Every reservation on an interactive node is a long request borrowing (chat
-never reserves), so three limits bound all of them together (docs/operations.md, "Soft pools"):
+never reserves), so four limits bound all of them together (docs/operations.md, "Soft pools"):
 
 - **Chat's protected share.** Long reservations together hold at most `admissible - chat reserve`,
   where the chat reserve is max(`min_share` x capacity, `factor` x the p99 of chat's use over
