@@ -5,6 +5,7 @@ no Ledger method."""
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -21,6 +22,7 @@ from kvgate.agent.server import Agent
 from kvgate.errors import AgentCallError
 from kvgate.headroom import client as client_module
 from kvgate.headroom.client import AgentClient
+from kvgate.headroom.ledger_stream import LedgerStream
 
 
 def client(address: str) -> AgentClient:
@@ -208,3 +210,47 @@ def test_the_stream_is_tried_again_once_the_retry_time_has_passed(
             assert (await c.reserve("r2", 500, 60, "g", timeout_s=10)).headroom_tokens == headroom
 
     run(scenario)
+
+
+class _FailingCall:
+    """A Ledger call whose connection fails while a call is being written: its reader sees the
+    failure first and ends the stream, then the write fails too."""
+
+    def __init__(self) -> None:
+        self.cancelled = asyncio.Event()
+
+    @staticmethod
+    def _failure() -> grpc.aio.AioRpcError:
+        metadata = grpc.aio.Metadata()
+        return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, metadata, metadata, "Socket closed")
+
+    async def read(self) -> pb.LedgerAnswer:
+        raise self._failure()
+
+    async def write(self, call: pb.LedgerCall) -> None:
+        await self.cancelled.wait()
+        raise self._failure()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+def test_a_call_whose_write_fails_after_its_stream_ended_leaves_no_failure_unretrieved() -> None:
+    """Once seen at the end of a CI run: "Future exception was never retrieved", the stream's end
+    failing the answer of a call that had itself failed on its write."""
+
+    async def scenario() -> list[dict[str, Any]]:
+        reported: list[dict[str, Any]] = []
+        asyncio.get_running_loop().set_exception_handler(lambda _, context: reported.append(context))
+        stream = LedgerStream("agent:9100", _FailingCall)
+        failed = False
+        try:
+            await stream.call("Reserve", pb.LedgerCall(), 5.0)
+        except AgentCallError as error:
+            failed = "UNAVAILABLE" in str(error)
+        assert failed
+        await stream.close()
+        gc.collect()
+        return reported
+
+    assert asyncio.run(scenario()) == []

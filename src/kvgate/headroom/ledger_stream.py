@@ -84,6 +84,10 @@ class LedgerStream:
             raise self._failed(method, str(ended)) from None
         finally:
             stream.waiting.pop(call.id, None)
+            if answer.done() and not answer.cancelled():
+                # The stream's end may have failed this answer while the call failed on another path
+                # (its write): the same failure, raised above. Seen, or asyncio logs it when collected.
+                answer.exception()
         if result.WhichOneof("answer") == "error":
             raise self._failed(method, f"{result.error.code}: {result.error.message}")
         return result
