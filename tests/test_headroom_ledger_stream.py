@@ -236,7 +236,7 @@ class _FailingCall:
 
 
 def test_a_call_whose_write_fails_after_its_stream_ended_leaves_no_failure_unretrieved() -> None:
-    """Once seen at the end of a CI run: "Future exception was never retrieved", the stream's end
+    """Seen at the end of a fresh clone's .ci/run: "Future exception was never retrieved", the stream's end
     failing the answer of a call that had itself failed on its write."""
 
     async def scenario() -> list[dict[str, Any]]:
