@@ -512,11 +512,16 @@ def _turns(s: Sessions, duration_s: float) -> list[Planned]:
 LENDER_MAX_NUM_BATCHED_TOKENS = 2048
 
 
+def _lender_threshold(scenario: Scenario) -> int:
+    """The long-prefill threshold of the engine that serves chat and lends (0: it does not chunk)."""
+    return scenario.node.lender_long_prefill_token_threshold if scenario.layout.interactive_lends else 0
+
+
 def lender_engine_flags(scenario: Scenario, pool: str) -> list[str]:
     """The engine flags of a node in `pool` when it serves chat and lends to long requests (vLLM and
     the simulator spell them the same)."""
-    threshold = scenario.node.lender_long_prefill_token_threshold
-    if pool != "interactive" or not scenario.layout.interactive_lends or not threshold:
+    threshold = _lender_threshold(scenario)
+    if pool != "interactive" or not threshold:
         return []
     return [
         *("--long-prefill-token-threshold", str(threshold)),
@@ -528,8 +533,8 @@ def lender_agent_flags(scenario: Scenario) -> list[str]:
     """The lending agent's flags that follow its engine's: with long prefills chunked, as many lent
     prompts prefill at once as leave every step room for the largest chat prompt (kvgate.agent.lending,
     "Lent prefills at once"), and at least one."""
-    threshold = scenario.node.lender_long_prefill_token_threshold
-    if not scenario.layout.interactive_lends or not threshold:
+    threshold = _lender_threshold(scenario)
+    if not threshold:
         return []
     at_once = max(1, (LENDER_MAX_NUM_BATCHED_TOKENS - scenario.short.prompt_tokens_max) // threshold)
     return ["--lend-max-prefills", str(at_once)]
