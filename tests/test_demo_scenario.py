@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kvgate.agent.lending import Lending, LendLimits
 from kvgate.demo.capacity import node_capacity_tokens_per_s
 from kvgate.demo.cli import DEMO_ENVOY
 from kvgate.demo.scenario import (
@@ -20,6 +21,7 @@ from kvgate.demo.scenario import (
     plan,
 )
 from kvgate.errors import ConfigError
+from kvgate.headroom.snapshot import admissible
 
 
 @pytest.mark.parametrize("name", ["burst", "smoke", "fairness", "fairness-vllm"])
@@ -86,10 +88,33 @@ def test_the_real_vllm_lender_prefills_one_lent_prompt_at_a_time_beside_chat() -
     engine = lender_engine_flags(scenario, "interactive")
     assert engine[engine.index("--long-prefill-token-threshold") + 1] == "1024"
     assert engine[engine.index("--max-num-batched-tokens") + 1] == "2048"
-    assert lender_agent_flags(scenario) == ["--lend-max-prefills", "1"]
+    agent = lender_agent_flags(scenario)
+    assert agent[agent.index("--lend-max-prefills") + 1] == "1"
     assert lender_engine_flags(scenario, "long") == []
     burst = load_scenario(builtin_scenario("burst"))
     assert lender_agent_flags(burst) == [], "long prefills not chunked: the prefill budget alone"
+
+
+def test_the_real_vllm_lender_lends_the_burst_its_third_request_beside_chat() -> None:
+    """The long engine holds three of the burst's six requests: the lender takes the other three, one
+    after another, so the sixth does not wait for the first five to end. With the agent's default chat
+    reserve floor (a quarter of the node) it lent two."""
+    scenario = load_scenario(builtin_scenario("real-vllm"))
+    agent = lender_agent_flags(scenario)
+    floor = float(agent[agent.index("--chat-reserve-min-share") + 1])
+    capacity = scenario.node.kv_capacity_tokens - 128  # vLLM keeps one block of 128 as its null block
+    request = scenario.bursts.prompt_tokens + scenario.bursts.max_tokens
+    assert 3 * request <= admissible(capacity, 0.9) < 4 * request, "the long engine holds three"
+
+    def lent_after_two(limits: LendLimits) -> int:
+        lending = Lending(limits)
+        # Chat's use as the no-burst phase shows it: one request of the largest size at a time.
+        for second in range(30):
+            lending.observe_chat(second, scenario.short.prompt_tokens_max + scenario.short.max_tokens)
+        return lending.offer(admissible(capacity, 0.9), capacity, 2 * request, 0).tokens
+
+    assert lent_after_two(LendLimits(min_share=floor, max_prefills=1)) >= request
+    assert lent_after_two(LendLimits(max_prefills=1)) < request
 
 
 def test_plan_is_deterministic_and_the_no_burst_phase_is_the_same_short_traffic() -> None:

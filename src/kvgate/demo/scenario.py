@@ -40,6 +40,12 @@ class NodeProfile:
     # with vLLM's --long-prefill-token-threshold: a lent prompt computes at most this many tokens a
     # step while chat waits, so chat's first token does not wait for its whole prefill (0: no cap).
     lender_long_prefill_token_threshold: int = dataclasses.field(default=0, metadata=at_least(0))
+    # The lender's chat reserve floor, a share of its capacity (kvgate agent --chat-reserve-min-share;
+    # None: the agent's default). The floor covers chat until the reserve measured from its use (2 x
+    # p99) is larger: a scenario whose chat is small and steady sizes it from that chat.
+    lender_chat_reserve_min_share: float | None = dataclasses.field(
+        default=None, metadata={"min": 0, "max": 1}
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -530,11 +536,15 @@ def lender_engine_flags(scenario: Scenario, pool: str) -> list[str]:
 
 
 def lender_agent_flags(scenario: Scenario) -> list[str]:
-    """The lending agent's flags that follow its engine's: with long prefills chunked, as many lent
-    prompts prefill at once as leave every step room for the largest chat prompt (kvgate.agent.lending,
-    "Lent prefills at once"), and at least one."""
+    """The lending agent's flags: the chat reserve's floor where the scenario sizes it from its chat,
+    and, with long prefills chunked, as many lent prompts prefilling at once as leave every step room
+    for the largest chat prompt (kvgate.agent.lending, "Lent prefills at once"), and at least one."""
+    flags = []
+    share = scenario.node.lender_chat_reserve_min_share
+    if scenario.layout.interactive_lends and share is not None:
+        flags += ["--chat-reserve-min-share", f"{share:g}"]
     threshold = _lender_threshold(scenario)
-    if not threshold:
-        return []
-    at_once = max(1, (LENDER_MAX_NUM_BATCHED_TOKENS - scenario.short.prompt_tokens_max) // threshold)
-    return ["--lend-max-prefills", str(at_once)]
+    if threshold:
+        at_once = max(1, (LENDER_MAX_NUM_BATCHED_TOKENS - scenario.short.prompt_tokens_max) // threshold)
+        flags += ["--lend-max-prefills", str(at_once)]
+    return flags
