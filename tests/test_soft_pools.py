@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import threading
 import time
 from contextlib import ExitStack
@@ -135,6 +136,7 @@ def test_the_chat_reserve_has_a_floor_and_forgets_chat_peaks_past_its_window() -
     for second in range(30):
         lending.observe_chat(float(second), 30_000 if second == 10 else 5_000)
     assert lending.chat_reserve(CAPACITY) == 60_000, "30 s: the peak is within the top 1 %"
+    assert lending.reserve_parts(CAPACITY) == (25_000, 60_000), "the floor, and the measured part in force"
     for second in range(30, 200):
         lending.observe_chat(float(second), 5_000)
     assert lending.chat_reserve(CAPACITY) == 25_000, "2 x 5,000 is under the floor of 25 % of capacity"
@@ -531,6 +533,7 @@ def test_a_long_request_lands_on_the_interactive_node_when_the_long_node_is_full
         running.clear()
         chatter.join(30)
         agent_page = page(chat_agent.metrics_port)
+        long_page = page(long_agent.metrics_port)
 
     served = sorted(r.headers.get("x-kvgate-sim-node", str(r.status)) for r in longs)
     assert served == ["429", "interactive", "long", "long"], served
@@ -542,6 +545,27 @@ def test_a_long_request_lands_on_the_interactive_node_when_the_long_node_is_full
         line for line in agent_page.splitlines() if line.startswith("kvgate_agent_class_kv_token_seconds")
     ]
     assert any('class="long"' in line and float(line.rsplit(" ", 1)[1]) > 0 for line in lent), lent
+    assert_chat_reserve_reported(agent_page, long_page)
+
+
+def assert_chat_reserve_reported(agent_page: str, long_page: str) -> None:
+    """The chat reserve's parts, for an operator sizing the floor: here the floor (half the node) is in
+    force, chat's measured use being far below it; a long node lends nothing and has no reserve."""
+    reserve = {
+        line.split('part="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+        for line in agent_page.splitlines()
+        if line.startswith("kvgate_agent_chat_reserve_tokens{")
+    }
+    capacity = next(
+        float(line.rsplit(" ", 1)[1])
+        for line in agent_page.splitlines()
+        if line.startswith("kvgate_agent_capacity{")
+    )
+    assert reserve["floor"] == math.ceil(capacity / 2), (reserve, capacity)
+    assert 0 < reserve["measured"] < reserve["floor"], reserve
+    assert any(line.startswith("kvgate_agent_lend_tokens{") for line in agent_page.splitlines())
+    assert "kvgate_agent_chat_reserve_tokens{" not in long_page
+    assert "kvgate_agent_lend_tokens{" not in long_page
 
 
 def lends_in(gate_page: str) -> bool:

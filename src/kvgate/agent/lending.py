@@ -112,8 +112,13 @@ class Lending:
         self._seconds.append((second, chat_tokens))
 
     def chat_reserve(self, capacity_tokens: int) -> int:
+        return max(self.reserve_parts(capacity_tokens))
+
+    def reserve_parts(self, capacity_tokens: int) -> tuple[int, int]:
+        """The chat reserve's two parts, (its floor, factor x the p99 of chat's measured use); the
+        larger one is in force. An operator sizing the floor compares them."""
         floor = math.ceil(self.limits.min_share * capacity_tokens)
-        return max(floor, math.ceil(self.limits.factor * self._reserve_quantile))
+        return floor, math.ceil(self.limits.factor * self._reserve_quantile)
 
     def offer(
         self,

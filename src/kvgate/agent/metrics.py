@@ -19,6 +19,7 @@ from kvgate.agent.class_usage import ClassFigures
 from kvgate.headroom.snapshot import NodeHeadroom
 from kvgate.telemetry import (
     AGENT_CAPACITY,
+    AGENT_CHAT_RESERVE,
     AGENT_CLASS_KV,
     AGENT_CLASS_PREFILL,
     AGENT_CLASS_PREFILL_TOKENS,
@@ -26,6 +27,7 @@ from kvgate.telemetry import (
     AGENT_HEADROOM,
     AGENT_HEALTHY,
     AGENT_HOLDER_TOKENS,
+    AGENT_LEND,
     AGENT_PREFIX_CACHED,
     AGENT_PREFIX_FORGOTTEN,
     AGENT_PREFIX_INDEXED,
@@ -61,8 +63,10 @@ class AgentMetrics:
         *,
         ratio_steps: Callable[[], Mapping[str, int]] = dict,
         holders: Callable[[int], Sequence[tuple[str, int]]] = lambda _limit: (),
+        chat_reserve: Callable[[int], tuple[int, int]] | None = None,
     ) -> None:
-        """`holders(n)`: the n holders whose live reservations are charged the most, with their tokens."""
+        """`holders(n)`: the n holders whose live reservations are charged the most, with their tokens.
+        `chat_reserve(capacity)`: an interactive node's chat reserve, (floor, measured) (None elsewhere)."""
         m = meter("kvgate.agent")
         self._messages = Tally(
             m,
@@ -191,6 +195,37 @@ class AgentMetrics:
         observe(
             m, AGENT_HEALTHY, "1", "1 when the node can take requests", node_value(lambda h: float(h.healthy))
         )
+        observe(
+            m,
+            AGENT_LEND,
+            "{token}",
+            "What an interactive node lends long requests now: admissible - chat reserve - reserved, 0 "
+            "while its prefill budget or lent prefills at once are spent",
+            node_value(lambda h: h.lend_tokens),
+        )
+        if chat_reserve is not None:
+            reserve = chat_reserve
+
+            def reserve_parts() -> Reading:
+                headroom = latest()
+                if headroom is None:
+                    return []
+                floor, measured = reserve(headroom.capacity_tokens)
+                node = headroom.node
+                return [
+                    (float(floor), {"node": node, "part": "floor"}),
+                    (float(measured), {"node": node, "part": "measured"}),
+                ]
+
+            observe(
+                m,
+                AGENT_CHAT_RESERVE,
+                "{token}",
+                "An interactive node's chat reserve, which lent requests never take: the larger of its floor "
+                "(--chat-reserve-min-share x capacity, part=floor) and --chat-reserve-factor x the p99 of "
+                "chat's measured use (part=measured)",
+                reserve_parts,
+            )
         observe(
             m,
             AGENT_PREFIX_INDEXED,

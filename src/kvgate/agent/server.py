@@ -129,6 +129,7 @@ class Agent:
             settings.lending.prefill_tokens_per_s,
             ratio_steps=lambda: self.state.ratio.steps,
             holders=self.state.ledger.largest_holders,
+            chat_reserve=self.state.lending.reserve_parts if self.state.lending is not None else None,
         )
 
     async def start(self, listen: str, tls: ServerTls | None = None) -> int:
