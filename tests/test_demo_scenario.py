@@ -97,8 +97,8 @@ def test_the_real_vllm_lender_prefills_one_lent_prompt_at_a_time_beside_chat() -
 
 def test_the_real_vllm_lender_lends_the_burst_its_third_request_beside_chat() -> None:
     """The long engine holds three of the burst's six requests: the lender takes the other three, one
-    after another, so the sixth does not wait for the first five to end. With the agent's default chat
-    reserve floor (a quarter of the node) it lent two."""
+    after another, so the sixth does not wait for any of the first five to end. With the agent's
+    default chat reserve floor (a quarter of the node) it lent two."""
     scenario = load_scenario(builtin_scenario("real-vllm"))
     agent = lender_agent_flags(scenario)
     floor = float(agent[agent.index("--chat-reserve-min-share") + 1])
