@@ -71,9 +71,10 @@ AGENT_PREFIX_SHARED = "kvgate.agent.prefix.shared"
 AGENT_PREFIX_FORGOTTEN = "kvgate.agent.prefix.forgotten"
 # The admissible ratio steered by the engine's preemptions, and its steps (kvgate.agent.ratio).
 AGENT_SAFETY_RATIO = "kvgate.agent.safety_ratio"
-AGENT_CHAT_RESERVE = "kvgate.agent.chat_reserve_tokens"
-AGENT_LEND = "kvgate.agent.lend_tokens"
 AGENT_SAFETY_RATIO_STEPS = "kvgate.agent.safety_ratio.steps"
+# What an interactive node lends, and its chat reserve's floor and measured parts (kvgate.agent.lending).
+AGENT_LEND = "kvgate.agent.lend_tokens"
+AGENT_CHAT_RESERVE = "kvgate.agent.chat_reserve_tokens"
 # Stream messages sent, by cause, and engine scrapes (kvgate.agent.push, kvgate.agent.cadence).
 AGENT_STREAM_MESSAGES = "kvgate.agent.stream.messages"
 AGENT_ENGINE_SCRAPES = "kvgate.agent.engine.scrapes"

@@ -204,13 +204,12 @@ class AgentMetrics:
             node_value(lambda h: h.lend_tokens),
         )
         if chat_reserve is not None:
-            reserve = chat_reserve
 
-            def reserve_parts() -> Reading:
+            def reserve_parts(parts: Callable[[int], tuple[int, int]] = chat_reserve) -> Reading:
                 headroom = latest()
                 if headroom is None:
                     return []
-                floor, measured = reserve(headroom.capacity_tokens)
+                floor, measured = parts(headroom.capacity_tokens)
                 node = headroom.node
                 return [
                     (float(floor), {"node": node, "part": "floor"}),
